@@ -1,0 +1,44 @@
+# `make test` and `make demo` work from a fresh clone: they create .venv and install the Debian
+# packages the tests drive for real (haproxy, prometheus + promtool, alertmanager + amtool).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEBS := haproxy prometheus prometheus-alertmanager
+
+.PHONY: test demo lint unit deps venv bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Install only what is missing; apt needs root (as on CI) or sudo.
+deps:
+	@missing=""; \
+	command -v haproxy >/dev/null 2>&1 || missing="$$missing haproxy"; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v amtool >/dev/null 2>&1 || missing="$$missing prometheus-alertmanager"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: deps $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+demo: deps $(STAMP)
+	$(BIN)/grayguard demo $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/grayguard bench-controller
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache demo-report

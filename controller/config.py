@@ -1,0 +1,294 @@
+"""grayguard configuration: one YAML file, validated into frozen dataclasses.
+
+Every error names the field path (``pools[1].backend``) and the problem; the CLI turns a
+ConfigError into exit code 2. Defaults live here, next to the field they belong to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
+# Anything else ('; ', space, newline) could inject runtime-API commands.
+HAPROXY_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+PROM_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+
+
+class ConfigError(ValueError):
+    """A config problem, with the path of the offending field."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path = path
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class PrometheusConfig:
+    url: str = "http://127.0.0.1:9090"
+    timeout_s: float = 5.0
+    bearer_token_env: str | None = None  # env var holding a bearer token (Thanos, Mimir, managed Prometheus)
+    basic_auth_user_env: str | None = None
+    basic_auth_password_env: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # static extra headers
+    headers_env: dict[str, str] = field(default_factory=dict)  # header -> env var, e.g. X-Scope-OrgID
+    verify_tls: bool = True
+
+
+@dataclass(frozen=True)
+class HaproxyConfig:
+    # Runtime API endpoints: "unix:/path" or "/path" for a socket, "host:port" for TCP. Every endpoint
+    # of a gateway tier gets the same weights.
+    endpoints: tuple[str, ...] = ("unix:/run/haproxy/admin.sock",)
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    series: str | None = None  # value of the pool's series label; default: the server's address
+    peer_group: str | None = None  # compare only with servers of the same group (mixed hardware)
+    canary_url: str | None = None  # base URL for canaries; default http://<server address>
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    name: str
+    backend: str
+    series_label: str = "instance"  # Prometheus label that identifies a node's series
+    servers: dict[str, ServerConfig] = field(default_factory=dict)  # per-server overrides
+
+
+@dataclass(frozen=True)
+class SignalsConfig:
+    # Instant queries returning one sample per node, keyed by the pool's series_label.
+    latency_query: str = "instance:vllm_normalized_latency_seconds_per_token:rate30s"
+    request_rate_query: str = "instance:vllm_request_rate:rate30s"
+
+
+@dataclass(frozen=True)
+class ThresholdsConfig:
+    ema_alpha: float = 0.2  # EMA weight of the newest sample
+    degrade_score: float = 2.0  # peer score at which weight starts to fall as 2^-(score-2)
+    quarantine_score: float = 3.5  # peer score that, sustained, drains the node
+    sustain_ticks: int = 3  # ticks at or above quarantine_score before quarantine
+    recover_ticks: int = 2  # ticks below degrade_score before a degraded node is healthy again
+    hysteresis: float = 0.5  # a degraded node must fall this far below degrade_score to count as calm
+    min_relative_gap: float = 1.25  # never an outlier below this multiple of the peer median
+    min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
+    max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+)
+    min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
+    min_request_rate: float = 0.05  # req/s below which a node's latency is not trusted
+    min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    min_quarantine_s: float = 20.0  # drained this long before canaries start
+    canary_interval_s: float = 10.0
+    canary_successes: int = 3  # good canaries in a row to leave quarantine
+    canary_timeout_s: float = 5.0
+    canary_model: str | None = None  # default: discovered from /v1/models
+    canary_api_key_env: str | None = None
+    slow_start_initial: float = 0.1  # share of base weight when slow start begins
+    slow_start_step_per_min: float = 0.2  # share of base weight added per minute
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    omega: float = 0.25  # prompt-token weight in normalized latency: T / (omega*prompt + completion)
+    control_window: str = "30s"  # rate window for the controller's signals
+    human_window: str = "5m"  # rate window for dashboards and alerts
+    output_dir: str = "rules"  # where rendered rule files are written
+    rerender_interval_s: float = 300.0  # the controller re-renders alert rules this often (0: never)
+    baseline_window: str = "1d"  # history for per-pool learned thresholds
+    regression_factor: float = 2.0  # alert when P99 TTFT exceeds this multiple of the pool's baseline
+    kv_saturation_ratio: float = 0.95
+    promtool: str = "promtool"
+
+
+@dataclass(frozen=True)
+class Config:
+    pools: tuple[PoolConfig, ...]
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    haproxy: HaproxyConfig = field(default_factory=HaproxyConfig)
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
+    thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    tick_interval_s: float = 5.0
+    stale_after_s: float = 60.0  # older Prometheus data holds every weight as it is
+    state_file: str | None = "grayguard-state.json"
+    listen_address: str = "127.0.0.1:9300"  # the controller's /metrics and /status
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called name."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise ConfigError naming path."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__}")
+        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(path, f"keys must be strings, got {k!r}")
+            out[k] = _convert(args[1], {} if v is None and dataclasses.is_dataclass(args[1]) else v,
+                              f"{path}.{k}")
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+def _build(cls: Any, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(where, f"unknown field (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], sub)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(sub, "required field is missing")
+    return cls(**kwargs)
+
+
+def _check(cond: bool, path: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(path, problem)
+
+
+def _validate(cfg: Config) -> None:
+    t, r = cfg.thresholds, cfg.recovery
+    _check(cfg.prometheus.url.startswith(("http://", "https://")), "prometheus.url",
+           f"must start with http:// or https://, got {cfg.prometheus.url!r}")
+    _check(cfg.prometheus.timeout_s > 0, "prometheus.timeout_s", "must be > 0")
+    _check(len(cfg.haproxy.endpoints) > 0, "haproxy.endpoints", "at least one endpoint is needed")
+    for i, ep in enumerate(cfg.haproxy.endpoints):
+        is_sock = ep.startswith(("unix:", "/"))
+        host, _, port = ep.rpartition(":")
+        _check(is_sock or (host and port.isdigit()), f"haproxy.endpoints[{i}]",
+               f"expected unix:/path, /path or host:port, got {ep!r}")
+    _check(0 < t.ema_alpha <= 1, "thresholds.ema_alpha", "must be in (0, 1]")
+    _check(t.degrade_score > 0, "thresholds.degrade_score", "must be > 0")
+    _check(t.quarantine_score >= t.degrade_score, "thresholds.quarantine_score",
+           "must be >= thresholds.degrade_score")
+    _check(t.sustain_ticks >= 1, "thresholds.sustain_ticks", "must be >= 1")
+    _check(t.recover_ticks >= 1, "thresholds.recover_ticks", "must be >= 1")
+    _check(t.hysteresis >= 0, "thresholds.hysteresis", "must be >= 0")
+    _check(t.min_relative_gap >= 1, "thresholds.min_relative_gap", "must be >= 1 (a multiple of the median)")
+    _check(t.min_spread > 0, "thresholds.min_spread", "must be > 0")
+    _check(0 <= t.max_ejected_fraction <= 1, "thresholds.max_ejected_fraction", "must be in [0, 1]")
+    _check(t.min_peers >= 3, "thresholds.min_peers", "must be >= 3 (no median of two means anything)")
+    _check(t.min_request_rate >= 0, "thresholds.min_request_rate", "must be >= 0")
+    _check(0 <= t.min_degraded_weight <= 256, "thresholds.min_degraded_weight", "must be in 0..256")
+    _check(r.min_quarantine_s >= 0, "recovery.min_quarantine_s", "must be >= 0")
+    _check(r.canary_interval_s > 0, "recovery.canary_interval_s", "must be > 0")
+    _check(r.canary_successes >= 1, "recovery.canary_successes", "must be >= 1")
+    _check(r.canary_timeout_s > 0, "recovery.canary_timeout_s", "must be > 0")
+    _check(0 < r.slow_start_initial <= 1, "recovery.slow_start_initial", "must be in (0, 1]")
+    _check(r.slow_start_step_per_min > 0, "recovery.slow_start_step_per_min", "must be > 0")
+    _check(0 < cfg.rules.omega <= 1, "rules.omega", "must be in (0, 1]")
+    for name in ("control_window", "human_window", "baseline_window"):
+        _check(bool(DURATION_RE.match(getattr(cfg.rules, name))), f"rules.{name}",
+               "must be a Prometheus duration such as 30s, 5m or 1d")
+    _check(cfg.rules.regression_factor > 1, "rules.regression_factor", "must be > 1")
+    _check(0 < cfg.rules.kv_saturation_ratio <= 1, "rules.kv_saturation_ratio", "must be in (0, 1]")
+    _check(cfg.rules.rerender_interval_s >= 0, "rules.rerender_interval_s", "must be >= 0")
+    _check(cfg.tick_interval_s > 0, "tick_interval_s", "must be > 0")
+    _check(cfg.stale_after_s > 0, "stale_after_s", "must be > 0")
+    host, _, port = cfg.listen_address.rpartition(":")
+    _check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {cfg.listen_address!r}")
+    _check(len(cfg.pools) > 0, "pools", "at least one pool is needed")
+    seen_names, seen_backends = set(), set()
+    for i, p in enumerate(cfg.pools):
+        _check(bool(HAPROXY_NAME_RE.match(p.name)), f"pools[{i}].name",
+               f"{p.name!r} may only hold letters, digits, '-', '_', '.' and ':'")
+        _check(bool(HAPROXY_NAME_RE.match(p.backend)), f"pools[{i}].backend",
+               f"{p.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
+               "(anything else could inject HAProxy runtime-API commands)")
+        _check(p.name not in seen_names, f"pools[{i}].name", f"duplicate pool name {p.name!r}")
+        _check(p.backend not in seen_backends, f"pools[{i}].backend",
+               f"backend {p.backend!r} is already driven by another pool")
+        seen_names.add(p.name)
+        seen_backends.add(p.backend)
+        _check(bool(PROM_LABEL_RE.match(p.series_label)), f"pools[{i}].series_label",
+               f"{p.series_label!r} is not a Prometheus label name")
+        for s in p.servers:
+            _check(bool(HAPROXY_NAME_RE.match(s)), f"pools[{i}].servers.{s}",
+                   "server names may only hold letters, digits, '-', '_', '.' and ':'")
+
+
+def parse_config(data: Any) -> Config:
+    """Validate a parsed YAML document into a Config."""
+    cfg = _build(Config, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML config file; raise ConfigError on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError("", f"cannot read config {p}: {e.strerror or e}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{p} is not valid YAML: {e}") from e
+    return parse_config(data)

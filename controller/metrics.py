@@ -1,0 +1,97 @@
+"""The controller's own metrics, in their own registry (never the global one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STATES = ("healthy", "degraded", "quarantined", "canary", "slow_start")
+
+
+@dataclass
+class ControllerMetrics:
+    """Every series the controller exports; construct one per Controller (tests get a fresh one)."""
+
+    registry: CollectorRegistry
+    node_state: Gauge
+    node_score: Gauge
+    node_latency_ema: Gauge
+    node_peer_median: Gauge
+    node_weight: Gauge
+    node_base_weight: Gauge
+    node_factor: Gauge
+    node_reason: Gauge
+    transitions: Counter
+    pool_nodes: Gauge
+    pool_ejected: Gauge
+    pool_max_ejected: Gauge
+    pool_safeguard: Gauge
+    tick_duration: Histogram
+    ticks: Counter
+    last_success: Gauge
+    prometheus_errors: Counter
+    haproxy_errors: Counter
+    haproxy_writes: Counter
+    canaries: Counter
+    data_stale: Gauge
+    static_backend: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> ControllerMetrics:
+        """Register every metric in registry (a new one when None)."""
+        r = registry or CollectorRegistry()
+        node = ["pool", "node"]
+        return cls(
+            registry=r,
+            node_state=Gauge("grayguard_node_state", "1 for the node's current state, 0 for the others",
+                             node + ["state"], registry=r),
+            node_score=Gauge("grayguard_node_score",
+                             "Peer score: robust z of log latency against the node's peers (absent: unscored)",
+                             node, registry=r),
+            node_latency_ema=Gauge("grayguard_node_latency_ema_seconds_per_token",
+                                   "EMA of the node's normalized latency", node, registry=r),
+            node_peer_median=Gauge("grayguard_node_peer_median_seconds_per_token",
+                                   "Median normalized latency of the node's peers (node excluded)",
+                                   node, registry=r),
+            node_weight=Gauge("grayguard_node_weight", "Weight the controller wants in HAProxy (0-256)",
+                              node, registry=r),
+            node_base_weight=Gauge("grayguard_node_base_weight", "The server's configured HAProxy weight",
+                                   node, registry=r),
+            node_factor=Gauge("grayguard_node_weight_factor",
+                              "Weight factor (0-1) a signal applies to the node", node + ["signal"],
+                              registry=r),
+            node_reason=Gauge("grayguard_node_reason_info", "Why the node is in its state (value 1)",
+                              node + ["state", "reason"], registry=r),
+            transitions=Counter("grayguard_node_transitions", "State transitions",
+                                node + ["from_state", "to_state"], registry=r),
+            pool_nodes=Gauge("grayguard_pool_nodes", "Servers in the pool's backend", ["pool"], registry=r),
+            pool_ejected=Gauge("grayguard_pool_ejected_nodes", "Nodes drained (quarantined or canary)",
+                               ["pool"], registry=r),
+            pool_max_ejected=Gauge("grayguard_pool_max_ejected_nodes",
+                                   "Most nodes the safeguard lets the controller drain", ["pool"], registry=r),
+            pool_safeguard=Gauge("grayguard_pool_safeguard_engaged",
+                                 "1 when an outlier stays degraded only because the ejection cap binds",
+                                 ["pool"], registry=r),
+            tick_duration=Histogram("grayguard_tick_duration_seconds", "Duration of a control tick",
+                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                                    registry=r),
+            ticks=Counter("grayguard_ticks", "Control ticks by result (ok, held, error, skipped)",
+                          ["result"], registry=r),
+            last_success=Gauge("grayguard_last_successful_tick_timestamp_seconds",
+                               "Unix time of the last tick that observed fresh data and reconciled",
+                               registry=r),
+            prometheus_errors=Counter("grayguard_prometheus_errors",
+                                      "Prometheus query failures by kind", ["kind"], registry=r),
+            haproxy_errors=Counter("grayguard_haproxy_errors", "HAProxy runtime API failures",
+                                   ["endpoint", "kind"], registry=r),
+            haproxy_writes=Counter("grayguard_haproxy_writes", "Runtime API set commands sent",
+                                   ["endpoint", "kind"], registry=r),
+            canaries=Counter("grayguard_canaries", "Canary requests by result (good, bad, error)",
+                             ["pool", "node", "result"], registry=r),
+            data_stale=Gauge("grayguard_data_stale", "1 while the controller holds weights for lack of data",
+                             registry=r),
+            static_backend=Gauge("grayguard_backend_static_algorithm",
+                                 "1 when the backend's balance algorithm only takes weights 0 or 100 %",
+                                 ["pool", "backend"], registry=r),
+        )
