@@ -1,0 +1,151 @@
+"""`grayguard controller`: run the control loop (or one tick) against Prometheus and HAProxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from datetime import UTC, datetime
+
+from controller.config import Config, ConfigError, load_config
+from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
+from controller.loop import Controller, TickResult
+from controller.metrics import ControllerMetrics
+from controller.promclient import PrometheusClient
+from controller.statefile import StateFile
+
+HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
+DESCRIPTION = """\
+Every tick (tick_interval_s) the controller reads each HAProxy's `show servers state` and the
+per-node normalized latency from Prometheus, scores each node against its peers, moves it through
+healthy -> degraded -> quarantined -> canary -> slow_start -> healthy, and writes only the weight and
+state differences to every configured HAProxy. When Prometheus is unreachable or its data is stale
+it holds every weight. Serves /metrics and /status on listen_address.
+
+examples:
+  grayguard controller --config grayguard.yaml --check          # validate the config and exit
+  grayguard controller --config grayguard.yaml --once --dry-run # print one tick's plan, write nothing
+  grayguard controller --config grayguard.yaml                  # run
+"""
+log = logging.getLogger("grayguard.controller")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE", help="YAML config (see grayguard.example.yaml)")
+    p.add_argument("--once", action="store_true", help="run one tick and exit (exit 1 if it held or failed)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; write nothing to HAProxy or the state file")
+    p.add_argument("--check", action="store_true", help="validate the config and exit")
+    p.add_argument("--listen-address", metavar="HOST:PORT", help="override listen_address for /metrics and /status")
+    p.add_argument("--no-http", action="store_true", help="do not serve /metrics and /status")
+
+
+def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetrics | None = None) -> Controller:
+    """A Controller wired to the real Prometheus, HAProxy and canary adapters."""
+    from controller.canary import make_canary  # local: pulls in the exporter's probe code
+
+    return Controller(
+        cfg,
+        PrometheusClient(cfg.prometheus),
+        [RuntimeClient(ep, cfg.haproxy.timeout_s) for ep in cfg.haproxy.endpoints],
+        canary=make_canary(cfg.recovery),
+        metrics=metrics,
+        state_file=StateFile(cfg.state_file) if cfg.state_file else None,
+        dry_run=dry_run,
+    )
+
+
+def startup_checks(ctl: Controller) -> list[str]:
+    """Problems worth saying before the first tick: missing backends, static balance algorithms."""
+    problems = []
+    for hc in ctl.haproxies:
+        try:
+            algos = hc.backend_algorithms()
+        except HaproxyError as e:
+            problems.append(f"HAProxy {hc.endpoint}: {e}")
+            continue
+        for pool in ctl.cfg.pools:
+            algo = algos.get(pool.backend)
+            static = algo in STATIC_ALGOS
+            ctl.metrics.static_backend.labels(pool.name, pool.backend).set(1 if static else 0)
+            if algo is None:
+                problems.append(f"HAProxy {hc.endpoint} has no backend {pool.backend!r} (pool {pool.name})")
+            elif static:
+                problems.append(f"HAProxy {hc.endpoint} backend {pool.backend!r} uses `balance {algo}`, which only "
+                                "accepts weights 0% or 100%: degraded weights cannot apply; use roundrobin or "
+                                "leastconn")
+    return problems
+
+
+def print_plan(result: TickResult, out=sys.stdout) -> None:
+    if result.held:
+        print(f"HOLD: {result.held}", file=out)
+    for pool, d in sorted(result.decisions.items()):
+        print(f"pool {pool}: {d.ejected}/{d.max_ejected} drained, safeguard "
+              f"{'ENGAGED' if d.safeguard else 'off'}", file=out)
+        for n, nd in sorted(d.nodes.items()):
+            s = nd.state
+            score = "-" if s.score is None else f"{s.score:.2f}"
+            print(f"  {n:<20} {s.state:<11} weight={nd.weight!s:<4} score={score:<7} {s.reason}", file=out)
+    if not result.changes:
+        print("plan: no changes", file=out)
+    for ep, c in result.changes:
+        print(f"plan: {ep}: {c.command.render()}    # {c.reason}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+        if args.check:
+            print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")
+            return 0
+        ctl = build_controller(cfg, dry_run=args.dry_run)
+    except ConfigError as e:
+        print(f"grayguard: config error: {e}", file=sys.stderr)
+        return 2
+    for problem in startup_checks(ctl):
+        log.warning("%s", problem)
+    if args.once:
+        result = ctl.tick()
+        print_plan(result)
+        return 1 if result.held or result.errors else 0
+    srv = None
+    if not args.no_http:
+        from controller.httpserver import serve
+        srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status)
+        log.info("serving /metrics and /status on %s", args.listen_address or cfg.listen_address)
+    stop = threading.Event()
+    run_loop(ctl, cfg.tick_interval_s, stop)
+    if srv:
+        srv.shutdown()
+    return 0
+
+
+def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender=None) -> None:
+    """Tick on APScheduler until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped."""
+    from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    def job() -> None:
+        try:
+            ctl.tick()
+            if rerender is not None:
+                rerender()
+        except Exception:  # a bug must not kill the loop; it is logged and counted
+            ctl.metrics.ticks.labels("error").inc()
+            log.exception("tick failed")
+
+    sched = BackgroundScheduler(job_defaults={"max_instances": 1, "coalesce": True,
+                                              "misfire_grace_time": max(1, int(interval_s / 2))})
+    sched.add_listener(lambda ev: ctl.metrics.ticks.labels("skipped").inc(),
+                       EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
+    sched.add_job(job, "interval", seconds=interval_s, id="tick", next_run_time=datetime.now(UTC))
+    sched.start()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    log.info("controller running: tick every %gs%s", interval_s, " (dry run)" if ctl.dry_run else "")
+    stop.wait()
+    sched.shutdown(wait=True)
+    log.info("controller stopped")

@@ -1,0 +1,234 @@
+"""HAProxy runtime API client: read server state, write weights and states in one batch.
+
+One connection per batch in interactive mode ("prompt"): each command on its own line, each reply
+ends with the prompt "\\n> ", so replies pair with commands one to one and a batch is not limited
+by HAProxy's 16 KB line buffer. Names are validated before anything is sent: a ';', space or
+newline in a backend or server name would inject commands.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from controller.config import HAPROXY_NAME_RE
+
+# srv_admin_state bits (HAProxy src/server.h)
+ADMF_FMAINT, ADMF_IMAINT, ADMF_CMAINT, ADMF_FDRAIN, ADMF_IDRAIN, ADMF_RMAINT, ADMF_HMAINT = (
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x80)
+MAINT_MASK = ADMF_FMAINT | ADMF_IMAINT | ADMF_CMAINT | ADMF_RMAINT | ADMF_HMAINT
+DRAIN_MASK = ADMF_FDRAIN | ADMF_IDRAIN
+STATIC_ALGOS = frozenset({"static-rr", "first"})
+PROMPT_SEP = b"\n> "
+
+
+class HaproxyError(Exception):
+    """A runtime API failure; kind is a short metric label."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class UnsafeNameError(HaproxyError):
+    """A name that could inject runtime-API commands; nothing was sent."""
+
+    def __init__(self, name: str):
+        super().__init__("unsafe_name", f"refusing unsafe HAProxy name {name!r}: only letters, digits, "
+                         "'-', '_', '.' and ':' are allowed")
+
+
+def check_name(name: str) -> str:
+    """Return name if HAProxy would accept it as a proxy/server name, else raise UnsafeNameError."""
+    if not isinstance(name, str) or not HAPROXY_NAME_RE.match(name):
+        raise UnsafeNameError(str(name))
+    return name
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """One server as `show servers state` reports it."""
+
+    backend: str
+    name: str
+    address: str  # host:port
+    weight: int  # current (user) weight
+    initial_weight: int
+    admin_state: int
+    op_state: int
+
+    @property
+    def drain(self) -> bool:
+        return bool(self.admin_state & DRAIN_MASK)
+
+    @property
+    def maint(self) -> bool:
+        return bool(self.admin_state & MAINT_MASK)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A runtime API write: set a server's weight (int) or admin state ("ready"/"drain")."""
+
+    backend: str
+    server: str
+    kind: str  # "weight" or "state"
+    value: int | str
+
+    def render(self) -> str:
+        check_name(self.backend)
+        check_name(self.server)
+        if self.kind == "weight":
+            if not isinstance(self.value, int) or isinstance(self.value, bool) or not 0 <= self.value <= 256:
+                raise HaproxyError("bad_value", f"weight must be an int in 0..256, got {self.value!r}")
+        elif self.kind == "state":
+            if self.value not in ("ready", "drain", "maint"):
+                raise HaproxyError("bad_value", f"unknown state {self.value!r}")
+        else:
+            raise HaproxyError("bad_value", f"unknown command kind {self.kind!r}")
+        return f"set server {self.backend}/{self.server} {self.kind} {self.value}"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    command: Command
+    ok: bool
+    reply: str
+    kind: str = ""  # error class when not ok: no_such_server, static_algorithm, rejected
+
+
+def classify_reply(reply: str) -> tuple[bool, str]:
+    """(ok, error kind) for the reply to a `set server` command; success replies are empty."""
+    text = reply.strip()
+    if not text:
+        return True, ""
+    low = text.lower()
+    if "no such server" in low or "no such backend" in low or "can't find" in low:
+        return False, "no_such_server"
+    if "static lb algorithm" in low:
+        return False, "static_algorithm"
+    return False, "rejected"
+
+
+def parse_servers_state(text: str) -> list[ServerState]:
+    """Parse `show servers state` output (format version 1)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines or lines[0].strip() != "1":
+        raise HaproxyError("bad_reply", f"unexpected `show servers state` reply: {text[:120]!r}")
+    header: list[str] = []
+    out = []
+    for ln in lines[1:]:
+        if ln.startswith("#"):
+            header = ln.lstrip("# ").split()
+            continue
+        f = dict(zip(header, ln.split(), strict=False))
+        try:
+            out.append(ServerState(
+                backend=f["be_name"], name=f["srv_name"], address=f"{f['srv_addr']}:{f['srv_port']}",
+                weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
+                admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"])))
+        except (KeyError, ValueError) as e:
+            raise HaproxyError("bad_reply", f"cannot parse server state line {ln!r}: {e}") from e
+    return out
+
+
+def parse_backend_algos(csv_text: str) -> dict[str, str]:
+    """Backend name -> balance algorithm, from `show stat` CSV output."""
+    lines = csv_text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        raise HaproxyError("bad_reply", "unexpected `show stat` reply")
+    cols = lines[0][2:].split(",")
+    if "algo" not in cols:
+        return {}
+    i_px, i_sv, i_algo = cols.index("pxname"), cols.index("svname"), cols.index("algo")
+    out = {}
+    for ln in lines[1:]:
+        f = ln.split(",")
+        if len(f) > i_algo and f[i_sv] == "BACKEND":
+            out[f[i_px]] = f[i_algo]
+    return out
+
+
+class RuntimeClient:
+    """One HAProxy runtime API endpoint: "unix:/path", "/path" or "host:port"."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 2.0):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+
+    def _connect(self) -> socket.socket:
+        ep = self.endpoint
+        try:
+            if ep.startswith("unix:") or ep.startswith("/"):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(self.timeout_s)
+                s.connect(ep.removeprefix("unix:"))
+            else:
+                host, _, port = ep.rpartition(":")
+                s = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+                s.settimeout(self.timeout_s)
+        except OSError as e:
+            raise HaproxyError("connect", f"cannot connect to HAProxy at {ep}: {e}") from e
+        return s
+
+    def execute(self, lines: list[str]) -> list[str]:
+        """Send lines over one interactive connection; return one reply per line."""
+        for ln in lines:
+            if "\n" in ln or "\r" in ln or ";" in ln:
+                raise HaproxyError("unsafe_name", f"refusing command with a separator: {ln!r}")
+        payload = "prompt\n" + "".join(ln + "\n" for ln in lines) + "quit\n"
+        sock = self._connect()
+        chunks = []
+        try:
+            sock.sendall(payload.encode())
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        except OSError as e:
+            raise HaproxyError("io", f"HAProxy at {self.endpoint} failed mid-batch: {e}") from e
+        finally:
+            sock.close()
+        raw = b"".join(chunks)
+        parts = raw.split(PROMPT_SEP)
+        # parts[0] answers "prompt"; then one part per command; the tail after the last prompt is "".
+        replies = [p.decode(errors="replace") for p in parts[1:len(lines) + 1]]
+        if len(replies) != len(lines):
+            raise HaproxyError("bad_reply", f"HAProxy at {self.endpoint} answered {len(replies)} of "
+                               f"{len(lines)} commands (closed early?)")
+        return replies
+
+    def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
+        """Every server (of one backend, or all)."""
+        cmd = "show servers state" + (f" {check_name(backend)}" if backend else "")
+        reply = self.execute([cmd])[0]
+        if "can't find backend" in reply.lower():
+            raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
+        return parse_servers_state(reply)
+
+    def get_weight(self, backend: str, server: str) -> tuple[int, int]:
+        """(current, initial) weight of one server."""
+        reply = self.execute([f"get weight {check_name(backend)}/{check_name(server)}"])[0].strip()
+        try:
+            cur, _, rest = reply.partition(" (initial ")
+            return int(cur), int(rest.rstrip(")"))
+        except ValueError as e:
+            raise HaproxyError("no_such_server" if "no such" in reply.lower() else "bad_reply",
+                               f"get weight {backend}/{server}: {reply!r}") from e
+
+    def backend_algorithms(self) -> dict[str, str]:
+        """Backend -> balance algorithm (from `show stat`)."""
+        return parse_backend_algos(self.execute(["show stat -1 2 -1"])[0])
+
+    def apply(self, commands: list[Command]) -> list[CommandResult]:
+        """Send every command in one batch; every reply is checked. Unsafe names raise before sending."""
+        lines = [c.render() for c in commands]  # validates every name first: all or nothing
+        if not lines:
+            return []
+        replies = self.execute(lines)
+        results = []
+        for c, r in zip(commands, replies, strict=True):
+            ok, kind = classify_reply(r)
+            results.append(CommandResult(c, ok, r.strip(), kind))
+        return results

@@ -1,0 +1,48 @@
+"""Plan: the runtime-API writes that take HAProxy from what it has to what the policy wants. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controller.haproxy import Command, ServerState
+from controller.policy import NodeDecision
+
+
+@dataclass(frozen=True)
+class Change:
+    """One planned write and why."""
+
+    pool: str
+    node: str
+    command: Command
+    reason: str
+    before: int | str
+
+    def describe(self) -> str:
+        c = self.command
+        return (f"pool={self.pool} backend={c.backend} node={self.node} {c.kind} {self.before} -> {c.value}"
+                f" ({self.reason})")
+
+
+def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
+                 actual: Mapping[str, ServerState]) -> list[Change]:
+    """Writes for one backend of one HAProxy. Converged input gives an empty list.
+
+    Order matters for traffic: drains go first, then weights, then returns to ready, so a node is
+    never sent traffic at a weight meant for its drained state.
+    """
+    drains, weights, readies = [], [], []
+    for node in sorted(decisions):
+        d = decisions[node]
+        a = actual.get(node)
+        if a is None or d.weight is None or a.maint:
+            continue  # unknown server (reported by the caller), held by policy, or in operator MAINT
+        reason = f"{d.state.state}: {d.state.reason}" if d.state.reason else d.state.state
+        if d.drain and not a.drain:
+            drains.append(Change(pool, node, Command(backend, node, "state", "drain"), reason, "ready"))
+        if a.weight != d.weight:
+            weights.append(Change(pool, node, Command(backend, node, "weight", d.weight), reason, a.weight))
+        if not d.drain and a.drain:
+            readies.append(Change(pool, node, Command(backend, node, "state", "ready"), reason, "drain"))
+    return drains + weights + readies

@@ -1,0 +1,89 @@
+"""Peer statistics: how far is a node from its peers? Pure functions, no I/O.
+
+The seeds' score, z = (x - mean) / std over the pool *including* the node, can never exceed
+sqrt(M-1) (a 4-node pool caps at 1.73, below any useful threshold). grayguard scores each node
+against its peers only (leave-one-out), with robust statistics on log latency:
+
+    score = (ln x - median(ln peers)) / max(1.4826 * MAD(ln peers), min_spread)
+
+Log space makes the score multiplicative (2x slower is the same distance in fast and slow pools);
+median and MAD ignore a second sick node; the spread floor keeps a quiet pool from turning a 3 %
+difference into a large score. The relative gap x / median(peers) is reported with the score so the
+policy can require a minimum real-world slowdown as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAD_SCALE = 1.4826  # MAD of a normal sample * 1.4826 estimates its standard deviation
+EXACT_LOO_MAX = 64  # above this pool size one node cannot move the MAD: reuse the pool's own
+
+
+def ema(prev: float | None, x: float, alpha: float) -> float:
+    """Exponential moving average; the first sample starts it."""
+    return x if prev is None else alpha * x + (1.0 - alpha) * prev
+
+
+def usable(x: float | None) -> bool:
+    """A latency sample that can be scored: finite and > 0 (NaN, Inf, 0 and None are not)."""
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def median(sorted_vals: list[float]) -> float:
+    n = len(sorted_vals)
+    mid = n // 2
+    return sorted_vals[mid] if n % 2 else 0.5 * (sorted_vals[mid - 1] + sorted_vals[mid])
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Location and spread of a set of peers, in log space."""
+
+    log_median: float
+    spread: float  # robust sigma in log units, floored at min_spread
+    n: int
+
+    @property
+    def median(self) -> float:
+        return math.exp(self.log_median)
+
+    def score(self, x: float) -> tuple[float, float]:
+        """(score, ratio to the median) of latency x against this baseline."""
+        lx = math.log(x)
+        return (lx - self.log_median) / self.spread, math.exp(lx - self.log_median)
+
+
+def baseline(values: list[float], min_spread: float) -> Baseline | None:
+    """Baseline of positive latencies; None when empty."""
+    if not values:
+        return None
+    logs = sorted(math.log(v) for v in values)
+    m = median(logs)
+    mad = median(sorted(abs(v - m) for v in logs))
+    return Baseline(m, max(MAD_SCALE * mad, min_spread), len(logs))
+
+
+def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, Baseline]:
+    """For each node, the baseline of the *other* nodes (needs at least 2 values)."""
+    names = sorted(values)
+    if len(names) < 2:
+        return {}
+    if len(names) <= EXACT_LOO_MAX:
+        return {n: baseline([values[o] for o in names if o != n], min_spread) for n in names}  # type: ignore[misc]
+    # Large pool: exact leave-one-out median from the sorted array, pool-wide MAD (one point of >64
+    # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
+    logs = sorted((math.log(values[n]), n) for n in names)
+    lv = [v for v, _ in logs]
+    full = baseline(list(values.values()), min_spread)
+    assert full is not None
+    k = len(lv) - 1  # size of each leave-one-out set
+    out = {}
+    for i, (_, n) in enumerate(logs):
+        def at(j: int, i: int = i) -> float:  # j-th element of lv without index i
+            return lv[j if j < i else j + 1]
+        m = at(k // 2) if k % 2 else 0.5 * (at(k // 2 - 1) + at(k // 2))
+        out[n] = Baseline(m, full.spread, k)
+    return out
