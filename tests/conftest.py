@@ -1,6 +1,6 @@
 import pytest
 
-from tests.haproxy_proc import HaproxyProc, haproxy_config
+from controller.haproxy_launch import HaproxyProc, haproxy_config
 
 
 @pytest.fixture
