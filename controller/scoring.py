@@ -56,14 +56,17 @@ class Baseline:
         return (lx - self.log_median) / self.spread, math.exp(lx - self.log_median)
 
 
+def _from_sorted_logs(logs: list[float], min_spread: float) -> Baseline:
+    m = median(logs)
+    mad = median(sorted(abs(v - m) for v in logs))
+    return Baseline(m, max(MAD_SCALE * mad, min_spread), len(logs))
+
+
 def baseline(values: list[float], min_spread: float) -> Baseline | None:
     """Baseline of positive latencies; None when empty."""
     if not values:
         return None
-    logs = sorted(math.log(v) for v in values)
-    m = median(logs)
-    mad = median(sorted(abs(v - m) for v in logs))
-    return Baseline(m, max(MAD_SCALE * mad, min_spread), len(logs))
+    return _from_sorted_logs(sorted(math.log(v) for v in values), min_spread)
 
 
 def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, Baseline]:
@@ -71,12 +74,12 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
     names = sorted(values)
     if len(names) < 2:
         return {}
-    if len(names) <= EXACT_LOO_MAX:
-        return {n: baseline([values[o] for o in names if o != n], min_spread) for n in names}  # type: ignore[misc]
-    # Large pool: exact leave-one-out median from the sorted array, pool-wide MAD (one point of >64
-    # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
     logs = sorted((math.log(values[n]), n) for n in names)
     lv = [v for v, _ in logs]
+    if len(names) <= EXACT_LOO_MAX:  # dropping one element keeps the list sorted
+        return {n: _from_sorted_logs(lv[:i] + lv[i + 1:], min_spread) for i, (_, n) in enumerate(logs)}
+    # Large pool: exact leave-one-out median from the sorted array, pool-wide MAD (one point of >64
+    # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
     full = baseline(list(values.values()), min_spread)
     assert full is not None
     k = len(lv) - 1  # size of each leave-one-out set

@@ -162,3 +162,13 @@ def test_concurrent_readers_do_not_interfere(haproxy_factory):
     for th in ts:
         th.join()
     assert errs == []
+
+
+def test_example_gateway_config_is_valid(tmp_path):
+    import subprocess
+    text = open("haproxy/haproxy.example.cfg").read()
+    text = text.replace("/run/haproxy/admin.sock", str(tmp_path / "admin.sock"))
+    text = text.replace("/var/lib/haproxy/server-state", str(tmp_path / "state"))
+    (tmp_path / "h.cfg").write_text(text)
+    p = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
