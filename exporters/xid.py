@@ -24,7 +24,7 @@ def _same_handle(a: Any, b: Any) -> bool:
 class XidWatcher:
     """Registers every GPU for XID events and calls on_xid(gpu_index, xid) from its own thread."""
 
-    def __init__(self, nvml: Any, on_xid: Callable[[int, int], None], poll_ms: int = 500):
+    def __init__(self, nvml: Any, on_xid: Callable[[int, int], None], poll_ms: int = 200):
         self._nvml = nvml
         self._on_xid = on_xid
         self._poll_ms = poll_ms  # how often the thread looks at the stop flag

@@ -1,0 +1,159 @@
+"""`grayguard exporter`: the per-node sidecar (NVML GPU health and a vLLM micro-probe on /metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import threading
+from urllib.parse import urlsplit
+
+import pynvml
+
+from exporters.prober import ProbeConfig
+from exporters.server import Exporter
+
+log = logging.getLogger(__name__)
+
+HELP = "run the per-node sidecar: GPU health from NVML and a vLLM micro-probe, on /metrics"
+DESCRIPTION = """\
+Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text format):
+
+  * GPU health read through NVML: clocks and their maxima, clock-event (throttle) reasons,
+    temperatures, power, PCIe link generation/width and replays, ECC and row remapping, XID
+    errors, utilization and memory. Unsupported fields are left out, never exported as 0.
+    Without NVML (no driver) grayguard_exporter_nvml_up is 0 and the probes keep running.
+  * A micro-probe: every --probe.interval a one-token streamed completion with a random prefix
+    (no prefix-cache hit) and the header X-LLM-Probe: true. Its time to first token and its
+    result (ok, slow, timeout, connect_error, http_error, cuda_error, bad_response, starting).
+
+A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
+No node label is added: Prometheus' scrape config sets `instance` and `pool`.
+
+Durations take Prometheus units: 300ms, 2s, 1m30s (a bare number is seconds).
+
+example:
+  grayguard exporter --vllm.url http://127.0.0.1:8000 --web.listen-address 127.0.0.1:9400
+"""
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Prometheus-style duration ("300ms", "2s", "1m30s") or a bare number of seconds."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 300ms, 2s, 1m)")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """(host, port) from "host:port", "[::1]:port" or ":port" (all interfaces)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"not a listen address: {text!r} (e.g. 127.0.0.1:9400)")
+    host = host.strip("[]")
+    return host or "0.0.0.0", int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the exporter's flags on p."""
+    a = p.add_argument
+    a("--vllm.url", dest="vllm_url", default="http://127.0.0.1:8000", metavar="URL",
+      help="base URL of the vLLM server this sidecar sits beside (default %(default)s)")
+    a("--web.listen-address", dest="listen", type=parse_listen_address, default="127.0.0.1:9400",
+      metavar="HOST:PORT", help="where to serve /metrics (default %(default)s; ':9400' = all interfaces)")
+    g = p.add_argument_group("micro-probe")
+    g.add_argument("--probe.interval", dest="probe_interval", type=parse_duration, default="3s",
+                   metavar="DURATION", help="time between probes, +- jitter (default %(default)s)")
+    g.add_argument("--probe.jitter", dest="probe_jitter", type=float, default=0.2, metavar="FRACTION",
+                   help="random +- fraction of the interval, so a fleet's probes do not align (default 0.2)")
+    g.add_argument("--probe.slow-threshold", dest="probe_slow", type=parse_duration, default="300ms",
+                   metavar="DURATION", help="a first chunk later than this is 'slow' (default %(default)s)")
+    g.add_argument("--probe.deadline", dest="probe_deadline", type=parse_duration, default="2s",
+                   metavar="DURATION", help="no first chunk by then is 'timeout'; the connection is closed "
+                   "(default %(default)s)")
+    g.add_argument("--probe.model", dest="probe_model", metavar="NAME",
+                   help="model to request (default: the first one /v1/models lists)")
+    g.add_argument("--probe.prompt", dest="probe_prompt", default=ProbeConfig.prompt, metavar="TEXT",
+                   help="prompt, sent behind a random prefix (default %(default)r)")
+    g.add_argument("--probe.api-key-env", dest="probe_key_env", default="VLLM_API_KEY", metavar="VAR",
+                   help="environment variable with the key of a vLLM run with --api-key (default %(default)s)")
+    g.add_argument("--probe.api-key-file", dest="probe_key_file", metavar="PATH",
+                   help="file with that key, re-read at every probe (wins over --probe.api-key-env)")
+    g.add_argument("--probe.startup-grace", dest="probe_grace", type=parse_duration, default="30m",
+                   metavar="DURATION", help="failures of a backend that never answered yet count as "
+                   "'starting' this long (model loading; default %(default)s)")
+    g.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe vLLM")
+    n = p.add_argument_group("NVML collector")
+    n.add_argument("--no-collector.nvml", dest="nvml", action="store_false", help="do not read GPUs via NVML")
+    n.add_argument("--collector.nvml.timeout", dest="nvml_timeout", type=parse_duration, default="1s",
+                   metavar="DURATION", help="longest a scrape waits for NVML (default %(default)s)")
+    n.add_argument("--no-collector.nvml.xid", dest="xid", action="store_false",
+                   help="do not listen for XID error events")
+    p.add_argument("--log.level", dest="exporter_log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log verbosity of the exporter (default: grayguard's --log-level)")
+
+
+def config_error(args: argparse.Namespace) -> str | None:
+    """The first invalid setting, named by its flag, or None."""
+    url = urlsplit(args.vllm_url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        return f"--vllm.url: {args.vllm_url!r} is not an http(s) URL"
+    if args.probe_interval <= 0:
+        return "--probe.interval must be positive"
+    if not 0 <= args.probe_jitter < 1:
+        return "--probe.jitter must be in [0, 1)"
+    if args.probe_deadline <= 0:
+        return "--probe.deadline must be positive"
+    if not 0 < args.probe_slow < args.probe_deadline:
+        return "--probe.slow-threshold must be positive and below --probe.deadline"
+    if args.nvml_timeout <= 0:
+        return "--collector.nvml.timeout must be positive"
+    return None
+
+
+def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
+    """The Exporter the flags describe (not started)."""
+    host, port = args.listen
+    probe = ProbeConfig(interval=args.probe_interval, jitter=args.probe_jitter, slow_threshold=args.probe_slow,
+                        deadline=args.probe_deadline, model=args.probe_model, prompt=args.probe_prompt,
+                        api_key_env=args.probe_key_env or None, api_key_file=args.probe_key_file,
+                        startup_grace=args.probe_grace) if args.probe else None
+    return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,
+                    nvml_read_timeout=args.nvml_timeout, xid_events=args.xid)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 2 on a bad flag, 1 when the listen address cannot be bound."""
+    if args.exporter_log_level:
+        logging.getLogger().setLevel(args.exporter_log_level)
+    error = config_error(args)
+    if error:
+        log.error("bad configuration: %s", error)
+        return 2
+    exporter = build_exporter(args)
+    try:
+        exporter.start()
+    except OSError as e:
+        log.error("--web.listen-address %s:%d: cannot listen: %s", *args.listen, e)
+        exporter.stop()
+        return 1
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(1.0):
+            pass
+        log.info("signal received, shutting down")
+    finally:
+        exporter.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,138 @@
+"""Pure core of the micro-probe: what one probe saw -> one result; results -> the prober's state."""
+
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from dataclasses import dataclass, replace
+from typing import Any
+
+RESULTS = ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response", "starting")
+FAILURES = frozenset({"timeout", "connect_error", "http_error", "cuda_error", "bad_response"})
+ANSWERED = frozenset({"ok", "slow"})
+
+# Text that means the GPU, not the request, is broken: CUDA errors, OOM, illegal access, XIDs.
+_CUDA = re.compile(r"cuda|out of memory|illegal memory access|\bxid\b|cublas|cudnn|nccl error|ecc error",
+                   re.IGNORECASE)
+_NAN_WORDS = frozenset({"nan", "-nan", "+nan", "inf", "-inf", "+inf", "infinity", "-infinity"})
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the HTTP shell saw during one probe (no interpretation)."""
+
+    connect_error: str | None = None  # no connection, or it broke before any HTTP answer
+    timed_out: bool = False  # the deadline passed before the first data event
+    status: int | None = None  # HTTP status of the last request made (models or completions)
+    body: str = ""  # body of a non-2xx answer, truncated
+    first_event: str | None = None  # payload of the first `data:` line of the stream
+    ttft: float | None = None  # seconds from sending the completion request to the first data event
+
+
+def mentions_cuda(text: str) -> bool:
+    """True when an error text points at the GPU (CUDA error, out of memory, illegal access, Xid)."""
+    return bool(_CUDA.search(text or ""))
+
+
+def sane_text(text: Any) -> bool:
+    """False for missing, empty, NaN-like or garbage text (replacement or control characters)."""
+    if not isinstance(text, str) or text == "":
+        return False
+    if "\ufffd" in text or text.strip().lower() in _NAN_WORDS:
+        return False
+    return not any(unicodedata.category(ch) == "Cc" and ch not in "\t\n\r" for ch in text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def judge_event(payload: str) -> str:
+    """Result for the first stream event: ok, cuda_error (an error event about the GPU) or bad_response."""
+    if payload.strip() == "[DONE]":
+        return "bad_response"  # the stream ended without producing any text
+    try:
+        obj = json.loads(payload, parse_constant=_reject_constant)
+    except ValueError:
+        return "bad_response"
+    if not isinstance(obj, dict):
+        return "bad_response"
+    if "error" in obj or obj.get("object") == "error":  # vLLM: {"error": {...}}; older: a bare ErrorResponse
+        err = obj.get("error", obj)
+        return "cuda_error" if mentions_cuda(err if isinstance(err, str) else json.dumps(err)) else "bad_response"
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return "bad_response"
+    return "ok" if sane_text(choices[0].get("text")) else "bad_response"
+
+
+def classify(obs: Observation, slow_threshold: float) -> str:
+    """Classify one probe; never returns `starting` (see settle())."""
+    if obs.connect_error is not None:
+        return "connect_error"
+    if obs.status is not None and not 200 <= obs.status < 300:
+        return "cuda_error" if mentions_cuda(obs.body) else "http_error"
+    if obs.first_event is None:
+        return "timeout" if obs.timed_out else "bad_response"  # a stream that ended without data
+    verdict = judge_event(obs.first_event)
+    if verdict != "ok":
+        return verdict
+    return "slow" if obs.ttft is None or obs.ttft > slow_threshold else "ok"
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    """What the prober remembers between probes."""
+
+    ever_answered: bool = False  # has the backend ever answered ok or slow
+    consecutive_failures: int = 0
+    last_result: str | None = None
+    last_ttft: float | None = None  # TTFT of the last ok/slow probe
+
+
+def settle(result: str, state: ProbeState, *, since_start: float, startup_grace: float | None) -> str:
+    """Turn a failure into `starting` while the backend has never answered (a model still loading).
+
+    A CUDA error stays a CUDA error: a GPU that breaks while loading is a fault, not a cold start.
+    startup_grace (s) bounds the cold start; None waits forever.
+    """
+    if result not in FAILURES or result == "cuda_error" or state.ever_answered:
+        return result
+    if startup_grace is not None and since_start >= startup_grace:
+        return result
+    return "starting"
+
+
+def advance(state: ProbeState, result: str, ttft: float | None) -> ProbeState:
+    """The state after a probe with this (settled) result."""
+    if result in ANSWERED:
+        return ProbeState(ever_answered=True, consecutive_failures=0, last_result=result, last_ttft=ttft)
+    failures = state.consecutive_failures + 1 if result in FAILURES else state.consecutive_failures
+    return replace(state, consecutive_failures=failures, last_result=result)
+
+
+def completion_request(model: str, prompt: str, prefix: str) -> dict[str, Any]:
+    """Body of the probe: one token, greedy, streamed, behind a prefix the prefix cache has never seen."""
+    return {"model": model, "prompt": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0, "stream": True}
+
+
+def sse_payload(line: bytes) -> str | None:
+    """The payload of an SSE `data:` line; None for lines to skip (blank, comment, event/id/retry).
+
+    Any other line is not SSE at all: it is returned whole, so that judge_event() rejects it.
+    """
+    text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+    if text.startswith("data:"):
+        return text[5:].lstrip(" ")
+    if text == "" or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
+        return None
+    return text
+
+
+def pick_model(models: Any) -> str | None:
+    """The first model id of a `/v1/models` answer, None when there is none."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return data[0]["id"]
+    return None

@@ -1,0 +1,287 @@
+"""The micro-probe's shell: an asyncio loop in its own thread streams one-token completions from vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from exporters.probe import (
+    ANSWERED,
+    RESULTS,
+    Observation,
+    ProbeState,
+    advance,
+    classify,
+    completion_request,
+    pick_model,
+    settle,
+    sse_payload,
+)
+
+log = logging.getLogger(__name__)
+# 10 ms to 10 s, with the default slow threshold (0.3 s) and deadline (2 s) as bucket bounds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0)
+ERROR_KINDS = ("model_discovery", "api_key", "internal")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Knobs of the micro-probe (the CLI flags map one to one)."""
+
+    interval: float = 3.0  # seconds between probes
+    jitter: float = 0.2  # +- this fraction of the interval, so that a fleet's probes do not align
+    slow_threshold: float = 0.3  # first chunk later than this (s): slow
+    deadline: float = 2.0  # no first chunk by then (s): timeout; the connection is closed
+    model: str | None = None  # None: the first model of /v1/models
+    prompt: str = "The capital of France is"
+    api_key_env: str | None = "VLLM_API_KEY"  # environment variable holding vLLM's --api-key
+    api_key_file: str | None = None  # file holding it (re-read every probe; wins over the variable)
+    startup_grace: float | None = 1800.0  # a never-answering backend counts as starting this long (s)
+
+
+class Prober:
+    """Probes one vLLM every interval in a background thread; a scrape reads only its last results."""
+
+    def __init__(self, base_url: str, config: ProbeConfig | None = None, *,
+                 registry: CollectorRegistry | None = None, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 env: Mapping[str, str] = os.environ):
+        self.base_url = base_url.rstrip("/")
+        self.config = config or ProbeConfig()
+        self._rng, self._clock, self._wall, self._env = rng or random.Random(), clock, wall, env
+        self._cond = threading.Condition()
+        self._state = ProbeState()
+        self._count = 0
+        self._last_ts: float | None = None
+        self._model: str | None = None
+        self._started = clock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        r = registry if registry is not None else CollectorRegistry()
+        self.ttft = Histogram("grayguard_probe_ttft_seconds", "Time to the first streamed chunk of ok/slow probes",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.results = Counter("grayguard_probe_results", "Probes by result", ["result"], registry=r)
+        self.errors = Counter("grayguard_exporter_probe_errors", "Prober trouble that is not the backend's result",
+                              ["kind"], registry=r)
+        for result in RESULTS:
+            self.results.labels(result)
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)
+        r.register(_StateCollector(self))
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start probing in a daemon thread with its own event loop."""
+        self._started = self._clock()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="prober", daemon=True)
+        self._thread.start()
+        ready.wait(5)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the loop (an in-flight probe is aborted and its connection closed) and join it."""
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(task.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run_once(self) -> str:
+        """Run one probe now, synchronously, and record it (for tests and one-shot checks)."""
+        async def once() -> str:
+            async with self._session() as session:
+                return await self._probe_and_record(session)
+        return asyncio.run(once())
+
+    # --- reading the state -------------------------------------------------------------------
+    @property
+    def state(self) -> ProbeState:
+        """The state after the last probe."""
+        with self._cond:
+            return self._state
+
+    @property
+    def count(self) -> int:
+        """Probes completed so far."""
+        with self._cond:
+            return self._count
+
+    def wait_for_probes(self, count: int, timeout: float) -> bool:
+        """Block until at least count probes have completed; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count >= count, timeout)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def _thread_main(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._task = loop.create_task(self._main())
+        ready.set()
+        try:
+            loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _main(self) -> None:
+        cfg = self.config
+        async with self._session() as session:
+            await asyncio.sleep(self._rng.uniform(0, cfg.interval * cfg.jitter))
+            while True:
+                try:
+                    await self._probe_and_record(session)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug must not end probing: count it, try again next interval
+                    log.exception("probe failed unexpectedly")
+                    self.errors.labels("internal").inc()
+                await asyncio.sleep(cfg.interval * (1 + self._rng.uniform(-cfg.jitter, cfg.jitter)))
+
+    def _session(self) -> aiohttp.ClientSession:
+        # force_close: every probe gets a fresh connection, and closing it aborts the request in vLLM.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
+
+    async def _probe_and_record(self, session: aiohttp.ClientSession) -> str:
+        obs = await self.observe(session)
+        return self._record(obs)
+
+    def _record(self, obs: Observation) -> str:
+        with self._cond:
+            previous = self._state
+            raw = classify(obs, self.config.slow_threshold)
+            result = settle(raw, previous, since_start=self._clock() - self._started,
+                            startup_grace=self.config.startup_grace)
+            self._state = advance(previous, result, obs.ttft)
+            self._count += 1
+            self._last_ts = self._wall()
+            self.results.labels(result).inc()
+            if result in ANSWERED and obs.ttft is not None:
+                self.ttft.observe(obs.ttft)
+            self._cond.notify_all()
+        if result != previous.last_result:
+            level = logging.WARNING if result not in ANSWERED and result != "starting" else logging.INFO
+            log.log(level, "probe %s: %s (was %s)%s", self.base_url, result, previous.last_result,
+                    f": {obs.connect_error or obs.body[:200]}" if obs.connect_error or obs.body else "")
+        return result
+
+    def _api_key(self) -> str | None:
+        cfg = self.config
+        if cfg.api_key_file:
+            try:
+                with open(cfg.api_key_file, encoding="utf-8") as f:
+                    return f.read().strip() or None
+            except OSError as e:
+                self.errors.labels("api_key").inc()
+                log.warning("cannot read API key file %s: %s", cfg.api_key_file, e)
+                return None
+        return self._env.get(cfg.api_key_env) if cfg.api_key_env else None
+
+    async def observe(self, session: aiohttp.ClientSession) -> Observation:
+        """One probe under the deadline: discover the model if needed, stream, stop at the first chunk."""
+        headers = {"X-LLM-Probe": "true", "Accept": "text/event-stream"}
+        key = self._api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        status: int | None = None
+        try:
+            async with asyncio.timeout(self.config.deadline):
+                model = self.config.model or self._model
+                if model is None:
+                    model, failed = await self._discover(session, headers)
+                    if failed is not None:
+                        return failed
+                prefix = f"[{self._rng.getrandbits(64):016x}]"  # unseen prefix: no prefix-cache hit
+                sent = self._clock()
+                async with session.post(f"{self.base_url}/v1/completions", headers=headers,
+                                        json=completion_request(model, self.config.prompt, prefix)) as resp:
+                    status = resp.status
+                    if not 200 <= status < 300:
+                        if status == 404 and not self.config.model:
+                            self._model = None  # vLLM restarted with another model: discover again
+                        return Observation(status=status, body=await _read_some(resp))
+                    async for line in resp.content:
+                        payload = sse_payload(line)
+                        if payload is not None:
+                            ttft = self._clock() - sent
+                            resp.close()  # disconnect: vLLM aborts the request and frees its slot
+                            return Observation(status=status, first_event=payload, ttft=ttft)
+                    return Observation(status=status)  # the stream ended without a data event
+        except TimeoutError:
+            return Observation(status=status, timed_out=True)
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            if status is None:
+                return Observation(connect_error=f"{type(e).__name__}: {e}")
+            return Observation(status=status)  # broke mid-stream: a bad response
+        except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError, ValueError):
+            return Observation(status=status)
+
+    async def _discover(self, session: aiohttp.ClientSession,
+                        headers: dict[str, str]) -> tuple[str | None, Observation | None]:
+        async with session.get(f"{self.base_url}/v1/models", headers=headers) as resp:
+            if not 200 <= resp.status < 300:
+                self.errors.labels("model_discovery").inc()
+                return None, Observation(status=resp.status, body=await _read_some(resp))
+            try:
+                model = pick_model(await resp.json(content_type=None))
+            except ValueError:
+                model = None
+            if model is None:
+                self.errors.labels("model_discovery").inc()
+                return None, Observation(status=resp.status)  # no data event: a bad response
+            self._model = model
+            log.info("probing model %s at %s", model, self.base_url)
+            return model, None
+
+
+async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:
+    return (await resp.content.read(limit)).decode("utf-8", errors="replace")
+
+
+class _StateCollector:
+    """Exports the prober's last result, TTFT, failure streak and time (absent until known)."""
+
+    def __init__(self, prober: Prober):
+        self._p = prober
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._p._cond:
+            state, ts = self._p._state, self._p._last_ts
+        fams = self._families()
+        last, ttft, fails, stamp = fams
+        if state.last_result is not None:
+            for result in RESULTS:
+                last.add_metric([result], 1 if result == state.last_result else 0)
+        if state.last_ttft is not None:
+            ttft.add_metric([], state.last_ttft)
+        fails.add_metric([], state.consecutive_failures)
+        if ts is not None:
+            stamp.add_metric([], ts)
+        return iter(fams)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (GaugeMetricFamily("grayguard_probe_last_result", "1 for the result of the last probe, 0 for the "
+                                  "others", labels=["result"]),
+                GaugeMetricFamily("grayguard_probe_last_ttft_seconds", "TTFT of the last ok or slow probe"),
+                GaugeMetricFamily("grayguard_probe_consecutive_failures",
+                                  "Probes in a row that failed (timeout, connect, http, cuda, bad response)"),
+                GaugeMetricFamily("grayguard_probe_last_timestamp_seconds", "Unix time the last probe ended"))

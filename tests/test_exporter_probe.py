@@ -1,0 +1,184 @@
+"""Pure probe core: classification of what a probe saw, the starting rule and the failure streak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from exporters.probe import (
+    ANSWERED,
+    FAILURES,
+    RESULTS,
+    Observation,
+    ProbeState,
+    advance,
+    classify,
+    completion_request,
+    judge_event,
+    mentions_cuda,
+    pick_model,
+    sane_text,
+    settle,
+    sse_payload,
+)
+
+
+def chunk(text):
+    return json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
+                       "choices": [{"index": 0, "text": text, "finish_reason": None}]})
+
+
+@pytest.mark.parametrize("obs,expected", [
+    (Observation(status=200, first_event=chunk(" Paris"), ttft=0.05), "ok"),
+    (Observation(status=200, first_event=chunk(" Paris"), ttft=0.3), "ok"),  # at the threshold: not slow
+    (Observation(status=200, first_event=chunk(" Paris"), ttft=0.31), "slow"),
+    (Observation(timed_out=True), "timeout"),
+    (Observation(status=200, timed_out=True), "timeout"),  # hung after the headers
+    (Observation(connect_error="ConnectionRefusedError"), "connect_error"),
+    (Observation(status=500, body="Internal Server Error"), "http_error"),
+    (Observation(status=404, body='{"message":"The model `x` does not exist."}'), "http_error"),
+    (Observation(status=500, body='{"message":"CUDA error: an illegal memory access was encountered"}'),
+     "cuda_error"),
+    (Observation(status=500, body="torch.OutOfMemoryError: CUDA out of memory."), "cuda_error"),
+    (Observation(status=500, body="NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus"), "cuda_error"),
+    (Observation(status=500, body="Internal Server Error", timed_out=True), "http_error"),
+    (Observation(status=200, first_event='{"error": {"message": "CUDA error: misaligned address"}}', ttft=0.01),
+     "cuda_error"),
+    (Observation(status=200, first_event='{"error": {"message": "prompt too long", "code": 400}}', ttft=0.01),
+     "bad_response"),
+    (Observation(status=200, first_event='{"object": "error", "message": "out of memory"}', ttft=0.01),
+     "cuda_error"),
+    (Observation(status=200, first_event="\x00\x13 not json", ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event="[DONE]", ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event=chunk(""), ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event=chunk("NaN"), ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event=chunk("\ufffd"), ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event='{"choices": [{"text": NaN}]}', ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event='{"choices": []}', ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event='{"choices": [{"text": 7}]}', ttft=0.01), "bad_response"),
+    (Observation(status=200, first_event="[1, 2]", ttft=0.01), "bad_response"),
+    (Observation(status=200), "bad_response"),  # the stream ended without a data event
+])
+def test_classify(obs, expected):
+    assert classify(obs, slow_threshold=0.3) == expected
+
+
+@pytest.mark.parametrize("text,ok", [
+    (" Paris", True), ("\n", True), (" 42", True), ("é", True), ("", False), (None, False), ("nan", False),
+    (" -Inf", False), ("\x00", False), ("a\x07b", False), ("\ufffd", False), ("\t", True),
+])
+def test_sane_text(text, ok):
+    assert sane_text(text) is ok
+
+
+@pytest.mark.parametrize("text,cuda", [
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("RuntimeError: CUDA out of memory", True),
+    ("an illegal memory access was encountered", True),
+    ("Xid 79", True),
+    ("CUBLAS_STATUS_EXECUTION_FAILED", True),
+    ("Internal Server Error", False),
+    ("The model `foo` does not exist.", False),
+    ("", False),
+])
+def test_mentions_cuda(text, cuda):
+    assert mentions_cuda(text) is cuda
+
+
+def test_starting_until_the_backend_has_answered_once():
+    state = ProbeState()
+    for raw in ("connect_error", "http_error", "timeout", "bad_response"):
+        assert settle(raw, state, since_start=60, startup_grace=None) == "starting"
+    assert settle("cuda_error", state, since_start=60, startup_grace=None) == "cuda_error"
+    state = advance(state, "starting", None)
+    assert state.consecutive_failures == 0 and not state.ever_answered
+    state = advance(state, "ok", 0.05)
+    assert state.ever_answered and state.last_ttft == 0.05
+    assert settle("connect_error", state, since_start=61, startup_grace=None) == "connect_error"
+
+
+def test_startup_grace_ends_the_cold_start():
+    state = ProbeState()
+    assert settle("timeout", state, since_start=10, startup_grace=30) == "starting"
+    assert settle("timeout", state, since_start=30, startup_grace=30) == "timeout"
+    assert settle("slow", state, since_start=0, startup_grace=30) == "slow"
+
+
+def test_consecutive_failures_count_failures_only_and_reset_on_answers():
+    state = ProbeState(ever_answered=True)
+    for result, expected in [("timeout", 1), ("cuda_error", 2), ("http_error", 3), ("slow", 0),
+                             ("bad_response", 1), ("connect_error", 2), ("ok", 0)]:
+        state = advance(state, result, 0.5 if result in ANSWERED else None)
+        assert state.consecutive_failures == expected
+        assert state.last_result == result
+
+
+def test_last_ttft_is_kept_through_failures():
+    state = advance(ProbeState(), "ok", 0.04)
+    state = advance(state, "timeout", None)
+    assert state.last_ttft == 0.04 and state.last_result == "timeout"
+
+
+observations = st.builds(
+    Observation,
+    connect_error=st.none() | st.text(max_size=20),
+    timed_out=st.booleans(),
+    status=st.none() | st.integers(100, 599),
+    body=st.text(max_size=50),
+    first_event=st.none() | st.text(max_size=80) | st.builds(chunk, st.text(max_size=10)),
+    ttft=st.none() | st.floats(0, 20),
+)
+
+
+@given(observations, st.floats(0.001, 10))
+def test_every_observation_gets_exactly_one_result_and_never_starting(obs, threshold):
+    assert classify(obs, threshold) in set(RESULTS) - {"starting"}
+
+
+@given(st.lists(st.sampled_from(RESULTS), max_size=30))
+def test_failure_streak_equals_trailing_failures(results):
+    state = ProbeState()
+    for result in results:
+        state = advance(state, result, 0.1)
+    trailing = 0
+    for result in reversed(results):
+        if result in ANSWERED:
+            break
+        trailing += result in FAILURES
+    assert state.consecutive_failures == trailing
+
+
+def test_request_body_is_one_greedy_streamed_token_behind_the_prefix():
+    body = completion_request("m", "The capital of France is", "[00ff]")
+    assert body == {"model": "m", "prompt": "[00ff] The capital of France is", "max_tokens": 1,
+                    "temperature": 0, "stream": True}
+
+
+@pytest.mark.parametrize("line,payload", [
+    (b'data: {"a": 1}\n', '{"a": 1}'),
+    (b"data:[DONE]\r\n", "[DONE]"),
+    (b"\n", None),
+    (b": keep-alive\n", None),
+    (b"event: message\n", None),
+    (b"\xff\xfegarbage\n", "\ufffd\ufffdgarbage"),
+])
+def test_sse_payload(line, payload):
+    assert sse_payload(line) == payload
+
+
+@pytest.mark.parametrize("models,model", [
+    ({"object": "list", "data": [{"id": "Qwen/Qwen2.5-0.5B-Instruct", "max_model_len": 32768}]},
+     "Qwen/Qwen2.5-0.5B-Instruct"),
+    ({"object": "list", "data": []}, None),
+    ([], None),
+    ({"data": [{"name": "x"}]}, None),
+])
+def test_pick_model(models, model):
+    assert pick_model(models) == model
+
+
+def test_judge_event_ok_for_a_vllm_chunk():
+    assert judge_event(chunk(" Paris")) == "ok"
