@@ -13,101 +13,10 @@ import pynvml
 from prometheus_client.core import Metric
 
 from exporters.gpumetrics import GpuReading, NvmlSnapshot, build_families, describe_families
+from exporters.nvmlfields import READERS, Unsupported, text
 from exporters.xid import XidWatcher
 
 log = logging.getLogger(__name__)
-MHZ = 1_000_000
-_VALUE_ATTR = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
-
-
-class _Unsupported(Exception):
-    """Neither the current NVML call nor its older fallback exists, or the field reports NotSupported."""
-
-
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _call(n: Any, names: tuple[str, ...], *args: Any) -> Any:
-    """Call the first of names the library has; FunctionNotFound (an older driver) moves to the next."""
-    for name in names:
-        fn = getattr(n, name, None)
-        if fn is None:
-            continue
-        try:
-            return fn(*args)
-        except n.NVMLError_FunctionNotFound:
-            continue
-    raise _Unsupported(f"none of {', '.join(names)}")
-
-
-def _memory_temperature(n: Any, h: Any) -> float:
-    # No temperature sensor enum for HBM: NVML exposes it as a field value (as dcgm-exporter reads it).
-    (fv,) = n.nvmlDeviceGetFieldValues(h, [getattr(n, "NVML_FI_DEV_MEMORY_TEMP", 82)])
-    if fv.nvmlReturn in (15, 16):  # GPU_IS_LOST, RESET_REQUIRED
-        raise n.NVMLError_GpuIsLost()
-    if fv.nvmlReturn != 0:
-        raise _Unsupported(f"field value returned {fv.nvmlReturn}")
-    return float(getattr(fv.value, _VALUE_ATTR.get(fv.valueType, "uiVal")))
-
-
-def _values(**readers: Callable[[Any, Any], float]) -> list[tuple[str, Callable]]:
-    def make(key, fn):
-        def read(n, h, acc):
-            acc["values"][key] = float(fn(n, h))
-        return read
-    return [(key, make(key, fn)) for key, fn in readers.items()]
-
-
-def _reasons(n, h, acc):
-    names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-    acc["reasons"] = int(_call(n, names, h))
-
-
-def _memory(n, h, acc):
-    mem = n.nvmlDeviceGetMemoryInfo(h)
-    acc["values"].update(memory_used=float(mem.used), memory_total=float(mem.total))
-
-
-def _remapped(n, h, acc):
-    corr, unc, pending, failure = n.nvmlDeviceGetRemappedRows(h)
-    acc["remapped"] = (int(corr), int(unc))
-    acc["values"].update(remap_pending=float(bool(pending)), remap_failure=float(bool(failure)))
-
-
-def _ecc(etype: str, ctype: str):
-    def read(n, h, acc):
-        et = n.NVML_MEMORY_ERROR_TYPE_CORRECTED if etype == "corrected" else n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-        ct = n.NVML_VOLATILE_ECC if ctype == "volatile" else n.NVML_AGGREGATE_ECC
-        acc["ecc"][(etype, ctype)] = int(n.nvmlDeviceGetTotalEccErrors(h, et, ct))
-    return (f"ecc_{etype}_{ctype}", read)
-
-
-# (field name for logs, reader(nvml, handle, accumulator)), in exposition order.
-READERS: list[tuple[str, Callable]] = [
-    *_values(
-        sm_clock=lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM) * MHZ,
-        sm_clock_max=lambda n, h: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_SM) * MHZ,
-        mem_clock=lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM) * MHZ,
-        mem_clock_max=lambda n, h: n.nvmlDeviceGetMaxClockInfo(h, n.NVML_CLOCK_MEM) * MHZ,
-        temperature=lambda n, h: _call(n, ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"),
-                                       h, n.NVML_TEMPERATURE_GPU),
-        memory_temperature=_memory_temperature,
-        power=lambda n, h: n.nvmlDeviceGetPowerUsage(h) / 1000,
-        power_limit=lambda n, h: n.nvmlDeviceGetEnforcedPowerLimit(h) / 1000,
-        energy=lambda n, h: n.nvmlDeviceGetTotalEnergyConsumption(h) / 1000,
-        pcie_gen=lambda n, h: n.nvmlDeviceGetCurrPcieLinkGeneration(h),
-        pcie_gen_max=lambda n, h: n.nvmlDeviceGetMaxPcieLinkGeneration(h),
-        pcie_width=lambda n, h: n.nvmlDeviceGetCurrPcieLinkWidth(h),
-        pcie_width_max=lambda n, h: n.nvmlDeviceGetMaxPcieLinkWidth(h),
-        pcie_replay=lambda n, h: n.nvmlDeviceGetPcieReplayCounter(h),
-        utilization=lambda n, h: n.nvmlDeviceGetUtilizationRates(h).gpu / 100,
-    ),
-    ("memory", _memory),
-    ("clock_event_reasons", _reasons),
-    *[_ecc(t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")],
-    ("remapped_rows", _remapped),
-]
 
 
 class NvmlCollector:
@@ -127,6 +36,7 @@ class NvmlCollector:
         self._lock = threading.Lock()  # guards the dicts below; never held across an NVML call
         self._init_lock = threading.Lock()
         self._initialized = False
+        self._stopped = False
         self._last_init_try: float | None = None
         self._driver = ""
         self._ident: dict[int, tuple[str, str, str]] = {}  # index -> (uuid, name, bus id)
@@ -152,7 +62,8 @@ class NvmlCollector:
         return self._ensure_init(force=True)
 
     def stop(self) -> None:
-        """Stop the XID thread and shut NVML down."""
+        """Stop the XID thread and shut NVML down (later scrapes export NVML up = 0)."""
+        self._stopped = True
         if self.xid_watcher is not None:
             self.xid_watcher.stop()
         with self._init_lock:
@@ -182,6 +93,7 @@ class NvmlCollector:
         with self._lock:
             if finished:
                 snap = job.result
+                self._logged.discard(("timeout",))  # warn again if the driver hangs again
             else:
                 self._errors["timeout"] += 1
                 self._log_once(("timeout",), logging.WARNING, "NVML read still running after %.1f s: "
@@ -193,11 +105,10 @@ class NvmlCollector:
         try:
             job.result = self.read()
         except Exception as e:  # never let a surprise kill the scrape: count it and export NVML down
-            log.exception("NVML read failed")
             with self._lock:
                 self._errors["error"] += 1
             job.result = NvmlSnapshot(up=False, driver_version=self._driver)
-            self._log_once(("read",), logging.ERROR, "NVML read failed: %s", e)
+            self._log_once(("read", type(e).__name__), logging.ERROR, "NVML read failed: %r", e)
         job.done.set()
 
     def read(self) -> NvmlSnapshot:
@@ -207,7 +118,7 @@ class NvmlCollector:
             return NvmlSnapshot(up=False)
         try:
             count = n.nvmlDeviceGetCount()
-            self._driver = _text(n.nvmlSystemGetDriverVersion())
+            self._driver = text(n.nvmlSystemGetDriverVersion())
         except n.NVMLError as e:  # the driver went away under us: report down, re-init later
             self._log_once(("count", type(e).__name__), logging.WARNING, "NVML stopped answering: %s", e)
             self._initialized = False
@@ -222,13 +133,13 @@ class NvmlCollector:
 
     def _read_gpu(self, index: int) -> GpuReading:
         n = self._nvml
-        lost = (getattr(n, "NVMLError_GpuIsLost", _Unsupported), getattr(n, "NVMLError_ResetRequired", _Unsupported))
-        absent = (_Unsupported, n.NVMLError_NotSupported, n.NVMLError_NoPermission)
+        lost = (getattr(n, "NVMLError_GpuIsLost", Unsupported), getattr(n, "NVMLError_ResetRequired", Unsupported))
+        absent = (Unsupported, n.NVMLError_NotSupported, n.NVMLError_NoPermission)
         acc: dict[str, Any] = {"values": {}, "ecc": {}, "reasons": None, "remapped": None}
         try:
             h = n.nvmlDeviceGetHandleByIndex(index)
-            ident = (_text(n.nvmlDeviceGetUUID(h)), _text(n.nvmlDeviceGetName(h)),
-                     _text(n.nvmlDeviceGetPciInfo(h).busId))
+            ident = (text(n.nvmlDeviceGetUUID(h)), text(n.nvmlDeviceGetName(h)),
+                     text(n.nvmlDeviceGetPciInfo(h).busId))
             with self._lock:
                 self._ident[index] = ident
                 self._seen[ident[0]] = index
@@ -258,6 +169,8 @@ class NvmlCollector:
         with self._init_lock:
             if self._initialized:
                 return True
+            if self._stopped:
+                return False
             now = self._clock()
             if not force and self._last_init_try is not None and now - self._last_init_try < self._init_retry_s:
                 return False

@@ -16,18 +16,8 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporters.probe import (
-    ANSWERED,
-    RESULTS,
-    Observation,
-    ProbeState,
-    advance,
-    classify,
-    completion_request,
-    pick_model,
-    settle,
-    sse_payload,
-)
+from exporters.probe import ANSWERED, RESULTS, Observation, ProbeState, advance, classify, settle
+from exporters.probehttp import VllmClient
 
 log = logging.getLogger(__name__)
 # 10 ms to 10 s, with the default slow threshold (0.3 s) and deadline (2 s) as bucket bounds.
@@ -57,18 +47,18 @@ class Prober:
                  registry: CollectorRegistry | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  env: Mapping[str, str] = os.environ):
-        self.base_url = base_url.rstrip("/")
         self.config = config or ProbeConfig()
         self._rng, self._clock, self._wall, self._env = rng or random.Random(), clock, wall, env
         self._cond = threading.Condition()
         self._state = ProbeState()
         self._count = 0
         self._last_ts: float | None = None
-        self._model: str | None = None
         self._started = clock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self.client = VllmClient(base_url, model=self.config.model, prompt=self.config.prompt, rng=self._rng,
+                                 clock=clock, on_discovery_error=lambda: self.errors.labels("model_discovery").inc())
         r = registry if registry is not None else CollectorRegistry()
         self.ttft = Histogram("grayguard_probe_ttft_seconds", "Time to the first streamed chunk of ok/slow probes",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -105,6 +95,11 @@ class Prober:
             async with self._session() as session:
                 return await self._probe_and_record(session)
         return asyncio.run(once())
+
+    @property
+    def base_url(self) -> str:
+        """The vLLM this prober probes."""
+        return self.client.base_url
 
     # --- reading the state -------------------------------------------------------------------
     @property
@@ -193,64 +188,12 @@ class Prober:
         return self._env.get(cfg.api_key_env) if cfg.api_key_env else None
 
     async def observe(self, session: aiohttp.ClientSession) -> Observation:
-        """One probe under the deadline: discover the model if needed, stream, stop at the first chunk."""
+        """One probe under the deadline (see VllmClient.observe), with the probe headers and API key."""
         headers = {"X-LLM-Probe": "true", "Accept": "text/event-stream"}
         key = self._api_key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        status: int | None = None
-        try:
-            async with asyncio.timeout(self.config.deadline):
-                model = self.config.model or self._model
-                if model is None:
-                    model, failed = await self._discover(session, headers)
-                    if failed is not None:
-                        return failed
-                prefix = f"[{self._rng.getrandbits(64):016x}]"  # unseen prefix: no prefix-cache hit
-                sent = self._clock()
-                async with session.post(f"{self.base_url}/v1/completions", headers=headers,
-                                        json=completion_request(model, self.config.prompt, prefix)) as resp:
-                    status = resp.status
-                    if not 200 <= status < 300:
-                        if status == 404 and not self.config.model:
-                            self._model = None  # vLLM restarted with another model: discover again
-                        return Observation(status=status, body=await _read_some(resp))
-                    async for line in resp.content:
-                        payload = sse_payload(line)
-                        if payload is not None:
-                            ttft = self._clock() - sent
-                            resp.close()  # disconnect: vLLM aborts the request and frees its slot
-                            return Observation(status=status, first_event=payload, ttft=ttft)
-                    return Observation(status=status)  # the stream ended without a data event
-        except TimeoutError:
-            return Observation(status=status, timed_out=True)
-        except (aiohttp.ClientConnectionError, OSError) as e:
-            if status is None:
-                return Observation(connect_error=f"{type(e).__name__}: {e}")
-            return Observation(status=status)  # broke mid-stream: a bad response
-        except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError, ValueError):
-            return Observation(status=status)
-
-    async def _discover(self, session: aiohttp.ClientSession,
-                        headers: dict[str, str]) -> tuple[str | None, Observation | None]:
-        async with session.get(f"{self.base_url}/v1/models", headers=headers) as resp:
-            if not 200 <= resp.status < 300:
-                self.errors.labels("model_discovery").inc()
-                return None, Observation(status=resp.status, body=await _read_some(resp))
-            try:
-                model = pick_model(await resp.json(content_type=None))
-            except ValueError:
-                model = None
-            if model is None:
-                self.errors.labels("model_discovery").inc()
-                return None, Observation(status=resp.status)  # no data event: a bad response
-            self._model = model
-            log.info("probing model %s at %s", model, self.base_url)
-            return model, None
-
-
-async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:
-    return (await resp.content.read(limit)).decode("utf-8", errors="replace")
+        return await self.client.observe(session, headers, self.config.deadline)
 
 
 class _StateCollector:

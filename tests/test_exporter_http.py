@@ -194,9 +194,9 @@ def test_cold_start_is_starting_until_the_first_answer_then_failures_count(vllm)
     p = prober(refused_url(), startup_grace=None)
     assert p.run_once() == "starting"
     assert p.state.consecutive_failures == 0
-    p.base_url = vllm.url
+    p.client.base_url = vllm.url
     assert p.run_once() == "ok"
-    p.base_url = refused_url()
+    p.client.base_url = refused_url()
     assert p.run_once() == "connect_error"
     assert p.state.consecutive_failures == 1
 
@@ -230,9 +230,9 @@ def test_model_not_found_triggers_rediscovery(vllm):
     assert p.run_once() == "ok"
     vllm.mode = "404"
     assert p.run_once() == "http_error"
-    assert p._model is None
+    assert p.client.model is None
     vllm.mode = "fast"
-    assert p.run_once() == "ok" and p._model == MODEL
+    assert p.run_once() == "ok" and p.client.model == MODEL
 
 
 def test_models_endpoint_failure_is_counted(vllm):

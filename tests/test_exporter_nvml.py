@@ -263,3 +263,19 @@ def test_xid_watcher_reports_events_and_treats_timeout_as_no_event():
         assert seen == [(0, 94)]
     finally:
         watcher.stop()
+
+
+def test_a_driver_that_loads_late_is_picked_up_after_the_retry_interval():
+    now = [100.0]
+    fake = FakeNvml([healthy_h100(0)], available=False)
+    registry, collector = make(fake, init_retry_s=30, clock=lambda: now[0])
+    assert collector.start() is False
+    fake.available = True
+    assert registry.get_sample_value("grayguard_exporter_nvml_up") == 0  # too soon to retry
+    now[0] += 31
+    assert registry.get_sample_value("grayguard_exporter_nvml_up") == 1
+    assert value(registry, "grayguard_gpu_sm_clock_hertz") == 1980e6
+    collector.stop()
+    now[0] += 31
+    assert registry.get_sample_value("grayguard_exporter_nvml_up") == 0  # stopped stays stopped
+    assert not fake.initialized

@@ -1,0 +1,84 @@
+"""HTTP adapter of the micro-probe: find the model, stream one completion, stop at the first event."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from exporters.probe import Observation, completion_request, pick_model, sse_payload
+
+log = logging.getLogger(__name__)
+
+
+class VllmClient:
+    """One vLLM's OpenAI API as the prober sees it; observe() never raises for what the backend does."""
+
+    def __init__(self, base_url: str, *, model: str | None = None, prompt: str = "The capital of France is",
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_discovery_error: Callable[[], None] = lambda: None):
+        self.base_url = base_url.rstrip("/")
+        self.configured_model = model  # --probe.model; None: ask /v1/models
+        self.model = model  # the model probed (discovered once, again after a 404)
+        self._prompt, self._rng, self._clock = prompt, rng or random.Random(), clock
+        self._on_discovery_error = on_discovery_error
+
+    async def observe(self, session: aiohttp.ClientSession, headers: dict[str, str],
+                      deadline: float) -> Observation:
+        """One probe within deadline seconds: discover the model if needed, stream, close at the first event."""
+        status: int | None = None
+        try:
+            async with asyncio.timeout(deadline):
+                if self.model is None:
+                    failed = await self._discover(session, headers)
+                    if failed is not None:
+                        return failed
+                prefix = f"[{self._rng.getrandbits(64):016x}]"  # unseen prefix: no prefix-cache hit
+                body = completion_request(self.model, self._prompt, prefix)
+                sent = self._clock()
+                async with session.post(f"{self.base_url}/v1/completions", headers=headers, json=body) as resp:
+                    status = resp.status
+                    if not 200 <= status < 300:
+                        if status == 404 and self.configured_model is None:
+                            self.model = None  # vLLM restarted with another model: discover again
+                        return Observation(status=status, body=await _read_some(resp))
+                    async for line in resp.content:
+                        payload = sse_payload(line)
+                        if payload is not None:
+                            ttft = self._clock() - sent
+                            resp.close()  # disconnect: vLLM aborts the request and frees its slot
+                            return Observation(status=status, first_event=payload, ttft=ttft)
+                    return Observation(status=status)  # the stream ended without a data event
+        except TimeoutError:
+            return Observation(status=status, timed_out=True)
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            if status is None:
+                return Observation(connect_error=f"{type(e).__name__}: {e}")
+            return Observation(status=status)  # broke mid-stream: a bad response
+        except (aiohttp.ClientPayloadError, aiohttp.ClientResponseError, ValueError):
+            return Observation(status=status)
+
+    async def _discover(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> Observation | None:
+        """Set self.model from /v1/models; on failure, the Observation that classifies it."""
+        async with session.get(f"{self.base_url}/v1/models", headers=headers) as resp:
+            if not 200 <= resp.status < 300:
+                self._on_discovery_error()
+                return Observation(status=resp.status, body=await _read_some(resp))
+            try:
+                model = pick_model(await resp.json(content_type=None))
+            except ValueError:
+                model = None
+            if model is None:
+                self._on_discovery_error()
+                return Observation(status=resp.status)  # no data event: a bad response
+            self.model = model
+            log.info("probing model %s at %s", model, self.base_url)
+            return None
+
+
+async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:
+    return (await resp.content.read(limit)).decode("utf-8", errors="replace")
