@@ -18,10 +18,10 @@ CUDA_ERROR_TEXT = "CUDA error: an illegal memory access was encountered"
 # fault -> its parameters and their defaults (every parameter is optional).
 FAULTS: dict[str, dict[str, Any]] = {
     "thermal": {"k": 6.0, "recovery_s": 0.0},  # every phase x k
-    "pcie": {"k": 4.0, "prefill_k": 2.0, "recovery_s": 0.0},  # decode x k, prefill x prefill_k
+    "pcie": {"k": 3.0, "prefill_k": 2.0, "recovery_s": 0.0},  # decode x k, prefill x prefill_k
     # KV budget shrunk to kv_fraction (preemptions, usage near 1) plus periodic spikes of x spike_k
     # lasting spike_s every period_s, the first one when the fault starts.
-    "kv_thrash": {"kv_fraction": 0.03, "spike_k": 5.0, "period_s": 4.0, "spike_s": 1.0},
+    "kv_thrash": {"kv_fraction": 0.06, "spike_k": 3.0, "period_s": 4.0, "spike_s": 1.0},
     "hang": {},  # the engine freezes: requests are accepted and never answered; /health stays 200
     # rate: share of requests that fail; mode "http" = 500 before any output, "midstream" = an error
     # event after the first token (non-streaming requests get the 500 then).

@@ -188,6 +188,7 @@ class Engine:
         self._step: _Step | None = None
         self._stalled_at: float | None = None
         self._kv_capacity_blocks = self.params.kv_cache_tokens // self.params.block_size
+        self._kv_usable_blocks = self._kv_capacity_blocks  # after a fault's kv_fraction, as of the last step
         self.num_preemptions = 0  # cumulative, like vllm:num_preemptions_total
 
     # -- inputs -------------------------------------------------------------------------------
@@ -241,10 +242,13 @@ class Engine:
         return len(self._waiting)
 
     def kv_usage(self) -> float:
-        """Fraction 0-1 of the full KV cache held by running sequences (vllm:kv_cache_usage_perc)."""
+        """Fraction 0-1 of the usable KV cache held by running sequences (vllm:kv_cache_usage_perc).
+
+        A fault that shrinks the cache (kv_thrash) shrinks the denominator, as less free GPU memory would.
+        """
         bs = self.params.block_size
         used = sum(_blocks(s.kv_tokens, bs) for s in self._running)
-        return min(1.0, used / self._kv_capacity_blocks) if self._kv_capacity_blocks else 0.0
+        return min(1.0, used / self._kv_usable_blocks)
 
     def kv_capacity_blocks(self, now: float) -> int:
         """KV blocks usable now (a fault may shrink the cache)."""
@@ -319,6 +323,7 @@ class Engine:
         p = self.params
         sd = self.slowdown(t)
         capacity = max(1, int(self._kv_capacity_blocks * sd.kv_fraction))  # = kv_capacity_blocks(t)
+        self._kv_usable_blocks = capacity
         bs = p.block_size
         running = self._running
         # Decodes need one more slot each; when the cache is full, preempt the newest sequences

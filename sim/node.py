@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from sim.faults import CUDA_ERROR_TEXT, Fault, FaultError, FaultState
 from sim.metrics import VllmMetrics
@@ -327,7 +328,7 @@ class SimNode:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})  # any Prometheus parses it
 
     # -- admin --------------------------------------------------------------------------------
     def fault_status(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def test_kv_thrash_spikes_periodically_and_shrinks_the_cache():
     assert fault_slowdown(f, 10.5).decode == 5.0
     assert fault_slowdown(f, 12.0).decode == 1.0
     assert fault_slowdown(f, 14.2).decode == 5.0
-    assert fault_slowdown(f, 12.0).kv_fraction == pytest.approx(0.03)
+    assert fault_slowdown(f, 12.0).kv_fraction == pytest.approx(0.06)
 
 
 def test_slow_recovery_decays_after_clearing():

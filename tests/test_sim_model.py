@@ -118,6 +118,14 @@ def test_kv_usage_reports_fraction_of_cache():
     assert eng.kv_usage() == pytest.approx(4000 / 16_000, abs=0.002)
 
 
+def test_shrunk_cache_reports_usage_against_what_is_left():
+    eng = Engine(replace(EXACT, kv_cache_tokens=16_000), slowdown=lambda _t: Slowdown(kv_fraction=0.25))
+    eng.submit("r", 3000, 100, 0.0)
+    eng.advance(0.0)
+    eng.advance(eng.next_event_time())
+    assert eng.kv_usage() == pytest.approx(3008 / 4000, abs=0.002)
+
+
 def test_full_cache_preempts_and_recomputes():
     # Tiny KV with growing decodes: the newest sequences are preempted, everything still finishes.
     params = replace(EXACT, kv_cache_tokens=1024, block_size=16)
