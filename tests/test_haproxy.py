@@ -166,7 +166,8 @@ def test_concurrent_readers_do_not_interfere(haproxy_factory):
 
 def test_example_gateway_config_is_valid(tmp_path):
     import subprocess
-    text = open("haproxy/haproxy.example.cfg").read()
+    from pathlib import Path
+    text = Path("haproxy/haproxy.example.cfg").read_text()
     text = text.replace("/run/haproxy/admin.sock", str(tmp_path / "admin.sock"))
     text = text.replace("/var/lib/haproxy/server-state", str(tmp_path / "state"))
     (tmp_path / "h.cfg").write_text(text)
