@@ -114,6 +114,18 @@ class RulesConfig:
     regression_factor: float = 2.0  # alert when P99 TTFT exceeds this multiple of the pool's baseline
     kv_saturation_ratio: float = 0.95
     promtool: str = "promtool"
+    # Evaluation interval of the control rule group (the controller's signals); null: Prometheus' global
+    # evaluation_interval (1m by default, far too slow for a 5 s control tick).
+    control_interval: str | None = "5s"
+    runbook_url: str = "https://github.com/grayguard/grayguard/blob/main/docs/runbook.md"  # alerts link here
+    controller_job: str = "grayguard-controller"  # Prometheus job that scrapes the controller
+    exporter_job: str = "grayguard-exporter"  # Prometheus job that scrapes the node exporters
+    controller_stale_s: float = 120.0  # page when the last successful tick is older than this
+    probe_failures: int = 3  # consecutive failed probes that page
+    load_gpu_utilization: float = 0.5  # a GPU counts as under load above this utilization (0-1)
+    reload_url: str | None = None  # POST target after writing rules; default: <prometheus.url>/-/reload
+    alert_for: dict[str, str] = field(default_factory=dict)  # per-alert `for:` overrides, e.g. {X: 10m}
+    alert_severity: dict[str, str] = field(default_factory=dict)  # per-alert severity: page or ticket
 
 
 @dataclass(frozen=True)
@@ -249,6 +261,26 @@ def _validate(cfg: Config) -> None:
     _check(cfg.rules.regression_factor > 1, "rules.regression_factor", "must be > 1")
     _check(0 < cfg.rules.kv_saturation_ratio <= 1, "rules.kv_saturation_ratio", "must be in (0, 1]")
     _check(cfg.rules.rerender_interval_s >= 0, "rules.rerender_interval_s", "must be >= 0")
+    ru = cfg.rules
+    _check(ru.control_interval is None or bool(DURATION_RE.match(ru.control_interval)), "rules.control_interval",
+           "must be a Prometheus duration such as 5s, or null for the global evaluation_interval")
+    _check(ru.runbook_url.startswith(("http://", "https://")), "rules.runbook_url",
+           f"must start with http:// or https://, got {ru.runbook_url!r}")
+    for name in ("controller_job", "exporter_job"):  # pasted into PromQL string literals
+        _check(bool(re.match(r'^[^"\\\s]+$', getattr(ru, name))), f"rules.{name}",
+               "must be a non-empty job name without quotes, backslashes or spaces")
+    _check(ru.controller_stale_s > 0, "rules.controller_stale_s", "must be > 0")
+    _check(ru.probe_failures >= 1, "rules.probe_failures", "must be >= 1")
+    _check(0 < ru.load_gpu_utilization <= 1, "rules.load_gpu_utilization", "must be in (0, 1]")
+    _check(ru.reload_url is None or ru.reload_url.startswith(("http://", "https://")), "rules.reload_url",
+           "must start with http:// or https://, or be null")
+    for alert, dur in ru.alert_for.items():
+        _check(bool(re.match(r"^Grayguard[A-Za-z0-9]+$", alert)), f"rules.alert_for.{alert}", "not an alert name")
+        _check(bool(DURATION_RE.match(dur)), f"rules.alert_for.{alert}", "must be a duration such as 0s or 10m")
+    for alert, sev in ru.alert_severity.items():
+        _check(bool(re.match(r"^Grayguard[A-Za-z0-9]+$", alert)), f"rules.alert_severity.{alert}",
+               "not an alert name")
+        _check(sev in ("page", "ticket"), f"rules.alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
     _check(cfg.tick_interval_s > 0, "tick_interval_s", "must be > 0")
     _check(cfg.stale_after_s > 0, "stale_after_s", "must be > 0")
     host, _, port = cfg.listen_address.rpartition(":")

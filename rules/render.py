@@ -1,0 +1,171 @@
+"""Render Prometheus recording and alert rules from the grayguard config (pure: config in, YAML text out)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from controller.config import Config, ConfigError
+
+TEMPLATES = Path(__file__).parent / "templates"
+RECORDING_FILE = "grayguard-recording.rules.yml"
+ALERTS_FILE = "grayguard-alerts.rules.yml"
+
+# Every alert the templates emit: name -> (default severity, default `for:`).
+# Severity scheme: `page` = a person acts now, day or night; `ticket` = a person looks in working hours.
+ALERTS: dict[str, tuple[str, str]] = {
+    "GrayguardNodeDegraded": ("ticket", "15m"),
+    "GrayguardNodeQuarantined": ("page", "5m"),
+    "GrayguardSafeguardEngaged": ("page", "2m"),
+    "GrayguardControllerDown": ("page", "2m"),
+    "GrayguardControllerStale": ("page", "1m"),
+    "GrayguardProbeFailing": ("page", "2m"),
+    "GrayguardProbeCudaError": ("page", "1m"),
+    "GrayguardExporterDown": ("ticket", "5m"),
+    "GrayguardNvmlDown": ("ticket", "5m"),
+    "GrayguardGpuThrottled": ("ticket", "10m"),
+    "GrayguardGpuPcieLinkDegraded": ("ticket", "10m"),
+    "GrayguardGpuEccUncorrectable": ("page", "1m"),
+    "GrayguardGpuRowRemapFailure": ("page", "1m"),
+    "GrayguardGpuRowRemapPending": ("ticket", "15m"),
+    "GrayguardGpuXidError": ("page", "1m"),
+    "GrayguardGpuLost": ("page", "1m"),
+    "GrayguardKvCacheSaturated": ("ticket", "15m"),
+    "GrayguardTtftRegression": ("ticket", "15m"),  # one rule per pool with a learned baseline
+}
+
+
+@dataclass(frozen=True)
+class Window:
+    """One rate window and the rule group that uses it."""
+
+    group: str
+    range: str  # Prometheus duration, e.g. 30s
+    interval: str | None  # group evaluation interval; None: the global one
+    control: bool  # holds the controller's signals and the window-less gauges
+    human: bool  # holds the long-window rules (TTFT quantiles)
+
+    @property
+    def suffix(self) -> str:
+        return f"rate{self.range}"
+
+
+def windows(cfg: Config) -> list[Window]:
+    """The control window and, unless it is the same, the human window."""
+    r = cfg.rules
+    if r.control_window == r.human_window:
+        return [Window("grayguard-control", r.control_window, r.control_interval, True, True)]
+    return [Window("grayguard-control", r.control_window, r.control_interval, True, False),
+            Window("grayguard-human", r.human_window, None, False, True)]
+
+
+def signal_names(cfg: Config) -> dict[str, str]:
+    """The recorded series the controller queries (config `signals`), for this config's control window."""
+    w = f"rate{cfg.rules.control_window}"
+    return {"latency_query": f"instance:vllm_normalized_latency_seconds_per_token:{w}",
+            "request_rate_query": f"instance:vllm_request_rate:{w}"}
+
+
+def ttft_p99_series(cfg: Config) -> str:
+    """The recorded per-pool P99 time to first token over the human window."""
+    return f"pool:vllm_time_to_first_token_seconds:p99_rate{cfg.rules.human_window}"
+
+
+def baseline_query(cfg: Config) -> str:
+    """PromQL for the learned per-pool TTFT baseline: the median of the pool's P99 over baseline_window.
+
+    The median of the recorded 5-minute P99s, not the P99 of the whole window: a regression that has
+    lasted a few hours must not raise its own threshold.
+    """
+    return f"quantile_over_time(0.5, {ttft_p99_series(cfg)}[{cfg.rules.baseline_window}])"
+
+
+def node_labels(cfg: Config) -> list[str]:
+    """Labels per-node rules keep: pool, instance and every pool's series_label."""
+    out = ["pool", "instance"]
+    for p in cfg.pools:
+        if p.series_label not in out:
+            out.append(p.series_label)
+    return out
+
+
+def clean_baselines(cfg: Config, baselines: Mapping[str, float] | None) -> dict[str, float]:
+    """Baselines of configured pools only, finite and positive, rounded to 2 significant digits.
+
+    Rounding keeps a slowly drifting baseline from rewriting the rules (and reloading Prometheus)
+    on every re-render; pool names come from the validated config, never from Prometheus.
+    """
+    out = {}
+    for p in cfg.pools:
+        v = (baselines or {}).get(p.name)
+        if v is not None and math.isfinite(v) and v > 0:
+            out[p.name] = float(f"{v:.2g}")
+    return out
+
+
+def _num(x: float) -> str:
+    """A float as a short PromQL/YAML literal: 0.25, 2, 1e-05."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
+def alert_meta(cfg: Config) -> dict[str, dict[str, str]]:
+    """Severity, for and runbook URL per alert, with the config's overrides; unknown names are errors."""
+    r = cfg.rules
+    for section in ("alert_for", "alert_severity"):
+        for name in getattr(r, section):
+            if name not in ALERTS:
+                raise ConfigError(f"rules.{section}.{name}", f"unknown alert (known: {', '.join(ALERTS)})")
+    base = r.runbook_url.split("#")[0]
+    return {name: {"severity": r.alert_severity.get(name, sev), "for": r.alert_for.get(name, dur),
+                   "runbook_url": f"{base}#{name.lower()}"}
+            for name, (sev, dur) in ALERTS.items()}
+
+
+def _env() -> jinja2.Environment:
+    # << >> and <% %> because the alert descriptions carry Go templates ({{ $labels.pool }}).
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+        variable_start_string="<<", variable_end_string=">>", block_start_string="<%",
+        block_end_string="%>", comment_start_string="<#", comment_end_string="#>",
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda s: json.dumps(str(s), ensure_ascii=False)  # a YAML double-quoted scalar
+    env.filters["num"] = _num
+    return env
+
+
+def _context(cfg: Config) -> dict:
+    ws = windows(cfg)
+    return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
+            "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega)}
+
+
+def render_recording(cfg: Config, template: str = "recording.rules.yml.j2") -> str:
+    """The recording rules file for cfg."""
+    return _env().get_template(template).render(**_context(cfg))
+
+
+def render_alerts(cfg: Config, baselines: Mapping[str, float] | None = None,
+                  template: str = "alerts.rules.yml.j2") -> str:
+    """The alert rules file for cfg; baselines (pool -> learned P99 TTFT seconds) add regression alerts."""
+    learned = clean_baselines(cfg, baselines)
+    regressions = [{"pool": p, "baseline": _num(v)} for p, v in sorted(learned.items())]
+    return _env().get_template(template).render(
+        meta=alert_meta(cfg), regressions=regressions, factor=_num(cfg.rules.regression_factor),
+        ttft_p99=ttft_p99_series(cfg), **_context(cfg))
+
+
+def recording_rule_names(cfg: Config) -> list[str]:
+    """Every series the recording rules of cfg record."""
+    doc = yaml.safe_load(render_recording(cfg))
+    return [r["record"] for g in doc["groups"] for r in g["rules"]]
+
+
+def render_all(cfg: Config, baselines: Mapping[str, float] | None = None) -> dict[str, str]:
+    """Every rule file: file name -> content."""
+    return {RECORDING_FILE: render_recording(cfg), ALERTS_FILE: render_alerts(cfg, baselines)}
