@@ -104,17 +104,36 @@ def test_build_exporter_takes_an_injected_nvml():
     assert healthy_h100(0).uuid in text
 
 
+def test_the_grayguard_dispatcher_offers_the_exporter():
+    from controller.cli import build_parser
+
+    args = build_parser().parse_args(["exporter", "--probe.deadline", "1s"])
+    assert args._run is cli.run and args.probe_deadline == 1.0
+
+
+# The exporter's own entry, without the dispatcher (which imports every component).
+ENTRY = ("import argparse, sys, logging; from exporters import cli; logging.basicConfig(level='INFO'); "
+         "p = argparse.ArgumentParser(); cli.add_arguments(p); sys.exit(cli.run(p.parse_args(sys.argv[1:])))")
+
+
 def test_sigterm_shuts_down_cleanly():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "exporter", "--web.listen-address",
-                             "127.0.0.1:0", "--no-probe", "--no-collector.nvml"],
-                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    proc = subprocess.Popen([sys.executable, "-c", ENTRY, "--web.listen-address", "127.0.0.1:0", "--no-probe",
+                             "--no-collector.nvml"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump():
+        for line in proc.stderr:
+            lines.put(line)
+        lines.put(None)  # EOF: the process ended
+
+    threading.Thread(target=pump, daemon=True).start()
     try:
-        url = None
+        url, seen = None, []
         while url is None:
             line = lines.get(timeout=10)
+            assert line is not None, f"exporter exited early: {''.join(seen)}"
+            seen.append(line)
             if "serving on" in line:
                 url = line.rsplit(" ", 1)[-1].strip()
         with requests.Session() as session:
