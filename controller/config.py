@@ -126,6 +126,9 @@ class RulesConfig:
     reload_url: str | None = None  # POST target after writing rules; default: <prometheus.url>/-/reload
     alert_for: dict[str, str] = field(default_factory=dict)  # per-alert `for:` overrides, e.g. {X: 10m}
     alert_severity: dict[str, str] = field(default_factory=dict)  # per-alert severity: page or ticket
+    # How vLLM's series are named in Prometheus: "vllm:" (text format), "vllm_" (scraped as OpenMetrics
+    # from a prometheus_client that escapes ':', e.g. by Prometheus < 2.49), or "any" (matches both).
+    vllm_prefix: str = "vllm:"
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,8 @@ def _validate(cfg: Config) -> None:
         _check(bool(re.match(r"^Grayguard[A-Za-z0-9]+$", alert)), f"rules.alert_severity.{alert}",
                "not an alert name")
         _check(sev in ("page", "ticket"), f"rules.alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
+    _check(ru.vllm_prefix in ("vllm:", "vllm_", "any"), "rules.vllm_prefix",
+           f"must be 'vllm:', 'vllm_' or 'any', got {ru.vllm_prefix!r}")
     _check(cfg.tick_interval_s > 0, "tick_interval_s", "must be > 0")
     _check(cfg.stale_after_s > 0, "stale_after_s", "must be > 0")
     host, _, port = cfg.listen_address.rpartition(":")

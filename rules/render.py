@@ -127,6 +127,13 @@ def alert_meta(cfg: Config) -> dict[str, dict[str, str]]:
             for name, (sev, dur) in ALERTS.items()}
 
 
+def vllm_selector(prefix: str, name: str, matchers: str = "") -> str:
+    """A selector for vLLM series `name` (without prefix) under the configured naming (rules.vllm_prefix)."""
+    if prefix == "any":
+        return f'{{__name__=~"vllm[:_]{name}"{", " + matchers if matchers else ""}}}'
+    return f"{prefix}{name}{{{matchers}}}" if matchers else f"{prefix}{name}"
+
+
 def _env() -> jinja2.Environment:
     # << >> and <% %> because the alert descriptions carry Go templates ({{ $labels.pool }}).
     env = jinja2.Environment(
@@ -142,7 +149,8 @@ def _env() -> jinja2.Environment:
 def _context(cfg: Config) -> dict:
     ws = windows(cfg)
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
-            "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega)}
+            "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega),
+            "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers)}
 
 
 def render_recording(cfg: Config, template: str = "recording.rules.yml.j2") -> str:

@@ -126,3 +126,19 @@ def test_alertmanager_example_groups_by_pool_and_inhibits_per_pool():
     assert rule["source_matchers"] == ['alertname="GrayguardSafeguardEngaged"']
     assert "GrayguardNodeQuarantined" in rule["target_matchers"][0]
     assert rule["equal"] == ["pool"]
+
+
+@pytest.mark.parametrize("prefix, input_sep", [("vllm_", "_"), ("any", ":"), ("any", "_")])
+def test_recording_unit_tests_pass_under_other_vllm_naming(promtool, tmp_path, prefix, input_sep):
+    """rules.vllm_prefix: the same hand-computed numbers when Prometheus stores vllm_ names (OpenMetrics
+    scrape with ':' escaped) or when the rules match both spellings."""
+    data = yaml.safe_load((REPO / "grayguard.example.yaml").read_text())
+    data["rules"]["vllm_prefix"] = prefix
+    rec = render_all(parse_config(data))["grayguard-recording.rules.yml"]
+    assert ("vllm:" in rec) is False
+    (tmp_path / "grayguard-recording.rules.yml").write_text(rec)
+    (tmp_path / "tests").mkdir()
+    test = (RULES / "tests" / "recording.test.yml").read_text().replace("series: 'vllm:", f"series: 'vllm{input_sep}")
+    (tmp_path / "tests" / "recording.test.yml").write_text(test)
+    res = run([promtool, "test", "rules", "recording.test.yml"], cwd=tmp_path / "tests")
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -20,6 +20,7 @@ from rules.render import (
     render_all,
     render_recording,
     signal_names,
+    vllm_selector,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,6 +171,7 @@ def test_unknown_alert_override_names_the_field(section):
     ({"load_gpu_utilization": 0}, "rules.load_gpu_utilization"),
     ({"probe_failures": 0}, "rules.probe_failures"),
     ({"reload_url": "localhost:9090"}, "rules.reload_url"),
+    ({"vllm_prefix": "vllm-"}, "rules.vllm_prefix"),
 ])
 def test_bad_rules_config_names_the_field(rules, path):
     with pytest.raises(ConfigError) as e:
@@ -203,3 +205,13 @@ def test_baseline_query_uses_the_recorded_p99_and_window():
 def test_file_names():
     assert set(render_all(cfg_with())) == {RECORDING_FILE, ALERTS_FILE}
     assert render.TEMPLATES.is_dir()
+
+
+def test_vllm_selector_spellings():
+    assert vllm_selector("vllm:", "num_requests_running") == "vllm:num_requests_running"
+    assert vllm_selector("vllm_", "request_success_total", 'finished_reason="error"') == \
+        'vllm_request_success_total{finished_reason="error"}'
+    assert vllm_selector("any", "request_success_total", 'finished_reason="error"') == \
+        '{__name__=~"vllm[:_]request_success_total", finished_reason="error"}'
+    text = render_recording(cfg_with(vllm_prefix="vllm_"))
+    assert "vllm_e2e_request_latency_seconds_sum[30s]" in text and "vllm:" not in text

@@ -1,0 +1,191 @@
+"""Re-render the rule files from the config and learned baselines; replace and reload only on change.
+
+The controller calls RuleRerenderer.maybe_rerender() from its loop: every rules.rerender_interval_s it
+queries Prometheus for each pool's learned P99 TTFT, renders, and when a file's content differs it
+writes a temp file, checks it with promtool (when installed), atomically replaces the old file and
+POSTs /-/reload once. A render that fails the check never replaces the good file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import yaml
+
+from controller.config import Config
+from controller.promclient import PromError, PrometheusClient
+from rules.render import baseline_query, render_all
+
+log = logging.getLogger("grayguard.rules")
+
+
+class RuleFileError(Exception):
+    """A rendered rule file failed validation; nothing was replaced."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one re-render did."""
+
+    changed: bool  # at least one rule file was replaced
+    reloaded: bool  # Prometheus acknowledged /-/reload
+    error: str | None = None  # why it stopped early (the good files stay in place)
+    files: tuple[str, ...] = ()  # names of the replaced files
+
+
+def fetch_baselines(client: PrometheusClient, cfg: Config) -> dict[str, float]:
+    """pool -> learned P99 TTFT seconds (finite values only); PromError when Prometheus fails."""
+    out = {}
+    for s in client.query(baseline_query(cfg)):
+        pool = s.labels.get("pool")
+        if pool and math.isfinite(s.value):
+            out[pool] = s.value
+    return out
+
+
+def check_rule_files(paths: list[Path], promtool: str | None) -> None:
+    """Raise RuleFileError unless every file is a YAML rule-group document that promtool accepts.
+
+    Without promtool (not installed) only the YAML shape is checked.
+    """
+    for p in paths:
+        try:
+            doc = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise RuleFileError(f"{p.name}: not valid YAML: {e}") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list):
+            raise RuleFileError(f"{p.name}: not a rule file (no `groups:` list)")
+    if not promtool:
+        return
+    binary = shutil.which(promtool)
+    if not binary:
+        log.warning("promtool %r not found: rule files checked as YAML only", promtool)
+        return
+    try:
+        proc = subprocess.run([binary, "check", "rules", "--lint-fatal", *map(str, paths)],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuleFileError(f"promtool check rules could not run: {e}") from e
+    if proc.returncode != 0:
+        raise RuleFileError(f"promtool check rules failed:\n{(proc.stdout + proc.stderr).strip()}")
+
+
+def write_if_changed(out_dir: str | os.PathLike[str], files: Mapping[str, str], promtool: str | None) -> list[str]:
+    """Replace the files whose content differs, after checking them all; return the replaced names.
+
+    Temp files sit next to their targets (same file system, so os.replace is atomic) and end in
+    .tmp, so a Prometheus rule_files glob such as *.yml never loads them.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = {}
+    for name, text in files.items():
+        try:
+            current = (out / name).read_text()
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            changed[name] = text
+    if not changed:
+        return []
+    temps = {name: out / f".{name}.{os.getpid()}.tmp" for name in changed}
+    try:
+        for name, text in changed.items():
+            with open(temps[name], "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(temps[name], 0o644)  # Prometheus may run as another user
+        check_rule_files(list(temps.values()), promtool)
+        for name in changed:
+            os.replace(temps[name], out / name)
+    finally:
+        for t in temps.values():
+            t.unlink(missing_ok=True)
+    return sorted(changed)
+
+
+class RuleRerenderer:
+    """Level-triggered rule re-rendering: render, compare with disk, replace and reload on change."""
+
+    def __init__(self, cfg: Config, out_dir: str | os.PathLike[str] | None = None,
+                 prometheus_url: str | None = None, session: requests.Session | None = None,
+                 promtool: str | None = None, clock: Callable[[], float] = time.time,
+                 reload_url: str | None = None,
+                 render: Callable[[Config, Mapping[str, float]], dict[str, str]] = render_all,
+                 environ: Mapping[str, str] | None = None):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir if out_dir is not None else cfg.rules.output_dir)
+        self.prometheus_url = (prometheus_url or cfg.prometheus.url).rstrip("/")
+        self.session = session if session is not None else requests.Session()
+        self.promtool = promtool if promtool is not None else cfg.rules.promtool
+        self.clock = clock
+        self.reload_url = reload_url or cfg.rules.reload_url or f"{self.prometheus_url}/-/reload"
+        self.render = render
+        self.client = PrometheusClient(dataclasses.replace(cfg.prometheus, url=self.prometheus_url),
+                                       session=self.session, environ=environ)
+        self.interval_s = cfg.rules.rerender_interval_s
+        self.last_attempt: float | None = None
+        self.reload_pending = False  # a replaced file Prometheus has not loaded yet
+        self.baselines: dict[str, float] = {}
+
+    def due(self, now: float) -> bool:
+        """True when a re-render is due (the first call always is, unless the interval is 0)."""
+        if self.interval_s <= 0:
+            return False
+        return self.last_attempt is None or now - self.last_attempt >= self.interval_s
+
+    def maybe_rerender(self, now: float | None = None) -> Result:
+        """Re-render when due; otherwise do nothing and return Result(False, False)."""
+        now = self.clock() if now is None else now
+        if not self.due(now):
+            return Result(False, False)
+        self.last_attempt = now
+        return self.rerender()
+
+    def rerender(self) -> Result:
+        """Query baselines, render, replace changed files, reload; errors are returned, never raised."""
+        try:
+            baselines = fetch_baselines(self.client, self.cfg)
+        except PromError as e:
+            # Without baselines the regression alerts would vanish: keep the current files instead.
+            return Result(False, False, f"baseline query failed ({e.kind}): {e}")
+        try:
+            files = self.render(self.cfg, baselines)
+        except Exception as e:  # a template bug or bad override must not stop the controller
+            return Result(False, False, f"render failed: {e}")
+        try:
+            changed = write_if_changed(self.out_dir, files, self.promtool)
+        except (RuleFileError, OSError) as e:
+            return Result(False, False, f"rules not replaced: {e}")
+        self.baselines = dict(baselines)
+        if changed:
+            log.info("rule files changed: %s (baselines %s)", ", ".join(changed), baselines)
+            self.reload_pending = True
+        if not self.reload_pending:
+            return Result(False, False)
+        error = self.reload()
+        return Result(bool(changed), error is None, error, tuple(changed))
+
+    def reload(self) -> str | None:
+        """POST the reload URL once; None on success, else the error (retried on the next re-render)."""
+        try:
+            resp = self.session.post(self.reload_url, headers=self.client.headers, auth=self.client.auth,
+                                     timeout=self.cfg.prometheus.timeout_s, verify=self.cfg.prometheus.verify_tls)
+        except requests.RequestException as e:
+            return f"reload failed: {e}"
+        if resp.status_code >= 300:
+            return f"reload failed: HTTP {resp.status_code} from {self.reload_url}: {resp.text[:200]}"
+        self.reload_pending = False
+        log.info("Prometheus reloaded its rules (%s)", self.reload_url)
+        return None
