@@ -116,10 +116,11 @@ def arrival_plan(cfg: LoadConfig) -> Iterator[tuple[float, int, int]]:
 
 
 class _Run:
-    def __init__(self, cfg: LoadConfig, session: aiohttp.ClientSession, model: str | None) -> None:
+    def __init__(self, cfg: LoadConfig, session: aiohttp.ClientSession, model: str | None,
+                 sink: list[RequestRecord] | None = None) -> None:
         self.cfg, self.session, self.model = cfg, session, model
         self.loop = asyncio.get_running_loop()
-        self.records: list[RequestRecord] = []
+        self.records: list[RequestRecord] = sink if sink is not None else []
         self.inflight = 0
 
     async def one(self, rec: RequestRecord, due: float) -> None:
@@ -205,15 +206,20 @@ class _Run:
             await asyncio.gather(*tasks)
 
 
-async def run_load(cfg: LoadConfig, *, session: aiohttp.ClientSession | None = None) -> LoadResult:
-    """Run the load and return every request's record (in arrival order) and the phases."""
+async def run_load(cfg: LoadConfig, *, session: aiohttp.ClientSession | None = None,
+                   sink: list[RequestRecord] | None = None) -> LoadResult:
+    """Run the load and return every request's record (in arrival order) and the phases.
+
+    sink: a list that receives each record as it is created and is updated in place as the request
+    ends (status leaves "pending"), so a live view can read progress while the run goes on.
+    """
     own = session is None
     if session is None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                         timeout=aiohttp.ClientTimeout(total=None))
     try:
         model = cfg.model if cfg.model is not None else await _first_model(session, cfg)
-        run = _Run(cfg, session, model)
+        run = _Run(cfg, session, model, sink)
         wall, t0 = time.time(), run.loop.time()
         await run.arrivals()
         wall_s = run.loop.time() - t0

@@ -7,6 +7,7 @@ the end of the engine step in progress, so the CPU cost is per step, not per tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -270,6 +271,13 @@ class SimNode:
                       usage: bool, cuda_mode: str | None, headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await resp.prepare(request)  # like vLLM: headers go out before the first token
+        # a client that hangs up mid-stream (probes do, after one chunk) is not an error
+        with contextlib.suppress(ConnectionResetError):
+            await self._stream_body(resp, rid, q, gen, prompt_tokens, usage, cuda_mode)
+        return resp
+
+    async def _stream_body(self, resp: web.StreamResponse, rid: str, q: _Pending, gen: _Text,
+                           prompt_tokens: int, usage: bool, cuda_mode: str | None) -> None:
         while True:
             ev = await q.get()
             if ev is _SHUTDOWN:
@@ -294,7 +302,6 @@ class SimNode:
                 break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
 
     async def _whole(self, rid: str, q: _Pending, gen: _Text, prompt_tokens: int, cuda_mode: str | None,
                      headers: dict[str, str]) -> web.Response:
