@@ -24,8 +24,9 @@ render  writes grayguard-recording.rules.yml and grayguard-alerts.rules.yml from
         windows, job names, thresholds). With --prometheus-baselines it first asks Prometheus for each
         pool's learned P99 time to first token and adds a regression alert per pool. Files are
         checked with promtool (when installed) and replaced atomically, only when they change.
-check   runs `promtool check rules` on every *.rules.yml, `promtool test rules` on tests/*.test.yml
-        and `amtool check-config` on alertmanager*.yml of a rules directory.
+check   runs `promtool check rules` on every *.rules.yml, `promtool test rules` on tests/*.test.yml,
+        `promtool check config` on prometheus*.yml and `amtool check-config` on alertmanager*.yml
+        of a rules directory.
 
 examples:
   grayguard rules render --config grayguard.yaml --out /etc/prometheus/rules
@@ -112,6 +113,8 @@ def check_cmd(args: argparse.Namespace) -> int:
     ok = _run_tool([promtool, "check", "rules", "--lint-fatal", *map(str, rule_files)])
     for t in tests:  # test files name rule files relative to themselves
         ok = _run_tool([promtool, "test", "rules", t.name], cwd=t.parent) and ok
+    for c in sorted(d.glob("prometheus*.yml")):
+        ok = _run_tool([promtool, "check", "config", str(c)]) and ok
     am_configs = sorted(d.glob("alertmanager*.yml"))
     amtool = shutil.which(args.amtool)
     if am_configs and not amtool:

@@ -103,6 +103,11 @@ def test_promtool_test_catches_a_broken_rule(promtool, tmp_path):
     assert "NaN" in res.stdout + res.stderr
 
 
+def test_promtool_check_prometheus_example(promtool):
+    res = run([promtool, "check", "config", str(RULES / "prometheus.example.yml")])
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_amtool_check_config(amtool):
     res = run([amtool, "check-config", str(AM_EXAMPLE)])
     assert res.returncode == 0, res.stdout + res.stderr
