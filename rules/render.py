@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -134,6 +135,7 @@ def vllm_selector(prefix: str, name: str, matchers: str = "") -> str:
     return f"{prefix}{name}{{{matchers}}}" if matchers else f"{prefix}{name}"
 
 
+@functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     # << >> and <% %> because the alert descriptions carry Go templates ({{ $labels.pool }}).
     env = jinja2.Environment(

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controller.config import ConfigError, load_config, parse_config
 from rules import render
@@ -215,3 +217,21 @@ def test_vllm_selector_spellings():
         '{__name__=~"vllm[:_]request_success_total", finished_reason="error"}'
     text = render_recording(cfg_with(vllm_prefix="vllm_"))
     assert "vllm_e2e_request_latency_seconds_sum[30s]" in text and "vllm:" not in text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.sampled_from(["chat", "batch", "other"]),
+                       st.floats(allow_nan=True, allow_infinity=True) | st.floats(1e-4, 1e3)))
+def test_baselines_property(baselines):
+    """Any Prometheus answer gives valid rules: configured pools only, finite positive thresholds, one
+    regression rule per learned pool, and re-rounding changes nothing (no churn between re-renders)."""
+    cfg = cfg_with()
+    clean = clean_baselines(cfg, baselines)
+    assert set(clean) <= {"chat", "batch"}
+    assert all(math.isfinite(v) and v > 0 for v in clean.values())
+    assert clean_baselines(cfg, clean) == clean
+    rules = [r for r in alert_rules(render_alerts(cfg, baselines)) if r["alert"] == "GrayguardTtftRegression"]
+    assert sorted(r["labels"]["pool"] for r in rules) == sorted(clean)
+    for r in rules:
+        threshold = r["expr"].rsplit(">", 1)[1]
+        assert "nan" not in threshold.lower() and "inf" not in threshold.lower()
