@@ -106,7 +106,8 @@ class Sampler:
                 kind = "page" if n.path == "/page" else "ticket"
                 self.event(kind, f"{a.get('status')} {lab.get('alertname')} pool={lab.get('pool')} "
                            f"node={lab.get('node') or lab.get('instance')}", node=lab.get("node"),
-                           alert=lab.get("alertname"), status=a.get("status"))
+                           pool=lab.get("pool"), alert=lab.get("alertname"), status=a.get("status"),
+                           runbook_url=a.get("annotations", {}).get("runbook_url"))
         self._seen_notes = len(notes)
         s = {"t": t, "nodes": nodes}
         self.samples.append(s)
