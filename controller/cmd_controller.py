@@ -116,10 +116,28 @@ def run(args: argparse.Namespace) -> int:
         srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status)
         log.info("serving /metrics and /status on %s", args.listen_address or cfg.listen_address)
     stop = threading.Event()
-    run_loop(ctl, cfg.tick_interval_s, stop)
+    run_loop(ctl, cfg.tick_interval_s, stop, rerender=make_rerender(cfg))
     if srv:
         srv.shutdown()
     return 0
+
+
+def make_rerender(cfg: Config):
+    """The periodic alert-rule re-render (every rules.rerender_interval_s), or None when it is off."""
+    if cfg.rules.rerender_interval_s <= 0:
+        return None
+    from rules.rerender import RuleRerenderer
+    rr = RuleRerenderer(cfg)
+    log.info("re-rendering alert rules into %s every %gs", rr.out_dir, cfg.rules.rerender_interval_s)
+
+    def rerender() -> None:
+        res = rr.maybe_rerender()
+        if res.error:
+            log.warning("rules: %s", res.error)
+        elif res.changed:
+            log.info("rules: rewrote %s; Prometheus reloaded: %s", ", ".join(res.files), res.reloaded)
+
+    return rerender
 
 
 def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender=None) -> None:

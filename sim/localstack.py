@@ -184,9 +184,8 @@ class LocalStack:
 
     def start_controller(self) -> None:
         from controller.canary import make_canary
-        from controller.cmd_controller import run_loop, startup_checks
+        from controller.cmd_controller import make_rerender, run_loop, startup_checks
         from controller.httpserver import serve
-        from rules.rerender import RuleRerenderer
 
         assert self.cfg is not None
         self.progress("starting the controller")
@@ -197,10 +196,9 @@ class LocalStack:
         for problem in startup_checks(self.controller):
             log.warning("%s", problem)
         self._http = serve(cfg.listen_address, self.controller.metrics.registry, self.controller.status)
-        rr = RuleRerenderer(cfg)
         self._ctl_thread = threading.Thread(
             target=run_loop, args=(self.controller, cfg.tick_interval_s, self._ctl_stop),
-            kwargs={"rerender": rr.maybe_rerender}, name="controller", daemon=True)
+            kwargs={"rerender": make_rerender(cfg)}, name="controller", daemon=True)
         self._ctl_thread.start()
 
     # ---- faults --------------------------------------------------------------------------------
