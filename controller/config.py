@@ -66,6 +66,12 @@ class PoolConfig:
     backend: str
     series_label: str = "instance"  # Prometheus label that identifies a node's series
     servers: dict[str, ServerConfig] = field(default_factory=dict)  # per-server overrides
+    # Mixed hardware: take each node's peer group from this label of signals.peer_group_query (e.g. the
+    # exporter's GPU model, `name`); a server's own peer_group wins. None: one group per pool.
+    peer_group_label: str | None = None
+    # Speed coefficient per peer group (latency relative to the pool), for groups too small to score
+    # on their own; unset groups of 2+ nodes learn theirs from their fastest member.
+    group_speed: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,25 @@ class SignalsConfig:
     # Instant queries returning one sample per node, keyed by the pool's series_label.
     latency_query: str = "instance:vllm_normalized_latency_seconds_per_token:rate30s"
     request_rate_query: str = "instance:vllm_request_rate:rate30s"
+    # Optional signals (an empty string switches one off). A failing optional query is counted and
+    # treated as absent; only the latency and rate queries hold the whole tick.
+    probe_result_query: str = "max by (pool, instance, result) (grayguard_probe_last_result == 1)"
+    probe_ttft_query: str = "max by (pool, instance) (grayguard_probe_last_ttft_seconds)"
+    probe_failures_query: str = "max by (pool, instance) (grayguard_probe_consecutive_failures)"
+    error_ratio_query: str = "instance:vllm_request_errors:ratio_rate30s"
+    kv_cache_query: str = "instance:vllm_kv_cache_usage_ratio:max"
+    gpu_throttled_query: str = (
+        "max by (pool, instance) (grayguard_gpu_clock_event_reason_active{reason=~\"hw_slowdown|sw_thermal_slowdown|"
+        "hw_thermal_slowdown|hw_power_brake_slowdown\"}) * on (pool, instance) "
+        "(max by (pool, instance) (grayguard_gpu_utilization_ratio) > bool 0.5)")
+    pcie_degraded_query: str = (
+        "max by (pool, instance) ((grayguard_gpu_pcie_link_generation < bool grayguard_gpu_pcie_link_max_generation)"
+        " + (grayguard_gpu_pcie_link_width < bool grayguard_gpu_pcie_link_max_width)) * on (pool, instance) "
+        "(max by (pool, instance) (grayguard_gpu_utilization_ratio) > bool 0.5)")
+    gpu_ecc_query: str = (
+        "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
+    gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"
+    peer_group_query: str = "max by (pool, instance, name) (grayguard_gpu_info)"
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,24 @@ class ThresholdsConfig:
     min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
     min_request_rate: float = 0.05  # req/s below which a node's latency is not trusted
     min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
+    # probes (the exporter's 1-token micro-probe)
+    probe_slow_factor: float = 0.3  # weight factor while probes are slow (and slower than the peers' probes)
+    probe_failures_to_quarantine: int = 2  # consecutive timeouts/failed probes that quarantine (CUDA: one)
+    probe_ok_to_clear: int = 3  # good probes in a row that clear a slow-probe degrade
+    # errors
+    error_ratio: float = 0.01  # finished_reason="error" share above which...
+    error_ticks: int = 3  # ...sustained this many ticks...
+    error_factor: float = 0.6  # ...the weight is multiplied by this
+    circuit_error_ratio: float = 0.5  # an error share this high for circuit_ticks opens the node's circuit:
+    circuit_ticks: int = 2  # drained, then half-open (canaries) every canary_interval_s
+    # KV-cache saturation: load, not sickness (no quarantine, no page)
+    kv_saturated: float = 0.95  # usage at which the node gets no new traffic...
+    kv_drained: float = 0.85  # ...until it falls below this
+    # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
+    evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
+    # membership
+    new_node_warmup_s: float = 30.0  # a node that joins a running pool holds slow_start_initial this long
+    forget_after_s: float = 300.0  # a node gone from HAProxy is forgotten after this (its state is kept)
 
 
 @dataclass(frozen=True)
@@ -251,6 +294,18 @@ def _validate(cfg: Config) -> None:
     _check(t.min_peers >= 3, "thresholds.min_peers", "must be >= 3 (no median of two means anything)")
     _check(t.min_request_rate >= 0, "thresholds.min_request_rate", "must be >= 0")
     _check(0 <= t.min_degraded_weight <= 256, "thresholds.min_degraded_weight", "must be in 0..256")
+    for name in ("probe_slow_factor", "error_factor"):
+        _check(0 < getattr(t, name) <= 1, f"thresholds.{name}", "must be in (0, 1]")
+    for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "error_ticks", "circuit_ticks",
+                 "evidence_sustain_ticks"):
+        _check(getattr(t, name) >= 1, f"thresholds.{name}", "must be >= 1")
+    _check(0 < t.error_ratio < t.circuit_error_ratio <= 1, "thresholds.circuit_error_ratio",
+           "must be in (thresholds.error_ratio, 1]")
+    _check(0 < t.kv_drained < t.kv_saturated <= 1, "thresholds.kv_drained", "must be in (0, thresholds.kv_saturated)")
+    _check(t.evidence_sustain_ticks <= t.sustain_ticks, "thresholds.evidence_sustain_ticks",
+           "must be <= thresholds.sustain_ticks (evidence shortens, never lengthens)")
+    _check(t.new_node_warmup_s >= 0, "thresholds.new_node_warmup_s", "must be >= 0")
+    _check(t.forget_after_s >= 0, "thresholds.forget_after_s", "must be >= 0")
     _check(r.min_quarantine_s >= 0, "recovery.min_quarantine_s", "must be >= 0")
     _check(r.canary_interval_s > 0, "recovery.canary_interval_s", "must be > 0")
     _check(r.canary_successes >= 1, "recovery.canary_successes", "must be >= 1")
@@ -308,6 +363,10 @@ def _validate(cfg: Config) -> None:
         for s in p.servers:
             _check(bool(HAPROXY_NAME_RE.match(s)), f"pools[{i}].servers.{s}",
                    "server names may only hold letters, digits, '-', '_', '.' and ':'")
+        _check(p.peer_group_label is None or bool(PROM_LABEL_RE.match(p.peer_group_label)),
+               f"pools[{i}].peer_group_label", f"{p.peer_group_label!r} is not a Prometheus label name")
+        for g, c in p.group_speed.items():
+            _check(c > 0, f"pools[{i}].group_speed.{g}", "must be > 0 (latency relative to the pool)")
 
 
 def parse_config(data: Any) -> Config:

@@ -29,7 +29,7 @@ from controller.policy import (
     canary_due,
     decide_pool,
 )
-from controller.promclient import PromError, PrometheusClient, Sample
+from controller.promclient import PromError, PrometheusClient, Sample, finite
 from controller.statefile import StateFile
 
 log = logging.getLogger("grayguard.controller")
@@ -58,6 +58,7 @@ class Controller:
                  dry_run: bool = False):
         self.cfg = cfg
         self.policy = Policy(cfg.thresholds, cfg.recovery)
+        self.policies = {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed)) for p in cfg.pools}
         self.prom = prom
         self.haproxies = haproxies
         self.canary = canary
@@ -109,6 +110,26 @@ class Controller:
                     return {}, (f"Prometheus data is {now - s.timestamp:.0f}s old "
                                 f"(stale_after_s={self.cfg.stale_after_s:g})")
         return got, None
+
+    OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
+                "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group")
+
+    def read_optional(self) -> dict[str, list[Sample]]:
+        """The optional signals; a failing query is counted, logged once, and treated as absent."""
+        got = {}
+        for name in self.OPTIONAL:
+            q = getattr(self.cfg.signals, f"{name}_query")
+            if name == "peer_group" and not any(p.peer_group_label for p in self.cfg.pools):
+                continue
+            if not q:
+                continue
+            try:
+                got[name] = self.prom.query(q)
+            except PromError as e:
+                self.metrics.prometheus_errors.labels(e.kind).inc()
+                self._warn_once(f"signal:{name}:{e.kind}", f"signal {name} unavailable ({e.kind}): {e}; "
+                                f"treated as absent (signals.{name}_query)")
+        return got
 
     @staticmethod
     def series_key(pool: PoolConfig, server: ServerState) -> str:
@@ -178,6 +199,7 @@ class Controller:
             result.held = why
             log.warning("holding every weight: %s", why)
             return
+        optional = self.read_optional()
         now = self.clock()
         primary = next(iter(hap.values()))
         lat = {}
@@ -198,17 +220,25 @@ class Controller:
                                     f"{name!r} is not in HAProxy backend {pool.backend!r}")
             prev = self.states.get(pool.name, {})
             canaries = self.run_canaries(pool, servers, prev, now)
+            sig = signal_maps(pool, optional)
             inputs = {}
             for n, s in servers.items():
                 key = self.series_key(pool, s)
                 o = pool.servers.get(n)
-                inputs[n] = NodeInput(base_weight=s.initial_weight, latency=lat[pool.name].get(key),
-                                      request_rate=rate[pool.name].get(key),
-                                      peer_group=o.peer_group if o else None,
-                                      canary=canaries.get(n), hold=s.maint)
-            decision = decide_pool(prev, inputs, self.policy, now)
+                inputs[n] = NodeInput(
+                    base_weight=s.initial_weight, latency=lat[pool.name].get(key),
+                    request_rate=rate[pool.name].get(key),
+                    peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
+                    canary=canaries.get(n), hold=s.maint,
+                    probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
+                    probe_failures=_int(sig["probe_failures"].get(key)),
+                    error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),
+                    gpu_throttled=_flag(sig["gpu_throttled"].get(key)),
+                    pcie_degraded=_flag(sig["pcie_degraded"].get(key)),
+                    gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)))
+            decision = decide_pool(prev, inputs, self.policies[pool.name], now)
             result.decisions[pool.name] = decision
-            self.states[pool.name] = {n: d.state for n, d in decision.nodes.items()}
+            self.states[pool.name] = {**decision.retained, **{n: d.state for n, d in decision.nodes.items()}}
             for n, d in decision.nodes.items():
                 if d.changed:
                     self.metrics.transitions.labels(pool.name, n, d.previous, d.state.state).inc()
@@ -260,6 +290,11 @@ class Controller:
             for st in STATES:
                 m.node_state.labels(p, n, st).set(1 if s.state == st else 0)
             m.node_base_weight.labels(p, n).set(servers[n].initial_weight)
+            active = {k: f for k, f, _ in s.factors}
+            kv_zero = d.weight == 0 and not d.drain and servers[n].initial_weight > 0
+            for signal in ("latency", "probe", "errors"):
+                m.node_factor.labels(p, n, signal).set(active.get(signal, 1.0))
+            m.node_factor.labels(p, n, "kv_cache").set(0.0 if kv_zero else 1.0)
             if d.weight is not None:
                 m.node_weight.labels(p, n).set(d.weight)
             for gauge, value in ((m.node_score, s.score), (m.node_latency_ema, s.ema),
@@ -292,8 +327,33 @@ class Controller:
                 nd = d.nodes.get(n) if d else None
                 nodes.append({"node": n, "state": s.state, "since": s.since, "weight": s.weight,
                               "score": s.score, "ratio_to_peers": s.ratio, "latency_ema": s.ema,
-                              "peer_median": nd.peer_median if nd else None, "reason": s.reason})
+                              "peer_median": nd.peer_median if nd else None, "reason": s.reason,
+                              "factors": {k: f for k, f, _ in s.factors}, "drain_cause": s.cause or None,
+                              "gone_since": s.gone_since})
             pools.append({"pool": pool.name, "backend": pool.backend,
                           "ejected": d.ejected if d else None, "max_ejected": d.max_ejected if d else None,
                           "safeguard_engaged": d.safeguard if d else None, "nodes": nodes})
         return {"last_tick": self.last_tick, "dry_run": self.dry_run, "pools": pools}
+
+
+def _flag(v: float | None) -> bool | None:
+    return None if v is None or v != v else v > 0
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None or not math.isfinite(v) else int(v)
+
+
+def signal_maps(pool: PoolConfig, optional: dict[str, list[Sample]]) -> dict[str, dict]:
+    """Series key -> value for every optional signal (probe_result and peer_group map to label values)."""
+    out: dict[str, dict] = {}
+    for name in Controller.OPTIONAL:
+        samples = optional.get(name, [])
+        if name == "probe_result":
+            out[name] = {s.labels.get(pool.series_label): s.labels.get("result") for s in samples if s.value == 1}
+        elif name == "peer_group":
+            lbl = pool.peer_group_label
+            out[name] = {s.labels.get(pool.series_label): s.labels.get(lbl) for s in samples} if lbl else {}
+        else:
+            out[name] = {s.labels.get(pool.series_label): s.value for s in samples}
+    return out

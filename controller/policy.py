@@ -1,9 +1,14 @@
 """The node state machine: one pure function from (previous states, observations, now) to decisions.
 
-healthy -> degraded (weight = base * 2^-(score-2)) -> quarantined (drained, weight 0, once the outlier
-has been sustained) -> canary (synthetic 1-token requests straight to the node) -> slow_start
-(initial share of the base weight, ramped per minute) -> healthy. No I/O, no clock: `now` is a
-parameter, so the live loop, replay and the benchmark engine run exactly this code.
+healthy -> degraded -> quarantined (drained) -> canary (1-token requests straight to the node) ->
+slow_start -> healthy. No I/O, no clock: `now` is a parameter, so the live loop, replay and the
+benchmark engine run exactly this code.
+
+Weight = base x the product of the signals' factors (latency 2^-(score-2), slow probes, errors;
+slow start's ramp share), at least min_degraded_weight while any factor cuts it; 0 when drained or
+when the KV cache is saturated (weight 0 without drain: running requests finish, no new ones).
+Quarantine causes: a sustained latency outlier (sooner with GPU evidence), failing probes or a CUDA
+error, or an open error circuit — never more than the safeguard cap allows.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from controller import peers, signals
 from controller.config import RecoveryConfig, ThresholdsConfig
-from controller.scoring import Baseline, baseline, ema, leave_one_out, usable
+from controller.scoring import ema, usable
+from controller.signals import SignalMemory
 
 HEALTHY, DEGRADED, QUARANTINED, CANARY, SLOW_START = (
     "healthy", "degraded", "quarantined", "canary", "slow_start")
@@ -27,11 +34,12 @@ class Policy:
 
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    group_speed: Mapping[str, float] = field(default_factory=dict)  # pools[].group_speed
 
 
 @dataclass(frozen=True)
 class NodeInput:
-    """What the controller observed about one node this tick."""
+    """What the controller observed about one node this tick. None everywhere means "no data"."""
 
     base_weight: int  # the server's configured HAProxy weight
     latency: float | None = None  # normalized latency; None, NaN or Inf: no data this tick
@@ -39,6 +47,15 @@ class NodeInput:
     peer_group: str | None = None
     canary: float | None = None  # a canary ran this tick: its latency estimate (inf: it failed)
     hold: bool = False  # operator maintenance (MAINT): leave the node alone
+    probe_result: str | None = None  # the exporter's last probe class (ok, slow, timeout, cuda_error, ...)
+    probe_ttft: float | None = None  # seconds, last answered probe
+    probe_failures: int | None = None  # the exporter's consecutive failures (None: counted per tick)
+    error_ratio: float | None = None  # share of requests that finished with an error (0-1)
+    kv_cache_usage: float | None = None  # 0-1
+    gpu_throttled: bool | None = None  # thermal/power throttling under load
+    pcie_degraded: bool | None = None  # link generation or width below its maximum under load
+    gpu_ecc_uncorrectable: bool | None = None
+    gpu_xid: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,13 @@ class NodeState:
     last_canary: float | None = None
     weight: int | None = None
     reason: str = ""
+    lat_degraded: bool = False  # the latency signal holds the node degraded
+    lat_factor: float = 1.0  # its factor (kept while the node has no data)
+    signals: SignalMemory = field(default_factory=SignalMemory)
+    factors: tuple = ()  # ((signal, factor, reason), ...) in force, for /status and metrics
+    cause: str = ""  # why the node was drained: latency, probe, errors
+    ramp_start: float | None = None  # slow start ramps from here (a new node's warm-up ends here)
+    gone_since: float | None = None  # absent from HAProxy since
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,7 @@ class PoolDecision:
     max_ejected: int
     ejected: int
     safeguard: bool
+    retained: dict[str, NodeState] = field(default_factory=dict)  # absent nodes within their grace period
 
 
 def max_ejected(n_nodes: int, fraction: float) -> int:
@@ -92,58 +117,57 @@ def canary_due(s: NodeState, now: float, r: RecoveryConfig) -> bool:
 
 
 def slow_start_share(s: NodeState, now: float, r: RecoveryConfig) -> float:
-    return min(1.0, r.slow_start_initial + r.slow_start_step_per_min * max(0.0, now - s.since) / 60.0)
+    start = s.since if s.ramp_start is None else s.ramp_start
+    return min(1.0, r.slow_start_initial + r.slow_start_step_per_min * max(0.0, now - start) / 60.0)
 
 
-def target_weight(s: NodeState, base: int, now: float, p: Policy) -> int:
+def latency_factor(score: float) -> float:
+    """2^-(score-2) with the score rounded down to half points, so the weight does not churn every tick."""
+    q = max(2.0, math.floor(score * 2) / 2)
+    return 2.0 ** -(q - 2.0)
+
+
+def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool = False) -> int:
     """The HAProxy weight for a node in state s (0..256)."""
-    t = p.thresholds
     base = max(0, min(256, base))
-    if s.state in EJECTED:
+    if s.state in EJECTED or kv_zero or base == 0:
         return 0
-    if s.state == SLOW_START:
-        return max(1, math.ceil(base * slow_start_share(s, now, p.recovery))) if base else 0
-    if s.state == DEGRADED:
-        if s.score is None:  # no fresh data: hold the weight we last chose
-            return base if s.weight is None else min(s.weight, base)
-        q = max(2.0, math.floor(s.score * 2) / 2)  # half-point steps: the weight does not churn every tick
-        w = round(base * 2.0 ** -(q - 2.0))
-        return max(min(t.min_degraded_weight, base), min(base, w))
-    return base
+    product = math.prod(f for _, f, _ in s.factors)
+    share = slow_start_share(s, now, p.recovery) if s.state == SLOW_START else 1.0
+    w = base * share * product
+    if product < 1.0:
+        return max(min(p.thresholds.min_degraded_weight, base), min(base, round(w)))
+    return max(1, math.ceil(w)) if s.state == SLOW_START else min(base, round(w))
 
 
 def _move(s: NodeState, to: str, now: float, reason: str) -> NodeState:
     return replace(s, state=to, since=now, reason=reason, hot_ticks=0, calm_ticks=0)
 
 
-def _scores(fresh: dict[str, float], groups: Mapping[str, str | None], min_peers: int,
-            min_spread: float) -> dict[str, Baseline]:
-    """Leave-one-out baseline per scored node: within its peer group, or the pool when the group is small."""
-    pool_loo = leave_one_out(fresh, min_spread) if len(fresh) >= min_peers else {}
-    by_group: dict[str | None, dict[str, float]] = {}
-    for n, v in fresh.items():
-        by_group.setdefault(groups.get(n), {})[n] = v
-    out: dict[str, Baseline] = {}
-    for members in by_group.values():
-        loo = leave_one_out(members, min_spread) if len(members) >= min_peers else pool_loo
-        out.update({n: loo[n] for n in members if n in loo})
-    return out
-
-
-def _canary_baseline(n: str, fresh: dict[str, float], groups: Mapping[str, str | None],
-                     min_peers: int, min_spread: float) -> Baseline | None:
-    same = [v for m, v in fresh.items() if groups.get(m) == groups.get(n)]
-    if len(same) >= min_peers - 1:
-        return baseline(same, min_spread)
-    return baseline(list(fresh.values()), min_spread) if len(fresh) >= min_peers - 1 else None
+def _membership(prev: Mapping[str, NodeState], names: list[str], t: ThresholdsConfig, r: RecoveryConfig,
+                now: float) -> tuple[dict[str, NodeState], dict[str, NodeState]]:
+    """States of the present nodes (new ones warm up, then slow start) and of the recently gone ones."""
+    st, retained = {}, {}
+    for n in names:
+        s = prev.get(n)
+        if s is None and prev:  # joined a running pool
+            s = NodeState(state=SLOW_START, since=now, ramp_start=now + t.new_node_warmup_s,
+                          reason=f"new node: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then slow start")
+        st[n] = replace(s, gone_since=None) if s is not None else NodeState(since=now)
+    for n, s in prev.items():
+        if n not in st:
+            gone = s.gone_since if s.gone_since is not None else now
+            if now - gone < t.forget_after_s:
+                retained[n] = replace(s, gone_since=gone)
+    return st, retained
 
 
 def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], policy: Policy,
                 now: float) -> PoolDecision:
-    """Decide every node of one pool for this tick. Nodes absent from inputs are forgotten."""
+    """Decide every node of one pool for this tick."""
     t, r = policy.thresholds, policy.recovery
     names = sorted(inputs)
-    st = {n: prev.get(n) or NodeState(since=now) for n in names}
+    st, retained = _membership(prev, names, t, r, now)
     groups = {n: inputs[n].peer_group for n in names}
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
@@ -156,92 +180,151 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         st[n] = replace(s, ema=ema(s.ema, i.latency, t.ema_alpha))  # type: ignore[arg-type]
         fresh[n] = st[n].ema  # type: ignore[assignment]
-
-    # 2. Score each against its peers.
-    base_of = _scores(fresh, groups, t.min_peers, t.min_spread)
+    scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
+    probe_ttfts = {n: inputs[n].probe_ttft for n in names if inputs[n].probe_ttft is not None
+                   and st[n].state in IN_ROTATION and not inputs[n].hold}
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
 
-    # 3. Per-node transitions.
-    candidates: list[tuple[float, str]] = []
+    # 2. Per-node transitions.
+    candidates: list[tuple[float, str, str, str]] = []  # (priority, node, cause, reason)
+    kv_full: list[tuple[float, str]] = []
     for n in names:
         s, i = st[n], inputs[n]
         if i.hold:
             continue
         if s.state in IN_ROTATION:
-            b = base_of.get(n)
-            if b is None:
-                s = replace(s, score=None, ratio=None)
-            else:
-                z, ratio = b.score(fresh[n])
-                outlier = ratio >= t.min_relative_gap and z >= t.degrade_score
-                hot = ratio >= t.min_relative_gap and z >= t.quarantine_score
-                calm = ratio < calm_gap or z < t.degrade_score - t.hysteresis
-                s = replace(s, score=z, ratio=ratio, hot_ticks=s.hot_ticks + 1 if hot else 0,
-                            calm_ticks=s.calm_ticks + 1 if calm else 0)
-                why = f"latency {ratio:.2f}x peer median, score {z:.1f}"
-                if s.state in (HEALTHY, SLOW_START) and outlier:
-                    s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks)
-                elif s.state == DEGRADED and s.calm_ticks >= t.recover_ticks:
-                    s = _move(s, HEALTHY, now, f"latency back to {ratio:.2f}x peer median "
-                                                 f"for {s.calm_ticks} ticks")
-                elif s.state == DEGRADED:
-                    s = replace(s, reason=why)
-                if s.hot_ticks >= t.sustain_ticks:
-                    candidates.append((z, n))
-            if s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
-                s = _move(s, HEALTHY, now, "slow start complete")
-        elif s.state == QUARANTINED and now - s.since >= r.min_quarantine_s - 1e-9:
-            s = replace(_move(s, CANARY, now, f"drained {now - s.since:.0f}s; probing with canaries"),
+            s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
+                                   t, r, now, calm_gap)
+            if cand:
+                candidates.append(cand[:1] + (n,) + cand[1:])
+            mem, sat = signals.kv_cache(s.signals, i.kv_cache_usage, t)
+            s = replace(s, signals=mem)
+            if sat:
+                kv_full.append((-(i.kv_cache_usage or 1.0), n))
+        elif s.state == QUARANTINED and now - s.since >= _min_quarantine(s, r) - 1e-9:
+            s = replace(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
                         canary_ok=0, last_canary=None)
         elif s.state == CANARY and i.canary is not None:
-            b = _canary_baseline(n, fresh, groups, t.min_peers, t.min_spread)
-            if b is not None:
-                z, ratio = b.score(i.canary) if usable(i.canary) else (math.inf, math.inf)
-                good = ratio < t.min_relative_gap and z < t.degrade_score
-                ok = s.canary_ok + 1 if good else 0
-                what = "failed" if not usable(i.canary) else f"{ratio:.2f}x peer median"
-                s = replace(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio)
-                            else None, canary_ok=ok, last_canary=now,
-                            reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
-                if ok >= r.canary_successes:
-                    s = replace(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at "
-                                      f"{r.slow_start_initial:.0%}"), ema=i.canary, canary_ok=0)
-            else:
-                s = replace(s, last_canary=now, reason="canary ran but no peers with data to compare")
+            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now)
         st[n] = s
 
-    # 4. Quarantine the sustained outliers, worst first, within the safeguard cap.
+    # 3. Drain the worst candidates within the safeguard cap; KV-saturated nodes share the same budget.
     cap = max_ejected(len(names), t.max_ejected_fraction)
     ejected = sum(1 for n in names if st[n].state in EJECTED)
     safeguard = False
-    for z, n in sorted(candidates, key=lambda c: (-c[0], c[1])):
-        s = st[n]
+    for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
         if ejected < cap:
-            st[n] = replace(_move(s, QUARANTINED, now, f"latency {s.ratio:.2f}x peer median, score {z:.1f} "
-                                  f"for {s.hot_ticks} ticks"), canary_ok=0, last_canary=None)
+            st[n] = replace(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
             ejected += 1
         else:
             safeguard = True
-            st[n] = replace(s, reason=f"latency {s.ratio:.2f}x peer median, score {z:.1f}; quarantine "
-                            f"withheld: safeguard cap of {cap} drained node(s) of {len(names)} reached")
+            st[n] = replace(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} drained "
+                            f"node(s) of {len(names)} reached")
     if ejected > cap:  # the pool shrank or the cap was lowered: release the nodes closest to recovery
         drained = sorted((n for n in names if st[n].state in EJECTED),
                          key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
         for n in drained[:ejected - cap]:
             st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} drained node(s)")
         ejected = cap
+    kv_zero = set()
+    for _, n in sorted(kv_full):
+        if st[n].state in EJECTED:
+            continue
+        if ejected + len(kv_zero) < cap:
+            kv_zero.add(n)
+        else:
+            st[n] = replace(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
+                            + "KV cache saturated, but the safeguard cap keeps it in rotation")
 
-    # 5. Weights.
+    # 4. Weights.
     out = {}
     for n in names:
         s, i = st[n], inputs[n]
-        prev_state = prev[n].state if n in prev else HEALTHY
+        prev_state = prev[n].state if n in prev else HEALTHY if not prev else s.state
         if i.hold:
             out[n] = NodeDecision(replace(s, reason="operator maintenance (MAINT): left alone"),
                                   prev_state, None, False)
             continue
-        w = target_weight(s, i.base_weight, now, policy)
-        b = base_of.get(n)
+        if n in kv_zero:
+            s = replace(s, reason=(s.reason + "; " if s.reason and s.state != HEALTHY else "")
+                        + f"KV cache {(i.kv_cache_usage or 1.0):.0%} full: no new traffic until it drains")
+        w = target_weight(s, i.base_weight, now, policy, kv_zero=n in kv_zero)
+        sc = scored.get(n)
         out[n] = NodeDecision(replace(s, weight=w), prev_state, w, s.state in EJECTED,
-                              b.median if b else None)
-    return PoolDecision(out, cap, ejected, safeguard)
+                              sc.peer_median if sc else None)
+    return PoolDecision(out, cap, ejected, safeguard, retained)
+
+
+def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
+    # An open error circuit goes half-open at the next canary interval; other causes wait min_quarantine_s.
+    return min(r.min_quarantine_s, r.canary_interval_s) if s.cause == "errors" else r.min_quarantine_s
+
+
+def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
+                 peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
+                 calm_gap: float) -> tuple[NodeState, tuple | None]:
+    """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any."""
+    lat_reason = ""
+    if sc is None:
+        s = replace(s, score=None, ratio=None)
+    else:
+        outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
+        hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
+        calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
+        calm_ticks = s.calm_ticks + 1 if calm else 0
+        lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks)
+        s = replace(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
+                    lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
+        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}"
+    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
+                                                    peer_probe, t)
+    mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
+    evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
+    factors = tuple(f for f in (("latency", s.lat_factor, lat_reason or "latency (held)"), ("probe", pf, p_reason),
+                                ("errors", ef, e_reason)) if f[1] < 1.0 and (f[0] != "latency" or s.lat_degraded))
+    s = replace(s, signals=mem, factors=factors)
+    why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""] + [f[2] for f in factors if f[0] != "latency"]
+                    if x)
+    if evidence:
+        why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
+    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0
+    if s.state == SLOW_START and degraded:
+        s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, lat_degraded=s.lat_degraded)
+    elif s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
+        s = _move(s, HEALTHY, now, "slow start complete")
+    elif s.state == HEALTHY and degraded:
+        s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
+    elif s.state == DEGRADED and not degraded:
+        s = _move(s, HEALTHY, now, "recovered: " + (f"latency {s.ratio:.2f}x peer median for {s.calm_ticks} ticks"
+                                                   if s.ratio is not None else "signals back to normal"))
+    elif s.state == DEGRADED or s.state == HEALTHY:
+        s = replace(s, reason=why)
+    if p_quarantine or e_quarantine:
+        return s, (math.inf, "probe" if p_quarantine else "errors", p_quarantine or e_quarantine)
+    sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
+    if sc is not None and s.hot_ticks >= sustain:
+        tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
+        return s, (sc.z, "latency", f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f} for {s.hot_ticks} "
+                   f"tick(s){tail}")
+    return s, None
+
+
+def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,
+                  policy: Policy, now: float) -> NodeState:
+    t, r = policy.thresholds, policy.recovery
+    base = peers.canary_baseline(n, fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
+    if base is None:
+        return replace(s, last_canary=now, reason="canary ran but no peers with data to compare")
+    b, coef = base
+    z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
+    good = ratio < t.min_relative_gap and z < t.degrade_score
+    ok = s.canary_ok + 1 if good else 0
+    what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
+    s = replace(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
+                canary_ok=ok, last_canary=now,
+                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
+    if ok >= r.canary_successes:
+        s = replace(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
+                    ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
+                    signals=SignalMemory(), ramp_start=None)
+    return s

@@ -1,8 +1,8 @@
 """`grayguard replay`: run the controller's decision code over a recorded trace, in virtual time.
 
 Trace CSV, one row per node per tick: t (seconds), pool, node, normalized_latency (empty: no data
-that tick), optional peer_group. While a node is quarantined its trace values stand for what its
-canary requests measure. Output: one JSON object per node per tick.
+that tick), and the optional columns listed in OPTIONAL. While a node is drained its trace values
+stand for what its canary requests measure. Output: one JSON object per node per tick.
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ Trace CSV columns (one row per node per tick):
   t                   seconds (any origin); rows with equal t form one tick
   pool, node          names
   normalized_latency  seconds per weighted token; empty = no data that tick
-  peer_group          optional: compare only with nodes of the same group
-While a node is drained (quarantined/canary) its values stand for what its canaries measure.
+Optional columns (empty = no data that tick):
+  peer_group          compare only with nodes of the same group
+  probe_result        the exporter's probe class: ok, slow, timeout, connect_error, http_error,
+                      cuda_error, bad_response, starting
+  probe_ttft_s        seconds to the probe's first token
+  error_ratio         share of requests that finished with an error (0-1)
+  kv_cache_usage      KV-cache usage (0-1)
+  gpu_throttled, pcie_degraded, gpu_ecc_uncorrectable, gpu_xid
+                      hardware evidence flags (0/1)
+While a node is drained (quarantined/canary) its values stand for what its canaries measure: a
+failing probe_result is a failed canary, otherwise normalized_latency is the canary's estimate.
 
 Output (JSON lines, --out or stdout): {"t", "pool", "node", "state", "score", "weight", "reason"}.
 
@@ -39,6 +48,9 @@ examples:
       --from-prometheus http://prometheus:9090 --start 2026-11-20T10:00:00Z --end 2026-11-20T11:00:00Z --step 5
 """
 REQUIRED = ("t", "pool", "node", "normalized_latency")
+FLAGS = ("gpu_throttled", "pcie_degraded", "gpu_ecc_uncorrectable", "gpu_xid")
+PROBE_CLASSES = frozenset({"ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
+                           "starting"})
 
 
 class TraceError(ValueError):
@@ -52,6 +64,14 @@ class Row:
     node: str
     latency: float | None
     peer_group: str | None = None
+    probe_result: str | None = None
+    probe_ttft: float | None = None
+    error_ratio: float | None = None
+    kv_cache_usage: float | None = None
+    gpu_throttled: bool | None = None
+    pcie_degraded: bool | None = None
+    gpu_ecc_uncorrectable: bool | None = None
+    gpu_xid: bool | None = None
 
 
 def _num(text: str, line: int, col: str) -> float | None:
@@ -78,9 +98,30 @@ def read_trace(f: IO[str]) -> list[Row]:
             raise TraceError(f"line {line}: column t is empty")
         if not rec["pool"] or not rec["node"]:
             raise TraceError(f"line {line}: pool and node must not be empty")
+        probe = (rec.get("probe_result") or "").strip() or None
+        if probe is not None and probe not in PROBE_CLASSES:
+            raise TraceError(f"line {line}: column probe_result: {probe!r} is not one of {sorted(PROBE_CLASSES)}")
+        flags = {}
+        for col in FLAGS:
+            v = _num(rec.get(col) or "", line, col)
+            if v is not None and v not in (0, 1):
+                raise TraceError(f"line {line}: column {col}: must be 0 or 1, got {rec[col]!r}")
+            flags[col] = None if v is None else bool(v)
+        def opt(col: str, line: int = line, rec: dict = rec) -> float | None:
+            return _num(rec.get(col) or "", line, col)
         rows.append(Row(t, rec["pool"], rec["node"], _num(rec["normalized_latency"], line, "normalized_latency"),
-                        (rec.get("peer_group") or None)))
+                        (rec.get("peer_group") or None), probe, opt("probe_ttft_s"), opt("error_ratio"),
+                        opt("kv_cache_usage"), **flags))
     return rows
+
+
+def _canary(r: Row | None) -> float | None:
+    """What a canary to a drained node measures in the trace: failed (inf), an estimate, or nothing."""
+    if r is None:
+        return None
+    if r.probe_result in ("timeout", "connect_error", "http_error", "cuda_error", "bad_response"):
+        return math.inf
+    return r.latency
 
 
 def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100) -> Iterator[dict]:
@@ -99,10 +140,12 @@ def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100) -> Itera
             inputs = {}
             for n, group in members[pool].items():
                 r = seen.get(n)
-                lat = r.latency if r else None
                 due = n in prev and canary_due(prev[n], t, policy.recovery)
-                inputs[n] = NodeInput(base_weight=base_weight, latency=lat, peer_group=group,
-                                      canary=lat if due and lat is not None else None)
+                inputs[n] = NodeInput(
+                    base_weight=base_weight, latency=r.latency if r else None, peer_group=group,
+                    canary=_canary(r) if due else None,
+                    **({k: getattr(r, k) for k in ("probe_result", "probe_ttft", "error_ratio", "kv_cache_usage",
+                                                   *FLAGS)} if r else {}))
             d = decide_pool(prev, inputs, policy, t)
             states[pool] = {n: nd.state for n, nd in d.nodes.items()}
             for n, nd in sorted(d.nodes.items()):

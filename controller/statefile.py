@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from controller.policy import NodeState
+from controller.signals import SignalMemory
 
 log = logging.getLogger("grayguard.state")
 VERSION = 1
@@ -28,9 +29,16 @@ def load_states(text: str) -> dict[str, dict[str, NodeState]]:
     doc = json.loads(text)
     if doc.get("version") != VERSION:
         raise ValueError(f"unsupported state file version {doc.get('version')!r}")
+    return {p: {n: _node_state(s) for n, s in nodes.items()} for p, nodes in doc["pools"].items()}
+
+
+def _node_state(d: dict) -> NodeState:
     names = {f.name for f in dataclasses.fields(NodeState)}
-    return {p: {n: NodeState(**{k: v for k, v in s.items() if k in names}) for n, s in nodes.items()}
-            for p, nodes in doc["pools"].items()}
+    kw = {k: v for k, v in d.items() if k in names}
+    mem_names = {f.name for f in dataclasses.fields(SignalMemory)}
+    kw["signals"] = SignalMemory(**{k: v for k, v in (kw.get("signals") or {}).items() if k in mem_names})
+    kw["factors"] = tuple(tuple(f) for f in kw.get("factors") or ())
+    return NodeState(**kw)
 
 
 class StateFile:

@@ -19,13 +19,18 @@ def servers(n=4, base_port=9100, weight=100):
     return [(f"node{i}", f"127.0.0.1:{base_port + i}", weight) for i in range(n)]
 
 
+OPTIONAL = Controller.OPTIONAL
+
+
 def make_controller(endpoints, extra=None, canary=None, clock=time.time, dry_run=False, state_file=None):
     doc = {"prometheus": {"url": PROM, "timeout_s": 0.5},
            "haproxy": {"endpoints": list(endpoints)},
            "pools": [{"name": "chat", "backend": "vllm_chat"}],
-           "thresholds": {"sustain_ticks": 2}}
+           "thresholds": {"sustain_ticks": 2},
+           # these tests are about latency: the optional signals are off unless a test turns one on
+           "signals": {f"{k}_query": "" for k in OPTIONAL}}
     for k, v in (extra or {}).items():
-        doc[k] = v
+        doc[k] = {**doc[k], **v} if k == "signals" else v
     cfg = parse_config(doc)
     return Controller(cfg, PrometheusClient(cfg.prometheus), [RuntimeClient(e, 1.0) for e in cfg.haproxy.endpoints],
                       canary=canary, metrics=ControllerMetrics.create(), clock=clock, dry_run=dry_run,

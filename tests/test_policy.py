@@ -17,6 +17,7 @@ from controller.policy import (
     NodeState,
     Policy,
     decide_pool,
+    latency_factor,
     max_ejected,
     target_weight,
 )
@@ -100,7 +101,7 @@ def test_a_converged_state_plans_no_writes(p):
 
 
 def test_plan_orders_drain_before_weight_and_weight_before_ready():
-    d = decide_pool({"a": NodeState(state=QUARANTINED, since=0)}, {
+    d = decide_pool({"a": NodeState(state=QUARANTINED, since=0), "b": NodeState(), "c": NodeState()}, {
         "a": NodeInput(100), "b": NodeInput(100), "c": NodeInput(100)}, P, 1.0)
     actual = {n: ServerState("be", n, "h:1", 100, 100, 0, 2) for n in "abc"}
     plan = plan_backend("p", "be", d.nodes, actual)
@@ -124,10 +125,11 @@ def fleet(latencies, prev=None, now=100.0, policy=P, groups=None):
 
 
 def test_degraded_weight_follows_the_seeds_formula_in_half_steps():
-    s = NodeState(state=DEGRADED, score=3.2)
-    assert target_weight(s, 100, 0, P) == round(100 * 2 ** -1.0)  # 3.2 -> 3.0
-    assert target_weight(NodeState(state=DEGRADED, score=2.3), 100, 0, P) == 100
-    assert target_weight(NodeState(state=DEGRADED, score=40), 100, 0, P) == 1  # keeps being measured
+    def w(score):
+        return target_weight(NodeState(state=DEGRADED, factors=(("latency", latency_factor(score), ""),)), 100, 0, P)
+    assert w(3.2) == round(100 * 2 ** -1.0)  # 3.2 -> 3.0
+    assert w(2.3) == 100
+    assert w(40) == 1  # keeps being measured
 
 
 def test_safeguard_caps_quarantine_and_says_so():
@@ -162,6 +164,6 @@ def test_hysteresis_a_node_at_the_edge_does_not_flap():
 
 
 def test_no_data_holds_state_and_weight():
-    prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5)}
+    prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5, lat_degraded=True, lat_factor=0.25)}
     d = fleet({"a": None, "b": None, "c": None, "x": None}, prev=prev)
     assert d.nodes["x"].state.state == DEGRADED and d.nodes["x"].weight == 25

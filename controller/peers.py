@@ -1,0 +1,104 @@
+"""Who a node is compared with: peer groups, per-group speed coefficients, scores. Pure.
+
+A node is scored against the other nodes of its peer group (e.g. its GPU model) when the group
+has at least min_peers nodes with data. A smaller group falls back to the whole pool, with every
+node's latency divided by its group's speed coefficient: configured (pools[].group_speed), or the
+group's fastest member relative to the pool (a sick node is slower, never faster, so the minimum
+is robust to one sick member). A lone node of an unconfigured group cannot be told apart from its
+hardware: it is not scored.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from controller.scoring import Baseline, baseline, leave_one_out
+
+Group = str | None
+
+
+@dataclass(frozen=True)
+class Score:
+    z: float
+    ratio: float  # latency / peer median, both in the node's own units
+    peer_median: float  # in the node's own units
+
+
+def _groups(values: Mapping[str, float], groups: Mapping[str, Group]) -> dict[Group, dict[str, float]]:
+    out: dict[Group, dict[str, float]] = {}
+    for n in sorted(values):
+        out.setdefault(groups.get(n), {})[n] = values[n]
+    return out
+
+
+def coefficients(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
+                 speed: Mapping[str, float], min_members: int = 2) -> dict[Group, float]:
+    """Speed coefficient per group (1.0 = the pool's reference speed); groups without one are left out."""
+    by = _groups(values, groups)
+    large = [v for g in by.values() if len(g) >= min_peers for v in g.values()]
+    ref = statistics.median(large or list(values.values())) if values else 1.0
+    out: dict[Group, float] = {}
+    for g, members in by.items():
+        if g is not None and g in speed:
+            out[g] = speed[g]
+        elif len(members) >= min_peers:
+            out[g] = statistics.median(members.values()) / ref
+        elif len(members) >= min_members:
+            out[g] = min(members.values()) / ref
+    for g, c in speed.items():
+        out.setdefault(g, c)
+    return out
+
+
+def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int, min_spread: float,
+           speed: Mapping[str, float]) -> dict[str, Score]:
+    """Leave-one-out score of every node that can be scored."""
+    by = _groups(values, groups)
+    out: dict[str, Score] = {}
+    small = []
+    for g, members in by.items():
+        if len(members) >= min_peers:
+            for n, b in leave_one_out(members, min_spread).items():
+                z, ratio = b.score(members[n])
+                out[n] = Score(z, ratio, b.median)
+        else:
+            small.append(g)
+    if not small:
+        return out
+    coef = coefficients(values, groups, min_peers, speed)
+    norm = {n: v / coef[groups.get(n)] for n, v in values.items() if groups.get(n) in coef}
+    if len(norm) < min_peers:
+        return out
+    loo = leave_one_out(norm, min_spread)
+    for g in small:
+        for n in by[g]:
+            if n in loo:
+                z, ratio = loo[n].score(norm[n])
+                out[n] = Score(z, ratio, loo[n].median * coef[g])
+    return out
+
+
+def canary_baseline(node: str, values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
+                    min_spread: float, speed: Mapping[str, float]) -> tuple[Baseline, float] | None:
+    """(baseline, the node's coefficient) to judge a canary of a drained node against its peers."""
+    g = groups.get(node)
+    same = [v for m, v in values.items() if groups.get(m) == g]
+    if len(same) >= min_peers - 1:
+        b = baseline(same, min_spread)
+        return (b, 1.0) if b else None
+    coef = coefficients(values, groups, min_peers, speed, min_members=1)
+    if g not in coef:
+        return None
+    norm = [v / coef[groups.get(m)] for m, v in values.items() if groups.get(m) in coef]
+    b = baseline(norm, min_spread) if len(norm) >= min_peers - 1 else None
+    return (b, coef[g]) if b else None
+
+
+def peer_median(node: str, values: Mapping[str, float], groups: Mapping[str, Group]) -> float | None:
+    """Median of the other nodes' values in the node's group (the pool when the group has no others)."""
+    same = [v for m, v in values.items() if m != node and groups.get(m) == groups.get(node)]
+    pool = [v for m, v in values.items() if m != node]
+    pick = same or pool
+    return statistics.median(pick) if pick else None

@@ -1,0 +1,96 @@
+"""Non-latency signals, each a pure function: probe, errors, KV-cache saturation, hardware evidence.
+
+Each returns the node's updated per-signal memory, a weight factor in [0, 1] with its reason, and
+(probe and errors only) a reason to quarantine. The policy multiplies the factors (see
+docs/architecture.md) and owns the state machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.config import ThresholdsConfig
+
+PROBE_FAILURES = frozenset({"timeout", "connect_error", "http_error", "bad_response"})
+PROBE_CUDA = "cuda_error"
+PROBE_ANSWERED = frozenset({"ok", "slow"})
+
+
+@dataclass(frozen=True)
+class SignalMemory:
+    """Per-node memory of the non-latency signals (a part of NodeState)."""
+
+    probe_bad: int = 0  # consecutive failed probes, counted per tick when the exporter's count is absent
+    probe_good: int = 0  # consecutive good probes
+    probe_slow: bool = False  # slow-probe degrade in force
+    error_ticks: int = 0  # consecutive ticks above error_ratio
+    circuit_ticks: int = 0  # consecutive ticks above circuit_error_ratio
+    kv_saturated: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    memory: SignalMemory
+    factors: tuple[tuple[str, float, str], ...]  # (signal, factor, reason) for factors < 1
+    quarantine: str | None  # reason to quarantine now, if any
+    evidence: tuple[str, ...]  # hardware evidence names
+
+
+def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
+          peer_ttft: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
+    """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault."""
+    if result is None or result == "starting":  # no data, or a cold start: hold what we knew
+        return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
+    bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAILURES | {PROBE_CUDA} else 0)
+    if result == PROBE_CUDA:
+        return SignalMemory(**{**m.__dict__, "probe_bad": bad, "probe_good": 0}), 1.0, "", \
+            "probe: CUDA error (the engine answers with a GPU fault)"
+    if result in PROBE_FAILURES:
+        m = SignalMemory(**{**m.__dict__, "probe_bad": bad, "probe_good": 0})
+        if bad >= t.probe_failures_to_quarantine:
+            return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
+        return m, 1.0, "", None
+    # answered: slow only counts when it is also slow against the peers' probes
+    slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
+    if result == "slow" and slower:
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow": True})
+    else:
+        good = m.probe_good + 1
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": good,
+                            "probe_slow": m.probe_slow and good < t.probe_ok_to_clear})
+    if m.probe_slow:
+        what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
+        peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
+        return m, t.probe_slow_factor, f"probe slow ({what}{peers})", None
+    return m, 1.0, "", None
+
+
+def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
+    """A sustained error share cuts the weight; a very high one opens the node's circuit."""
+    if ratio is None:
+        return m, (t.error_factor if m.error_ticks >= t.error_ticks else 1.0), \
+            ("errors (held)" if m.error_ticks >= t.error_ticks else ""), None
+    et = m.error_ticks + 1 if ratio > t.error_ratio else 0
+    ct = m.circuit_ticks + 1 if ratio >= t.circuit_error_ratio else 0
+    m = SignalMemory(**{**m.__dict__, "error_ticks": et, "circuit_ticks": ct})
+    if ct >= t.circuit_ticks:
+        return m, 1.0, "", f"errors: {ratio:.0%} of requests failed for {ct} ticks (circuit open)"
+    if et >= t.error_ticks:
+        return m, t.error_factor, f"errors {ratio:.1%} for {et} ticks", None
+    return m, 1.0, "", None
+
+
+def kv_cache(m: SignalMemory, usage: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, bool]:
+    """Saturated (with hysteresis): no new traffic until the cache drains. Absent data holds the flag."""
+    if usage is None:
+        return m, m.kv_saturated
+    sat = usage >= t.kv_saturated or (m.kv_saturated and usage > t.kv_drained)
+    return SignalMemory(**{**m.__dict__, "kv_saturated": sat}), sat
+
+
+def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool | None,
+             xid: bool | None) -> tuple[str, ...]:
+    """Names of the hardware evidence present this tick."""
+    names = (("GPU throttling under load", gpu_throttled), ("PCIe link below its maximum under load", pcie_degraded),
+             ("uncorrectable ECC errors", ecc), ("XID errors", xid))
+    return tuple(n for n, flag in names if flag)
