@@ -1,0 +1,65 @@
+"""`grayguard dashboards`: render the Grafana dashboards from the grayguard config."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from controller.config import ConfigError, load_config
+from dashboards.config import DashboardConfig
+from dashboards.render import BUILDERS, DASHBOARDS_DIR, DashboardError, changed_files, render_all, write_if_changed
+
+HELP = "render the Grafana dashboards (JSON) from the config"
+DESCRIPTION = f"""\
+render  writes {', '.join(BUILDERS)} from the config: the recorded
+        series' window suffixes (rules.control_window, rules.human_window), the peer-score thresholds
+        (thresholds.degrade_score, quarantine_score), job names and vLLM naming. Without --config the
+        defaults are used (the same as grayguard.example.yaml). Files are replaced atomically, only when
+        they change. --check writes nothing and exits 1 when a file would change.
+
+Grafana loads the files from a folder with dashboards/provisioning/*.yaml; see docs/dashboards.md.
+
+examples:
+  grayguard dashboards render                               # refresh the committed JSON in {DASHBOARDS_DIR.name}/
+  grayguard dashboards render --config grayguard.yaml --out /var/lib/grafana/dashboards/grayguard
+  grayguard dashboards render --check
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="dashboards_action", metavar="ACTION")
+    r = sub.add_parser("render", help="render the dashboard JSON files")
+    r.add_argument("--config", metavar="FILE", help="grayguard YAML config (default: built-in defaults)")
+    r.add_argument("--out", default=str(DASHBOARDS_DIR), metavar="DIR",
+                   help="output directory (default: %(default)s)")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dashboards_action != "render":
+        print("grayguard dashboards: choose an action: render (see --help)", file=sys.stderr)
+        return 2
+    try:
+        cfg = DashboardConfig.from_config(load_config(args.config)) if args.config else DashboardConfig()
+        files = render_all(cfg)
+    except ConfigError as e:
+        print(f"grayguard: config error: {e}", file=sys.stderr)
+        return 2
+    except DashboardError as e:  # a builder bug: never write a dashboard Grafana would reject
+        print(f"grayguard: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    if args.check:
+        stale = changed_files(out, files)
+        for name in files:
+            print(f"{out / name}: {'would change' if name in stale else 'up to date'}")
+        return 1 if stale else 0
+    try:
+        changed = write_if_changed(out, files)
+    except OSError as e:
+        print(f"grayguard: cannot write {out}: {e}", file=sys.stderr)
+        return 1
+    for name in files:
+        print(f"{out / name}: {'written' if name in changed else 'unchanged'}")
+    return 0

@@ -1,0 +1,48 @@
+"""What the dashboards take from the grayguard config: windows, thresholds, job names, vLLM naming (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.config import Config, RulesConfig, ThresholdsConfig
+
+_T, _R = ThresholdsConfig(), RulesConfig()
+_TICK_S = Config.__dataclass_fields__["tick_interval_s"].default
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """Knobs the dashboards are rendered with; the defaults are the controller's and the rules' defaults."""
+
+    control_window: str = _R.control_window  # suffix of the controller's recorded signals (rate30s)
+    human_window: str = _R.human_window  # suffix of the long-window recorded series (rate5m)
+    degrade_score: float = _T.degrade_score  # drawn on the peer-score panel
+    quarantine_score: float = _T.quarantine_score  # drawn on the peer-score panel
+    min_relative_gap: float = _T.min_relative_gap  # drawn on the slowdown panels: never an outlier below it
+    controller_job: str = _R.controller_job  # controller series without a pool label are selected by job
+    controller_stale_s: float = _R.controller_stale_s  # drawn on the last-successful-tick panel
+    probe_failures: int = _R.probe_failures  # drawn on the consecutive-probe-failures panel
+    tick_interval_s: float = _TICK_S  # drawn on the tick-duration panel: a longer tick skips the next one
+    vllm_prefix: str = _R.vllm_prefix  # "vllm:", "vllm_" or "any" (rules.vllm_prefix)
+    refresh: str = "30s"  # dashboard auto-refresh
+    time_from: str = "now-3h"  # default time range
+
+    @property
+    def control(self) -> str:
+        """Suffix of the control-window recorded series, e.g. rate30s."""
+        return f"rate{self.control_window}"
+
+    @property
+    def human(self) -> str:
+        """Suffix of the human-window recorded series, e.g. rate5m."""
+        return f"rate{self.human_window}"
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DashboardConfig:
+        """The dashboard knobs of a validated grayguard config."""
+        t, r = cfg.thresholds, cfg.rules
+        return cls(control_window=r.control_window, human_window=r.human_window, degrade_score=t.degrade_score,
+                   quarantine_score=t.quarantine_score, min_relative_gap=t.min_relative_gap,
+                   controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,
+                   probe_failures=r.probe_failures, tick_interval_s=cfg.tick_interval_s,
+                   vllm_prefix=r.vllm_prefix)

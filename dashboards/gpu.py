@@ -1,0 +1,164 @@
+"""grayguard / GPU health: per node and GPU, what NVML says about clocks, heat, power, PCIe, memory errors, XIDs."""
+
+from __future__ import annotations
+
+from dashboards.config import DashboardConfig
+from dashboards.panels import (
+    PromAnnotation,
+    Q,
+    dashboard,
+    datasource_variable,
+    finish,
+    query_variable,
+    row,
+    single,
+    table_of,
+    timeline,
+    ts,
+)
+from dashboards.pool import transitions_expr
+from dashboards.promql import matchers, zero_fill
+from dashboards.promql import series as s
+
+UID = "grayguard-gpu-health"
+TITLE = "grayguard / GPU health"
+
+G = matchers(pool="~$pool", instance="~$instance", gpu="~$gpu")  # per-GPU exporter series
+E = matchers(pool="~$pool", instance="~$instance")  # per-exporter series
+L = "{{instance}} GPU {{gpu}}"
+BY = "pool, instance, gpu"
+# Clock-event reasons that explain a slow GPU directly; sw_power_cap is normal at the power limit.
+SLOWDOWN = "hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
+ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
+
+
+def _vs_max(name: str, max_name: str, tag: str = "max") -> list[Q]:
+    """A per-GPU series and its reference (drawn dashed: legend starts with `tag`)."""
+    return [Q(s(name, G), L), Q(s(max_name, G), f"{tag} {L}")]
+
+
+def build(cfg: DashboardConfig) -> dict:
+    """The GPU health dashboard as Grafana JSON."""
+    gpus = f"max by ({BY}) (grayguard_gpu_info{{{G}}})"
+    reason = f"grayguard_gpu_clock_event_reason_active{{{G}, reason=~\"{SLOWDOWN}\"}}"
+    d = dashboard(UID, TITLE, "Per node and GPU, NVML's evidence for a slow node: clocks below their maximum and "
+                  "why, heat, power against its limit, PCIe links trained below their maximum and replaying, memory "
+                  "errors, XIDs. Read it under load: an idle GPU legitimately drops clocks and PCIe generation. "
+                  "Rendered by `grayguard dashboards render`.", cfg.refresh, cfg.time_from)
+    d = (d.with_variable(datasource_variable())
+         .with_variable(query_variable("pool", "Pool", "label_values(grayguard_gpu_info, pool)",
+                                       "grayguard pools (the exporters' pool label).", multi=True))
+         .with_variable(query_variable("instance", "Instance",
+                                       'label_values(grayguard_gpu_info{pool=~"$pool"}, instance)',
+                                       "vLLM addresses: the exporter beside each one.", multi=True))
+         .with_variable(query_variable("gpu", "GPU",
+                                       'label_values(grayguard_gpu_info{pool=~"$pool", instance=~"$instance"}, gpu)',
+                                       "NVML GPU index.", multi=True)))
+
+    d = d.with_row(row("Now"))
+    for p in (
+        single("GPUs", "GPUs the exporters report.", [Q(f"count(grayguard_gpu_info{{{G}}})", "GPUs")], w=3,
+               base="blue"),
+        single("NVML down", "Exporters without NVML: their GPU signals are unavailable, not healthy.",
+               [Q(f"sum(1 - grayguard_exporter_nvml_up{{{E}}})", "down")], w=3, steps=[(1, "red")]),
+        single("GPUs lost", "NVML reports the GPU lost or needing a reset (fallen off the bus, XID 79).",
+               [Q(f"sum(grayguard_gpu_lost{{{G}}})", "lost")], w=3, steps=[(1, "red")]),
+        single("Slowed down", "GPUs held down by a hardware, thermal or power-brake clock-event reason now.",
+               [Q(f"sum(max by ({BY}) ({reason}))", "GPUs")], w=3, steps=[(1, "red")]),
+        single("PCIe below max", "GPUs whose link trained below its maximum generation or width (judge under "
+               "load: an idle GPU may downshift).",
+               [Q(f"sum(clamp_max((grayguard_gpu_pcie_link_generation{{{G}}} < bool "
+                  f"grayguard_gpu_pcie_link_max_generation{{{G}}}) + (grayguard_gpu_pcie_link_width{{{G}}} < bool "
+                  f"grayguard_gpu_pcie_link_max_width{{{G}}}), 1))", "GPUs")], w=3, steps=[(1, "orange")]),
+        single("XID events", "XID critical errors the exporters saw since they started.",
+               [Q(zero_fill(f"sum(grayguard_gpu_xid_errors_total{{{G}}})", f"count(grayguard_gpu_info{{{G}}})"),
+                  "XIDs")], w=3, steps=[(1, "red")]),
+        single("Uncorrected ECC", "Volatile uncorrected ECC errors (since the last driver load). " + ABSENT,
+               [Q(f'sum(grayguard_gpu_ecc_errors{{{G}, error_type="uncorrected", counter_type="volatile"}})',
+                  "errors")], w=3, steps=[(1, "red")]),
+        single("Row remap pending / failed", "Rows waiting for a GPU reset, and failed remaps (needs service).",
+               [Q(f"sum(grayguard_gpu_row_remap_pending{{{G}}})", "pending"),
+                Q(f"sum(grayguard_gpu_row_remap_failure{{{G}}})", "failed")], w=3, steps=[(1, "orange")]),
+    ):
+        d = d.with_panel(p)
+
+    d = d.with_row(row("Clocks"))
+    d = d.with_panel(ts("SM clock / max", "Current SM clock over its maximum. Far below 1 under load is "
+                        "throttling: the main mechanism of a thermally or power-limited slow node.",
+                        [Q(f"{s('grayguard_gpu_sm_clock_hertz', G)} / {s('grayguard_gpu_sm_clock_max_hertz', G)}", L)],
+                        "percentunit", lo=0, hi=1, legend_table=True))
+    d = d.with_panel(ts("Memory clock / max", "Current memory clock over its maximum.",
+                        [Q(f"{s('grayguard_gpu_memory_clock_hertz', G)} / "
+                           f"{s('grayguard_gpu_memory_clock_max_hertz', G)}", L)],
+                        "percentunit", lo=0, hi=1, legend_table=True))
+    d = d.with_panel(timeline(
+        "Clocks held down", "Per GPU: slowdown = a hardware, thermal or power-brake clock-event reason "
+        "(cooling, failed fan, PSU); power cap = sw_power_cap, normal at the power limit.",
+        [Q(f"max by ({BY}) ({reason} * 2 or grayguard_gpu_clock_event_reason_active{{{G}, "
+           'reason="sw_power_cap"})', L)],
+        [("0", "ok", "green"), ("1", "power cap", "yellow"), ("2", "slowdown", "red")], w=12))
+    d = d.with_panel(ts("GPUs per clock-event reason", "How many GPUs each reason holds down (gpu_idle is normal "
+                        "when idle, sw_power_cap at the power limit).",
+                        [Q(f"sum by (reason) (grayguard_gpu_clock_event_reason_active{{{G}}})", "{{reason}}")],
+                        "none", lo=0, stacked=True, step_line=True))
+
+    d = d.with_row(row("Heat and power"))
+    d = d.with_panel(ts("Temperature", "GPU core temperature; dashed: HBM (memory) temperature. " + ABSENT,
+                        [Q(s("grayguard_gpu_temperature_celsius", G), L),
+                         Q(s("grayguard_gpu_memory_temperature_celsius", G), f"HBM {L}")],
+                        "celsius", dashed="^HBM ", legend_table=True))
+    d = d.with_panel(ts("Power vs limit", "Power draw; dashed: the enforced limit. A busy GPU drawing far less than "
+                        "its peers does less work; a limit lowered on one node caps its clocks.",
+                        _vs_max("grayguard_gpu_power_watts", "grayguard_gpu_power_limit_watts", "limit"), "watt",
+                        dashed="^limit ", legend_table=True))
+
+    d = d.with_row(row("PCIe"))
+    d = d.with_panel(ts("PCIe link generation vs max", "Current generation; dashed: the maximum of GPU and slot. "
+                        "Gen1 on a Gen5 GPU cuts host-GPU bandwidth ~16x.",
+                        _vs_max("grayguard_gpu_pcie_link_generation", "grayguard_gpu_pcie_link_max_generation"),
+                        "none", w=8, lo=0, dashed="^max ", step_line=True))
+    d = d.with_panel(ts("PCIe link width vs max", "Current lanes; dashed: the maximum.",
+                        _vs_max("grayguard_gpu_pcie_link_width", "grayguard_gpu_pcie_link_max_width"),
+                        "none", w=8, lo=0, dashed="^max ", step_line=True))
+    d = d.with_panel(ts("PCIe replays", "Link-level retransmissions per second: a marginal link (riser, cable, "
+                        "slot) that retries instead of failing.",
+                        [Q(f"rate(grayguard_gpu_pcie_replay_total{{{G}}}[$__rate_interval])", L)], "ops", w=8,
+                        lo=0))
+
+    d = d.with_row(row("Memory errors, XIDs, lost GPUs"))
+    d = d.with_panel(ts("ECC errors", "ECC error counts (volatile: since the last driver load; aggregate: lifetime). "
+                        + ABSENT, [Q(s("grayguard_gpu_ecc_errors", G), f"{L} {{{{error_type}}}} "
+                                     "{{counter_type}}")], "none", w=6, lo=0, step_line=True))
+    d = d.with_panel(ts("Row remapping", "Rows remapped by cause, and remaps pending a reset or failed. " + ABSENT,
+                        [Q(s("grayguard_gpu_remapped_rows", G), f"{L} {{{{cause}}}}"),
+                         Q(s("grayguard_gpu_row_remap_pending", G), f"{L} pending"),
+                         Q(s("grayguard_gpu_row_remap_failure", G), f"{L} failed")], "none", w=6, lo=0,
+                        step_line=True))
+    d = d.with_panel(ts("XID events", "XID critical errors seen per GPU and code since the exporter started (a step "
+                        "up is an event). 0: none seen on a GPU the exporter reports.",
+                        [Q(zero_fill(f"max by ({BY}, xid) (grayguard_gpu_xid_errors_total{{{G}}})", gpus, "xid",
+                                     on=BY), f"{L} xid {{{{xid}}}}")], "none", w=6, lo=0, step_line=True))
+    d = d.with_panel(timeline(
+        "GPU lost / NVML down", "LOST: NVML answers GpuIsLost/ResetRequired or the GPU left the bus. NVML down: "
+        "the exporter has no NVML, so its GPUs show nothing (unknown, not healthy).",
+        [Q(s("grayguard_gpu_lost", G), L), Q(f"1 - grayguard_exporter_nvml_up{{{E}}}", "{{instance}} NVML")],
+        [("0", "ok", "green"), ("1", "LOST / DOWN", "red")], w=6))
+
+    d = d.with_row(row("Utilization and memory"))
+    d = d.with_panel(ts("GPU utilization", "Fraction of the sample period a kernel ran. High with low token "
+                        "throughput: busy but slow (throttled, or a spinning hang).",
+                        [Q(s("grayguard_gpu_utilization_ratio", G), L)], "percentunit", lo=0, hi=1,
+                        legend_table=True))
+    d = d.with_panel(ts("Device memory used", "Device memory in use over its size.",
+                        [Q(f"{s('grayguard_gpu_memory_used_bytes', G)} / {s('grayguard_gpu_memory_total_bytes', G)}",
+                           L)], "percentunit", lo=0, hi=1, legend_table=True))
+    d = d.with_panel(table_of("GPUs", "Identity: model, bus id and driver per GPU. A node on a different driver "
+                              "is a classic odd one out.", [Q(s("grayguard_gpu_info", G), instant=True)], h=8,
+                              hide=("Time", "Value", "__name__", "job")))
+
+    return finish(d, [
+        PromAnnotation("Controller transitions", transitions_expr('pool=~"$pool"'), "orange",
+                       "{{node}}: {{from_state}} → {{to_state}}", "pool,node,from_state,to_state"),
+        PromAnnotation("GPU alerts", 'ALERTS{alertstate="firing", alertname=~"GrayguardGpu.+|GrayguardNvmlDown"}',
+                       "red", "{{alertname}}", "severity,pool,instance,gpu"),
+    ])

@@ -1,0 +1,229 @@
+"""grayguard / Pool overview: what is slow, since when, what the controller did about it, and what users see."""
+
+from __future__ import annotations
+
+from dashboards.config import DashboardConfig
+from dashboards.panels import (
+    PromAnnotation,
+    Q,
+    dashboard,
+    datasource_variable,
+    finish,
+    query_variable,
+    row,
+    single,
+    table_of,
+    timeline,
+    ts,
+)
+from dashboards.promql import matchers, quantile, vllm, zero_fill
+from dashboards.promql import series as s
+
+UID = "grayguard-pool-overview"
+TITLE = "grayguard / Pool overview"
+
+# grayguard_node_state as one number per node: the state timeline shows one row per node.
+STATE_CODES = (("0", "healthy", "green"), ("1", "slow_start", "blue"), ("2", "degraded", "orange"),
+               ("3", "canary", "purple"), ("4", "quarantined", "red"))
+
+P = matchers(pool="$pool")  # pool-level series (controller, recording rules)
+C = matchers(pool="$pool", node="~$node")  # the controller's per-node series (node = HAProxy server)
+V = matchers(pool="$pool", instance="~$instance")  # vLLM and exporter series (instance = vLLM address)
+
+CLIENT_SIDE = ("No client-side series reach Prometheus (the load generator keeps its own records and HAProxy "
+               "is not scraped), so the client's view here is the exporters' 1-token probe: a real streaming "
+               "request from beside each node, timed to its first token, which also sees requests vLLM never "
+               "finishes. vLLM's own histograms (engine-side, finished requests only) are the other lines.")
+
+
+def state_code(m: str) -> str:
+    """grayguard_node_state folded into one value per node (STATE_CODES)."""
+    terms = " or ".join(f'grayguard_node_state{{{m}, state="{name}"}} * {code}' for code, name, _ in STATE_CODES)
+    return f"sum by (pool, node) ({terms})"
+
+
+def transitions_expr(m: str) -> str:
+    """Transitions in the last minute, per node and from/to state.
+
+    A transition counter's series appears at 1 with its first transition, which changes() cannot see: a
+    series absent a minute ago counts as well.
+    """
+    t = s("grayguard_node_transitions_total", m)
+    return (f"sum by (pool, node, from_state, to_state) (\n  changes({t}[1m]) > 0\n"
+            f"  or\n  ({t} unless {t} offset 1m)\n)")
+
+
+def build(cfg: DashboardConfig) -> dict:
+    """The Pool overview dashboard as Grafana JSON."""
+    ctl, hum, px = cfg.control, cfg.human, cfg.vllm_prefix
+    J = matchers(job=cfg.controller_job)
+    ticking = f"sum(rate(grayguard_ticks_total{{{J}}}[$__rate_interval]))"
+    d = dashboard(UID, TITLE, "Per pool: which node is slow against its peers, since when, what the controller "
+                  "did about it (state, weight, drains under the cap), what users see, and whether the controller "
+                  "itself is healthy. Rendered by `grayguard dashboards render`.", cfg.refresh, cfg.time_from)
+    d = (d.with_variable(datasource_variable())
+         .with_variable(query_variable("pool", "Pool", "label_values(grayguard_pool_nodes, pool)",
+                                       "A grayguard pool (one HAProxy backend)."))
+         .with_variable(query_variable("node", "Node", f'label_values(grayguard_node_state{{{P}}}, node)',
+                                       "HAProxy server names, as the controller's series label them.", multi=True))
+         .with_variable(query_variable("instance", "Instance",
+                                       f'label_values(instance:vllm_num_requests_running:sum{{{P}}}, instance)',
+                                       "vLLM addresses, as vLLM and exporter series label them.", multi=True)))
+
+    d = d.with_row(row("Pool now"))
+    for p in (
+        single("Nodes", "Servers in the pool's HAProxy backend.", [Q(s("grayguard_pool_nodes", P), "nodes")]),
+        single("Not healthy", "Nodes in any state but healthy (degraded, quarantined, canary, slow start).",
+               [Q(f'sum(grayguard_node_state{{{P}, state!="healthy"}})', "not healthy")], steps=[(1, "orange")]),
+        single("Drained / cap", "Nodes drained (quarantined or canary) and the most the safeguard allows.",
+               [Q(s("grayguard_pool_ejected_nodes", P), "drained"),
+                Q(s("grayguard_pool_max_ejected_nodes", P), "cap")], base="blue"),
+        single("Safeguard", "ENGAGED: an outlier stays degraded only because the ejection cap binds; several "
+               "nodes are slow at once, which is systemic (load, a bad deploy), not one sick node.",
+               [Q(s("grayguard_pool_safeguard_engaged", P), "safeguard")], steps=[(1, "red")],
+               mapping=[("0", "off", "green"), ("1", "ENGAGED", "red")]),
+        single("Last successful tick", "Seconds since the controller last observed fresh data and reconciled.",
+               [Q(f"time() - max(grayguard_last_successful_tick_timestamp_seconds{{{J}}})", "age")], "s",
+               steps=[(cfg.controller_stale_s, "red")]),
+        single("Data", "HOLDING: the controller holds every weight because Prometheus data is missing or stale.",
+               [Q(f"max(grayguard_data_stale{{{J}}})", "stale")], steps=[(1, "red")],
+               mapping=[("0", "fresh", "green"), ("1", "HOLDING", "red")]),
+    ):
+        d = d.with_panel(p)
+
+    d = d.with_row(row("What is slow, since when"))
+    d = d.with_panel(ts(
+        "Normalized latency per node vs pool median",
+        f"Seconds per token, Σ e2e latency / (ω·prompt + generated tokens), over {cfg.control_window} "
+        "(the controller's input). Dashed: the pool's median node.",
+        [Q(s(f"instance:vllm_normalized_latency_seconds_per_token:{ctl}", V), "{{instance}}"),
+         Q(s(f"pool:vllm_normalized_latency_seconds_per_token:median_{ctl}", P), "pool median")],
+        "s", dashed="^pool median$", legend_table=True))
+    d = d.with_panel(ts(
+        "Slowdown vs pool median",
+        f"How many times slower than the pool's median node (1 = typical), over {cfg.control_window}. Dashed: "
+        f"min_relative_gap ({cfg.min_relative_gap:g}x), below which no node is an outlier.",
+        [Q(s(f"instance:vllm_normalized_latency_to_pool_median:ratio_{ctl}", V), "{{instance}}")],
+        "suffix:x", steps=[(cfg.min_relative_gap, "orange")], legend_table=True))
+    d = d.with_panel(ts(
+        "Peer score",
+        f"Robust z-score of each node's log latency against its peers (grayguard_node_score). Dashed: degrade at "
+        f"{cfg.degrade_score:g} (weight starts to fall), quarantine at {cfg.quarantine_score:g} (sustained: drained). "
+        "A gap: the node is not scored (no data, too few peers).",
+        [Q(s("grayguard_node_score", C), "{{node}}")], "none",
+        steps=[(cfg.degrade_score, "orange"), (cfg.quarantine_score, "red")], legend_table=True))
+    d = d.with_panel(ts(
+        "Slowdown vs peers (controller)",
+        "The controller's smoothed latency of each node over the median of its peers (the node excluded): the "
+        f"ratio it tests against min_relative_gap ({cfg.min_relative_gap:g}x, dashed).",
+        [Q(f"{s('grayguard_node_latency_ema_seconds_per_token', C)}\n/\n"
+           f"{s('grayguard_node_peer_median_seconds_per_token', C)}", "{{node}}")],
+        "suffix:x", steps=[(cfg.min_relative_gap, "orange")], legend_table=True))
+    d = d.with_panel(timeline(
+        "Node state", "The controller's state per node (grayguard_node_state); the transitions are also "
+        "annotations on every panel.", [Q(state_code(C), "{{node}}")], STATE_CODES))
+    d = d.with_panel(table_of(
+        "Why: state and reason now", "The controller's reason for each node's current state.",
+        [Q(s("grayguard_node_reason_info", C), instant=True)], w=8, h=8,
+        hide=("Time", "Value", "__name__", "job", "instance")))
+    d = d.with_panel(ts(
+        "HAProxy weight per node", "The weight the controller wants for each server (0 = drained). Dashed: the "
+        "servers' configured base weight.",
+        [Q(s("grayguard_node_weight", C), "{{node}}"), Q(f"max(grayguard_node_base_weight{{{C}}})", "base weight")],
+        "none", w=8, lo=0, dashed="^base weight$", step_line=True))
+    ej = s("grayguard_pool_ejected_nodes", P)
+    d = d.with_panel(ts(
+        "Drained share of the pool vs cap", "Nodes drained over nodes in the pool, against the safeguard's cap "
+        "(dashed): at the cap, further hot nodes stay degraded and the safeguard engages.",
+        [Q(f"{ej} / ({s('grayguard_pool_nodes', P)} > 0)", "drained"),
+         Q(f"{s('grayguard_pool_max_ejected_nodes', P)} / ({s('grayguard_pool_nodes', P)} > 0)", "cap")],
+        "percentunit", w=8, lo=0, hi=1, dashed="^cap$", step_line=True))
+
+    d = d.with_row(row("What users see"))
+    ttft, itl = vllm(px, "time_to_first_token_seconds_bucket", V), vllm(px, "inter_token_latency_seconds_bucket", V)
+    probe = s("grayguard_probe_ttft_seconds_bucket", V)
+    d = d.with_panel(ts(
+        "TTFT P50 / P99 (pool)", "Time to first token. " + CLIENT_SIDE,
+        [Q(quantile(0.5, ttft), "vLLM P50"), Q(quantile(0.99, ttft), "vLLM P99"),
+         Q(quantile(0.5, probe), "probe P50"), Q(quantile(0.99, probe), "probe P99")], "s", dashed="^probe"))
+    d = d.with_panel(ts(
+        "Inter-token latency P50 / P99 (pool)", "Time between tokens of a stream, per engine step "
+        "(vLLM's inter_token_latency_seconds; the 1-token probe has no second token). " + CLIENT_SIDE,
+        [Q(quantile(0.5, itl), "vLLM P50"), Q(quantile(0.99, itl), "vLLM P99")], "s"))
+    d = d.with_panel(ts(
+        "TTFT P99 per node (vLLM)", "vLLM's time to first token per node: a slow node's queue shows here first.",
+        [Q(quantile(0.99, ttft, "instance"), "{{instance}}")], "s", legend_table=True))
+    d = d.with_panel(ts(
+        "Inter-token latency P99 per node (vLLM)", "vLLM's inter-token latency per node: decode slowness "
+        "(throttled clocks, memory-bound work).",
+        [Q(quantile(0.99, itl, "instance"), "{{instance}}")], "s", legend_table=True))
+    d = d.with_panel(ts(
+        "Request rate", f"Finished requests per second per node over {cfg.human_window}; dashed: the pool.",
+        [Q(s(f"instance:vllm_request_rate:{hum}", V), "{{instance}}"),
+         Q(s(f"pool:vllm_request_rate:{hum}", P), "pool")], "reqps", dashed="^pool$", legend_table=True))
+    d = d.with_panel(ts(
+        "Error ratio", f"Share of finished requests that ended in an error, per node over {cfg.human_window}. "
+        "No sample: no finished requests in the window.",
+        [Q(s(f"instance:vllm_request_errors:ratio_{hum}", V), "{{instance}}")], "percentunit", lo=0,
+        legend_table=True))
+
+    d = d.with_row(row("Probe (a 1-token request from each node's exporter)"))
+    d = d.with_panel(ts(
+        "Probe TTFT P50 / P99 per node", "Time to first token of ok and slow probes (failed probes are counted in "
+        "the results). " + CLIENT_SIDE,
+        [Q(quantile(0.99, probe, "instance"), "{{instance}} P99"),
+         Q(quantile(0.5, probe, "instance"), "{{instance}} P50")], "s", w=6, dashed=" P50$"))
+    d = d.with_panel(ts(
+        "Probe results", "Probes per second by result: ok, slow (a good answer over the threshold), and the "
+        "failures timeout, connect_error, http_error, cuda_error, bad_response.",
+        [Q(f"sum by (result) (rate(grayguard_probe_results_total{{{V}}}[$__rate_interval]))", "{{result}}")],
+        "reqps", w=6, stacked=True, bars=True))
+    d = d.with_panel(ts(
+        "Probe failure ratio", f"Share of probes that failed per node over {cfg.human_window} (slow answers are "
+        "answers).", [Q(s(f"instance:grayguard_probe_failures:ratio_{hum}", V), "{{instance}}")], "percentunit",
+        w=6, lo=0))
+    d = d.with_panel(ts(
+        "Consecutive probe failures", f"Failures in a row per node; dashed: {cfg.probe_failures}, where "
+        "GrayguardProbeFailing pages.", [Q(s("grayguard_probe_consecutive_failures", V), "{{instance}}")], "none",
+        w=6, lo=0, steps=[(cfg.probe_failures, "red")], step_line=True))
+
+    d = d.with_row(row("Controller health"))
+    tick = f"grayguard_tick_duration_seconds_bucket{{{J}}}"
+    d = d.with_panel(ts(
+        "Tick duration P50 / P99", f"Duration of a control tick; dashed: the tick interval ({cfg.tick_interval_s:g} "
+        "s), beyond which the next tick is skipped.",
+        [Q(quantile(0.5, tick), "P50"), Q(quantile(0.99, tick), "P99")], "s", w=6,
+        steps=[(cfg.tick_interval_s, "red")]))
+    d = d.with_panel(ts(
+        "Ticks by result", "ok: reconciled; held: weights held for lack of fresh data; error: the tick failed; "
+        "skipped: the previous tick was still running.",
+        [Q(f"sum by (result) (rate(grayguard_ticks_total{{{J}}}[$__rate_interval]))", "{{result}}")], "ops", w=6,
+        stacked=True))
+    d = d.with_panel(ts(
+        "Seconds since last successful tick", f"Dashed: {cfg.controller_stale_s:g} s, where "
+        "GrayguardControllerStale pages.",
+        [Q(f"time() - grayguard_last_successful_tick_timestamp_seconds{{{J}}}", "age")], "s", w=6, lo=0,
+        steps=[(cfg.controller_stale_s, "red")]))
+    d = d.with_panel(ts(
+        "Controller errors", "Failed Prometheus queries by kind and failed HAProxy runtime API calls by endpoint "
+        "and kind, per second. 0 while the controller ticks without errors; no data: the controller is not scraped.",
+        [Q(zero_fill(f"sum by (kind) (rate(grayguard_prometheus_errors_total{{{J}}}[$__rate_interval]))", ticking,
+                     "kind"), "prometheus {{kind}}"),
+         Q(zero_fill(f"sum by (endpoint, kind) (rate(grayguard_haproxy_errors_total{{{J}}}[$__rate_interval]))",
+                     ticking, "kind"), "haproxy {{endpoint}} {{kind}}")], "ops", w=6, lo=0))
+    d = d.with_panel(ts(
+        "HAProxy writes", "Runtime API set commands per second (a converged system sends none).",
+        [Q(zero_fill(f"sum by (endpoint, kind) (rate(grayguard_haproxy_writes_total{{{J}}}[$__rate_interval]))",
+                     ticking, "kind"), "{{endpoint}} {{kind}}")], "ops", lo=0))
+    d = d.with_panel(ts(
+        "Canaries", "Canary requests to drained nodes per second, by node and result. 0: no node is being "
+        "probed back.",
+        [Q(zero_fill(f"sum by (node, result) (rate(grayguard_canaries_total{{{P}}}[$__rate_interval]))",
+                     ticking, "result"), "{{node}} {{result}}")], "ops", lo=0))
+
+    return finish(d, [
+        PromAnnotation("Controller transitions", transitions_expr(P), "orange",
+                       "{{node}}: {{from_state}} → {{to_state}}", "pool,node,from_state,to_state"),
+        PromAnnotation("grayguard alerts", 'ALERTS{alertstate="firing", alertname=~"Grayguard.+"}', "red",
+                       "{{alertname}}", "severity,pool,node,instance"),
+    ])

@@ -1,0 +1,101 @@
+"""PromQL text for the dashboards, and the reverse: template substitution and metric names of an expression (pure)."""
+
+from __future__ import annotations
+
+import re
+
+from rules.render import vllm_selector
+
+# Values a test or a linter puts in place of Grafana's template variables.
+GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h", "__range_s": "3600",
+                    "__interval_ms": "15000"}
+
+
+def matchers(**labels: str) -> str:
+    """Label matchers; a value starting with '~' is a regex match: matchers(pool="$pool", node="~$node")."""
+    parts = []
+    for k, v in labels.items():
+        op, val = ("=~", v[1:]) if v.startswith("~") else ("=", v)
+        parts.append(f'{k}{op}"{val}"')
+    return ", ".join(parts)
+
+
+def series(name: str, m: str = "") -> str:
+    """A grayguard or recorded series with matchers."""
+    return f"{name}{{{m}}}" if m else name
+
+
+def vllm(prefix: str, name: str, m: str = "") -> str:
+    """A vLLM series (name without prefix) under rules.vllm_prefix naming."""
+    return vllm_selector(prefix, name, m)
+
+
+def quantile(q: float, buckets: str, by: str = "") -> str:
+    """histogram_quantile over a bucket selector, summed by `by` (plus le), over $__rate_interval."""
+    labels = f"{by}, le" if by else "le"
+    return f"histogram_quantile({q}, sum by ({labels}) (rate({buckets}[$__rate_interval])))"
+
+
+def zero_fill(expr: str, witness: str, label: str | None = None, value: str = "none", on: str = "") -> str:
+    """expr, or 0 where expr has no sample but `witness` has one (matched on the labels `on`).
+
+    For counters whose series only appear with the first event (errors, XIDs, canaries): no series means
+    none happened while the component was scraped, so 0 is the truth there, while a missing component
+    (no witness) still shows no data (absent is not zero). `label` names the 0 series (e.g. kind="none").
+    """
+    zero = f"0 * ({witness})"
+    if label:
+        zero = f'label_replace({zero}, "{label}", "{value}", "", "")'
+    return f"({expr})\nor on ({on}) {zero}"
+
+
+# ---- the reverse: what a rendered expression reads ------------------------------------------------------
+
+_VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_NAME_MATCHER = re.compile(r'__name__\s*(=~|=)\s*"((?:[^"\\]|\\.)*)"')
+_BRACES = re.compile(r"\{[^{}]*\}")
+_BRACKETS = re.compile(r"\[[^\[\]]*\]")
+_LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
+_IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?")
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset",
+            "bool", "inf", "nan", "atan2", "start", "end"}
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """expr with Grafana's $var, ${var} and [[var]] replaced from values (plus GRAFANA_BUILTINS)."""
+    full = {**GRAFANA_BUILTINS, **values}
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1) or m.group(2) or m.group(3)
+        if name not in full:
+            raise KeyError(f"no value for template variable ${name} in {expr!r}")
+        return full[name]
+    return _VAR.sub(repl, expr)
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects: bare names, and __name__ matchers (a `vllm[:_]x` regex
+    counts as `vllm:x`). Functions, keywords, label names and durations are not names."""
+    names = set()
+    for op, val in _NAME_MATCHER.findall(expr):
+        names.add(val.replace("vllm[:_]", "vllm:") if op == "=~" else val)
+    text = _STRING.sub('""', expr)
+    prev = None
+    while prev != text:  # innermost first: nested braces do not occur, brackets can (subqueries)
+        prev = text
+        text = _BRACES.sub(" ", text)
+        text = _BRACKETS.sub(" ", text)
+    text = _LABEL_LIST.sub(" ", text)
+    for m in _IDENT.finditer(text):
+        word, call = m.group(1), m.group(2)
+        if call or word.lower() in KEYWORDS:
+            continue
+        names.add(word)
+    return names
+
+
+def label_values_selector(query: str) -> str | None:
+    """The selector of a Grafana `label_values(selector, label)` variable query; None for other queries."""
+    m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", query, re.S)
+    return m.group(1) if m else None
