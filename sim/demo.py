@@ -21,7 +21,8 @@ faults, 1-token probes), HAProxy, Prometheus (1 s scrape, grayguard's rules), Al
 local webhook "pager", and the controller; sends open-loop load through HAProxy; injects a fault on
 one node and clears it; shows a live view; writes report.json and report.html to --report-dir.
 
-Defaults: 8 nodes, 20 req/s, thermal throttle (x6) on node3 from 30 s to 90 s, 150 s in all.
+Defaults: 8 nodes, 20 req/s, thermal throttle (x6) on node3 from 30 s to 90 s, 150 s in all,
+HAProxy `balance roundrobin` (its default; --balance leastconn for the gentler status quo).
 Demo time is compressed: 1 s controller ticks, 10 s rate windows, short alert `for:` durations,
 a 3x-per-minute slow start. Everything it starts it stops, also on Ctrl-C.
 
@@ -48,6 +49,8 @@ class DemoOptions:
     seed: int = 1
     timeout_s: float = 30.0
     live: str = "auto"  # auto, tty, plain, off
+    balance: str = "roundrobin"  # HAProxy balance algorithm (roundrobin is HAProxy's default)
+    control_window: str = "10s"
     overrides: dict = field(default_factory=dict)
 
 
@@ -107,6 +110,7 @@ class Sampler:
                 self.event(kind, f"{a.get('status')} {lab.get('alertname')} pool={lab.get('pool')} "
                            f"node={lab.get('node') or lab.get('instance')}", node=lab.get("node"),
                            pool=lab.get("pool"), alert=lab.get("alertname"), status=a.get("status"),
+                           summary=a.get("annotations", {}).get("summary"),
                            runbook_url=a.get("annotations", {}).get("runbook_url"))
         self._seen_notes = len(notes)
         s = {"t": t, "nodes": nodes}
@@ -150,7 +154,8 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout) -> 
     def progress(msg: str) -> None:
         print(f"[setup] {msg}", file=out, flush=True)
 
-    stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=opts.controller,
+    stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
+                                 balance=opts.balance, control_window=opts.control_window,
                                  overrides=opts.overrides), progress=progress)
     interrupted = False
     records: list = []
@@ -172,9 +177,17 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout) -> 
         fut = stack.fleet.submit(run_load(cfg, sink=records))
         sampler = Sampler(stack, opts, t0)
         faulted = cleared = False
+        # Like a controller joining a fleet that is already serving: it starts once the first rate
+        # window is full of traffic (everything here starts at once; early windows hold a few requests).
+        warmup = _seconds(opts.control_window) + 2.0
+        controller_started = not opts.controller
         next_print = 0.0
         while not fut.done():
             el = time.time() - t0
+            if not controller_started and el >= warmup:
+                stack.start_controller()
+                sampler.event("controller", f"controller started ({opts.control_window} rate windows are full)")
+                controller_started = True
             if not faulted and el >= opts.fault_start_s:
                 stack.set_fault(opts.fault_node, opts.fault, **opts.fault_params)
                 sampler.event("fault", f"{opts.fault} injected on {opts.fault_node} {opts.fault_params or ''}")
@@ -215,6 +228,7 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out) -> dic
     phases = result.summary() if result is not None else {}
     phases.pop("all", None)
     report = {**h, "fault": opts.fault, "fault_params": opts.fault_params, "controller": opts.controller,
+              "balance": opts.balance, "control_window": opts.control_window,
               "nodes": opts.nodes, "rate": opts.rate, "duration_s": opts.duration_s, "seed": opts.seed,
               "interrupted": interrupted, "phases": phases, "events": sampler.events}
     report["verdict"] = verdict(report)
@@ -223,6 +237,13 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out) -> dic
         write_report(report, sampler.samples, records, report_dir)
         print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
     return report
+
+
+def _seconds(duration: str) -> float:
+    """A Prometheus duration ("10s", "1m", "1m30s") in seconds."""
+    import re
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))
 
 
 def verdict(r: dict) -> str:
@@ -303,6 +324,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the fleet and the load (default 1)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="client request deadline in seconds (default 30)")
     p.add_argument("--report-dir", default="./demo-report", help="where report.json and report.html go")
+    p.add_argument("--balance", choices=["roundrobin", "leastconn"], default=d.balance,
+                   help="HAProxy balance algorithm (default roundrobin, HAProxy's own default; leastconn already "
+                   "sends fewer requests to a node that holds connections longer)")
+    p.add_argument("--control-window", default=d.control_window,
+                   help=f"rate window of the controller's signals (default {d.control_window})")
     p.add_argument("--no-controller", action="store_true", help="run the same scenario with grayguard off")
     p.add_argument("--compare", action="store_true", help="run with and without the controller, report the ratios")
     p.add_argument("--live", choices=["auto", "tty", "plain", "off"], default="auto",
@@ -322,11 +348,17 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     until = None if args.fault_until is not None and args.fault_until < 0 else args.fault_until
     o = DemoOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, fault=args.fault,
                     fault_node=args.fault_node, fault_start_s=args.fault_at, fault_end_s=until, fault_params=params,
-                    controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout, live=args.live)
+                    controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout, live=args.live,
+                    balance=args.balance, control_window=args.control_window)
     if o.nodes < 3:
         raise ValueError("--nodes must be at least 3 (no peer comparison below)")
     if not 0 <= o.fault_start_s < o.duration_s:
         raise ValueError("--fault-at must be within the run (0 <= fault-at < duration)")
+    from controller.config import DURATION_RE
+    if not DURATION_RE.match(o.control_window):
+        raise ValueError(f"--control-window {o.control_window!r} is not a Prometheus duration such as 10s")
+    if o.controller and o.fault_start_s < _seconds(o.control_window) + 2:
+        raise ValueError(f"--fault-at must leave the controller its warm-up ({o.control_window} + 2 s)")
     if o.fault_end_s is not None and not o.fault_start_s < o.fault_end_s <= o.duration_s:
         raise ValueError("--fault-until must be after --fault-at and within the run")
     from sim.faults import make_fault

@@ -44,6 +44,7 @@ class StackSpec:
     control_window: str = "10s"
     probe_interval_s: float = 1.0
     speed_classes: Any = None
+    balance: str = "roundrobin"  # HAProxy's default algorithm; leastconn already shies away from slow nodes
     overrides: dict = field(default_factory=dict)  # merged into the controller config document
 
 
@@ -127,7 +128,7 @@ class LocalStack:
         hdir.mkdir()
         servers = [(n.name, n.address, 100) for n in self.nodes]
         self.haproxy = HaproxyProc(hdir, haproxy_config(hdir / "admin.sock", {BACKEND: servers},
-                                                        frontend_port=gw_port))
+                                                        balance=s.balance, frontend_port=gw_port))
         self.haproxy.start()
         self.gateway_url = f"http://127.0.0.1:{gw_port}"
         self.progress("starting Alertmanager and the webhook pager")
@@ -166,7 +167,8 @@ class LocalStack:
                         "request_rate_query": f"instance:vllm_request_rate:rate{w}"},
             "pools": [{"name": POOL, "backend": BACKEND}],
             # 1 s ticks: a faster EMA than the 5 s default keeps the same reaction time.
-            "thresholds": {"ema_alpha": 0.3, "sustain_ticks": 3},
+            # min_request_rate 0.5: at least ~5 finished requests in the window before a node is scored
+            "thresholds": {"ema_alpha": 0.3, "sustain_ticks": 3, "min_request_rate": 0.5},
             # compressed recovery so a 150 s demo shows the whole cycle
             "recovery": {"min_quarantine_s": 10, "canary_interval_s": 5, "canary_successes": 3,
                          "canary_timeout_s": 3, "slow_start_initial": 0.1, "slow_start_step_per_min": 3.0},

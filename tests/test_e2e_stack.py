@@ -1,7 +1,8 @@
 """End-to-end: the whole local stack (simulated fleet, exporters, real HAProxy, Prometheus, Alertmanager,
-webhook pager, controller) catches a thermal fault. Bounded: about 45 s."""
+webhook pager, controller) catches faults. Each run is bounded: about 30-45 s."""
 
 import io
+import json
 
 import pytest
 
@@ -10,24 +11,49 @@ from sim.demo import DemoOptions, run_scenario
 pytestmark = pytest.mark.e2e
 
 
-def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
-    opts = DemoOptions(nodes=5, rate=12, duration_s=34, fault="thermal", fault_node="node2", fault_start_s=6,
-                       fault_end_s=None, fault_params={"k": 8}, live="off", seed=3)
+def scenario(tmp_path, fault, node, duration, **params):
+    opts = DemoOptions(nodes=5, rate=12, duration_s=duration, fault=fault, fault_node=node, fault_start_s=8,
+                       fault_end_s=None, fault_params=params, live="off", seed=3, control_window="5s",
+                       timeout_s=6)
     out = io.StringIO()
-    r = run_scenario(opts, tmp_path / "report", out)
-    assert r["quarantine_s"] is not None, out.getvalue()
+    return run_scenario(opts, tmp_path / "report", out), out.getvalue()
+
+
+def pages(r, alert):
+    return [e for e in r["events"] if e["kind"] == "page" and e.get("alert") == alert and e["status"] == "firing"]
+
+
+def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
+    r, log = scenario(tmp_path, "thermal", "node2", 32, k=8)
+    assert r["quarantine_s"] is not None, log
     assert r["quarantine_s"] - r["fault_start_s"] <= 30
     assert r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] <= r["quarantine_s"]
-    assert r["false_quarantines"] == []
-    pages = [e for e in r["events"] if e["kind"] == "page" and e.get("alert") == "GrayguardNodeQuarantined"]
-    assert pages and pages[0]["node"] == "node2" and pages[0]["pool"] == "chat", out.getvalue()
-    assert pages[0]["runbook_url"].endswith("docs/runbook.md#grayguardnodequarantined")
+    assert r["false_quarantines"] == [], log
+    p = pages(r, "GrayguardNodeQuarantined")
+    assert p and p[0]["node"] == "node2" and p[0]["pool"] == "chat", log
+    assert p[0]["runbook_url"].endswith("docs/runbook.md#grayguardnodequarantined")
     assert r["page_s"] is not None
-    # the report files exist and carry the required keys
-    import json
     doc = json.loads((tmp_path / "report" / "report.json").read_text())
     for key in ("fault_start_s", "first_weight_cut_s", "quarantine_s", "page_s", "recovered_s", "faulty_node",
                 "false_quarantines", "phases"):
         assert key in doc
     assert set(doc["phases"]) == {"baseline", "fault"}
     assert "<svg" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_a_hung_node_is_quarantined_within_10s_through_the_probes(tmp_path):
+    r, log = scenario(tmp_path, "hang", "node4", 24)
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
+    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    assert "probe" in reason and "timeout" in reason, reason
+    assert r["false_quarantines"] == [], log
+
+
+def test_a_cuda_error_is_quarantined_and_pages_naming_cuda(tmp_path):
+    r, log = scenario(tmp_path, "cuda_error", "node1", 26)
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
+    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    assert "CUDA" in reason
+    p = pages(r, "GrayguardProbeCudaError")
+    assert p and "CUDA" in p[0]["summary"], log
+    assert r["false_quarantines"] == [], log
