@@ -8,11 +8,15 @@ from pathlib import Path
 
 from controller.config import ConfigError, load_config
 from dashboards.config import DashboardConfig
-from dashboards.render import BUILDERS, DASHBOARDS_DIR, DashboardError, changed_files, render_all, write_if_changed
+
+# The builders (and grafana-foundation-sdk) are imported when a dashboard is rendered, not here: the
+# `grayguard` dispatcher imports every subcommand, and a missing SDK must not break the controller's CLI.
+DASHBOARDS_DIR = Path(__file__).parent
+SDK_HINT = "pip install 'grafana-foundation-sdk==1769699379!11.6.0' (or reinstall grayguard)"
 
 HELP = "render the Grafana dashboards (JSON) from the config"
 DESCRIPTION = f"""\
-render  writes {', '.join(BUILDERS)} from the config: the recorded
+render  writes grayguard-pool-overview.json and grayguard-gpu-health.json from the config: the recorded
         series' window suffixes (rules.control_window, rules.human_window), the peer-score thresholds
         (thresholds.degrade_score, quarantine_score), job names and vLLM naming. Without --config the
         defaults are used (the same as grayguard.example.yaml). Files are replaced atomically, only when
@@ -40,6 +44,13 @@ def run(args: argparse.Namespace) -> int:
     if args.dashboards_action != "render":
         print("grayguard dashboards: choose an action: render (see --help)", file=sys.stderr)
         return 2
+    try:
+        from dashboards.render import DashboardError, changed_files, render_all, write_if_changed
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "grafana_foundation_sdk":
+            raise
+        print(f"grayguard: the dashboards need grafana-foundation-sdk: {SDK_HINT}", file=sys.stderr)
+        return 1
     try:
         cfg = DashboardConfig.from_config(load_config(args.config)) if args.config else DashboardConfig()
         files = render_all(cfg)

@@ -1,6 +1,7 @@
 """Dashboards rendered from the config: committed JSON current, Grafana's model, config knobs, CLI, provisioning."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,20 @@ def test_no_action_exits_2(capsys):
 def test_dispatcher_has_the_subcommand():
     args = build_parser().parse_args(["dashboards", "render", "--out", "x", "--config", "y"])
     assert (args.out, args.config, args.check) == ("x", "y", False)
+    from dashboards import cli
+    assert all(name in cli.DESCRIPTION for name in BUILDERS) and cli.DASHBOARDS_DIR == DASHBOARDS_DIR
+
+
+def test_without_the_sdk_the_cli_still_loads_and_render_says_what_to_install(monkeypatch, capsys):
+    for m in [m for m in sys.modules if m.startswith(("grafana_foundation_sdk", "dashboards."))
+              and m not in ("dashboards.cli", "dashboards.config")]:
+        monkeypatch.delitem(sys.modules, m)
+        if m.startswith("dashboards."):
+            monkeypatch.delattr(sys.modules["dashboards"], m.split(".")[1], raising=False)
+    monkeypatch.setitem(sys.modules, "grafana_foundation_sdk", None)  # import raises ModuleNotFoundError
+    build_parser()  # the dispatcher imports every subcommand: `grayguard controller` keeps working
+    assert main(["dashboards", "render", "--check"]) == 1
+    assert "grafana-foundation-sdk==1769699379!11.6.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
