@@ -57,3 +57,11 @@ def test_cli_exits_2_naming_the_field(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "controller.cli", "controller", "--config",
                          "grayguard.example.yaml", "--check"], capture_output=True, text=True)
     assert ok.returncode == 0 and "OK" in ok.stdout
+
+
+def test_example_shows_the_defaults():
+    from controller.config import RecoveryConfig, SignalsConfig, ThresholdsConfig
+    cfg = load_config("grayguard.example.yaml")
+    assert cfg.thresholds == ThresholdsConfig()
+    assert cfg.recovery == RecoveryConfig()
+    assert cfg.signals == SignalsConfig()
