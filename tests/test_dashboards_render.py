@@ -1,5 +1,6 @@
 """Dashboards rendered from the config: committed JSON current, Grafana's model, config knobs, CLI, provisioning."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -7,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.cli import build_parser, main
+from controller.cli import build_parser
 from controller.config import load_config, parse_config
-from dashboards import gpu, pool
+from dashboards import cli, gpu, pool
 from dashboards.config import DashboardConfig
 from dashboards.lint import expressions, problems
 from dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
@@ -17,6 +18,13 @@ from dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "grayguard.example.yaml"
 PROVISIONING = DASHBOARDS_DIR / "provisioning"
+
+
+def dash(argv):
+    """`grayguard dashboards ARGV` without the dispatcher (which imports every component, mid-edit ones too)."""
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return cli.run(p.parse_args(argv))
 
 
 def docs(cfg=None):
@@ -37,25 +45,25 @@ def test_committed_json_is_the_render_of_the_defaults_and_of_the_example_config(
 
 def test_cli_rerender_changes_nothing_and_check_passes(capsys):
     before = {name: (DASHBOARDS_DIR / name).read_bytes() for name in BUILDERS}
-    assert main(["dashboards", "render", "--check"]) == 0
-    assert main(["dashboards", "render"]) == 0
+    assert dash(["render", "--check"]) == 0
+    assert dash(["render"]) == 0
     assert "unchanged" in capsys.readouterr().out
     assert {name: (DASHBOARDS_DIR / name).read_bytes() for name in BUILDERS} == before
 
 
 def test_render_writes_then_reports_unchanged(tmp_path, capsys):
-    assert main(["dashboards", "render", "--out", str(tmp_path)]) == 0
+    assert dash(["render", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("written") == len(BUILDERS)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(BUILDERS)
-    assert main(["dashboards", "render", "--out", str(tmp_path)]) == 0
+    assert dash(["render", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("unchanged") == len(BUILDERS)
 
 
 def test_check_reports_a_stale_file_and_writes_nothing(tmp_path, capsys):
-    assert main(["dashboards", "render", "--out", str(tmp_path)]) == 0
+    assert dash(["render", "--out", str(tmp_path)]) == 0
     stale = tmp_path / "grayguard-gpu-health.json"
     stale.write_text("{}\n")
-    assert main(["dashboards", "render", "--out", str(tmp_path), "--check"]) == 1
+    assert dash(["render", "--out", str(tmp_path), "--check"]) == 1
     assert f"{stale}: would change" in capsys.readouterr().out
     assert stale.read_text() == "{}\n"
 
@@ -63,19 +71,18 @@ def test_check_reports_a_stale_file_and_writes_nothing(tmp_path, capsys):
 def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text("pools: [{name: chat, backend: b}]\nthresholds: {quarantine_score: 1.0}\n")
-    assert main(["dashboards", "render", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert dash(["render", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "thresholds.quarantine_score" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 def test_no_action_exits_2(capsys):
-    assert main(["dashboards"]) == 2
+    assert dash([]) == 2
 
 
 def test_dispatcher_has_the_subcommand():
     args = build_parser().parse_args(["dashboards", "render", "--out", "x", "--config", "y"])
     assert (args.out, args.config, args.check) == ("x", "y", False)
-    from dashboards import cli
     assert all(name in cli.DESCRIPTION for name in BUILDERS) and cli.DASHBOARDS_DIR == DASHBOARDS_DIR
 
 
@@ -86,8 +93,9 @@ def test_without_the_sdk_the_cli_still_loads_and_render_says_what_to_install(mon
         if m.startswith("dashboards."):
             monkeypatch.delattr(sys.modules["dashboards"], m.split(".")[1], raising=False)
     monkeypatch.setitem(sys.modules, "grafana_foundation_sdk", None)  # import raises ModuleNotFoundError
-    build_parser()  # the dispatcher imports every subcommand: `grayguard controller` keeps working
-    assert main(["dashboards", "render", "--check"]) == 1
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)  # what the dispatcher calls for every subcommand: `grayguard controller` keeps working
+    assert dash(["render", "--check"]) == 1
     assert "grafana-foundation-sdk==1769699379!11.6.0" in capsys.readouterr().err
 
 
