@@ -124,20 +124,26 @@ def build(cfg: DashboardConfig) -> dict:
         "annotations on every panel.", [Q(state_code(C), "{{node}}")], STATE_CODES))
     d = d.with_panel(table_of(
         "Why: state and reason now", "The controller's reason for each node's current state.",
-        [Q(s("grayguard_node_reason_info", C), instant=True)], w=8, h=8,
+        [Q(s("grayguard_node_reason_info", C), instant=True)], w=12, h=8,
         hide=("Time", "Value", "__name__", "job", "instance")))
     d = d.with_panel(ts(
         "HAProxy weight per node", "The weight the controller wants for each server (0 = drained). Dashed: the "
         "servers' configured base weight.",
         [Q(s("grayguard_node_weight", C), "{{node}}"), Q(f"max(grayguard_node_base_weight{{{C}}})", "base weight")],
-        "none", w=8, lo=0, dashed="^base weight$", step_line=True))
+        "none", lo=0, dashed="^base weight$", step_line=True))
+    d = d.with_panel(ts(
+        "Weight factor per signal", "What each signal does to a node's weight (1 = nothing): latency (the peer "
+        "score), probe, errors, kv_cache. The weight is the base weight times their product (at least "
+        "min_degraded_weight while one cuts it), or 0 when drained.",
+        [Q(s("grayguard_node_weight_factor", C), "{{node}} {{signal}}")], "percentunit", lo=0, hi=1,
+        step_line=True))
     ej = s("grayguard_pool_ejected_nodes", P)
     d = d.with_panel(ts(
         "Drained share of the pool vs cap", "Nodes drained over nodes in the pool, against the safeguard's cap "
         "(dashed): at the cap, further hot nodes stay degraded and the safeguard engages.",
         [Q(f"{ej} / ({s('grayguard_pool_nodes', P)} > 0)", "drained"),
          Q(f"{s('grayguard_pool_max_ejected_nodes', P)} / ({s('grayguard_pool_nodes', P)} > 0)", "cap")],
-        "percentunit", w=8, lo=0, hi=1, dashed="^cap$", step_line=True))
+        "percentunit", lo=0, hi=1, dashed="^cap$", step_line=True))
 
     d = d.with_row(row("What users see"))
     ttft, itl = vllm(px, "time_to_first_token_seconds_bucket", V), vllm(px, "inter_token_latency_seconds_bucket", V)
