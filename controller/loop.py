@@ -290,6 +290,7 @@ class Controller:
             for st in STATES:
                 m.node_state.labels(p, n, st).set(1 if s.state == st else 0)
             m.node_base_weight.labels(p, n).set(servers[n].initial_weight)
+            m.node_info.labels(p, n, pool.backend, self.series_key(pool, servers[n])).set(1)
             active = {k: f for k, f, _ in s.factors}
             kv_zero = d.weight == 0 and not d.drain and servers[n].initial_weight > 0
             for signal in ("latency", "probe", "errors"):
@@ -304,7 +305,7 @@ class Controller:
                         gauge.remove(p, n)
                 else:
                     gauge.labels(p, n).set(value)
-            key = (s.state, s.reason[:200])
+            key = (s.state, reason_code(s, kv_zero))
             old = self._reason_series.get((p, n))
             if old != key:  # one reason series per node: drop the previous one
                 if old is not None:
@@ -357,3 +358,15 @@ def signal_maps(pool: PoolConfig, optional: dict[str, list[Sample]]) -> dict[str
         else:
             out[name] = {s.labels.get(pool.series_label): s.value for s in samples}
     return out
+
+
+def reason_code(s: NodeState, kv_zero: bool) -> str:
+    """A low-cardinality summary of why a node is where it is: the signals in force, or its stage."""
+    if s.state in ("quarantined", "canary"):
+        return s.cause or "latency"
+    parts = [k for k, _, _ in s.factors]
+    if kv_zero:
+        parts.append("kv_cache")
+    if s.state == "slow_start":
+        parts.insert(0, "recovery")
+    return ",".join(parts) or "none"

@@ -22,6 +22,7 @@ class ControllerMetrics:
     node_base_weight: Gauge
     node_factor: Gauge
     node_reason: Gauge
+    node_info: Gauge
     transitions: Counter
     pool_nodes: Gauge
     pool_ejected: Gauge
@@ -61,8 +62,12 @@ class ControllerMetrics:
             node_factor=Gauge("grayguard_node_weight_factor",
                               "Weight factor (0-1) a signal applies to the node", node + ["signal"],
                               registry=r),
-            node_reason=Gauge("grayguard_node_reason_info", "Why the node is in its state (value 1)",
+            node_reason=Gauge("grayguard_node_reason_info",
+                              "The signals that put the node in its state, a stable set such as latency,probe "
+                              "(value 1; the full text is in /status and the logs)",
                               node + ["state", "reason"], registry=r),
+            node_info=Gauge("grayguard_node_info", "Links a node (HAProxy server) to its Prometheus series (value 1)",
+                            node + ["backend", "instance"], registry=r),
             transitions=Counter("grayguard_node_transitions", "State transitions",
                                 node + ["from_state", "to_state"], registry=r),
             pool_nodes=Gauge("grayguard_pool_nodes", "Servers in the pool's backend", ["pool"], registry=r),

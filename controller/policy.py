@@ -265,6 +265,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  calm_gap: float) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any."""
     lat_reason = ""
+    prev_factors = s.factors
     if sc is None:
         s = replace(s, score=None, ratio=None)
     else:
@@ -295,8 +296,11 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif s.state == HEALTHY and degraded:
         s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
     elif s.state == DEGRADED and not degraded:
-        s = _move(s, HEALTHY, now, "recovered: " + (f"latency {s.ratio:.2f}x peer median for {s.calm_ticks} ticks"
-                                                   if s.ratio is not None else "signals back to normal"))
+        was = {k for k, _, _ in prev_factors}
+        cleared = [text for key, text in (
+            ("latency", f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
+            ("probe", f"{t.probe_ok_to_clear} good probes"), ("errors", "errors below the threshold")) if key in was]
+        s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif s.state == DEGRADED or s.state == HEALTHY:
         s = replace(s, reason=why)
     if p_quarantine or e_quarantine:

@@ -54,6 +54,8 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     if result == "slow" and slower:
         m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow": True})
+    elif slower and m.probe_slow:  # under the exporter's threshold but still slower than the peers: not good
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0})
     else:
         good = m.probe_good + 1
         m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": good,
