@@ -54,3 +54,26 @@ def test_kv_saturation_sets_weight_zero_without_drain(haproxy_factory):
     assert ctl.metrics.registry.get_sample_value("grayguard_node_weight_factor",
                                                  {"pool": "chat", "node": "node2", "signal": "kv_cache"}) == 0
     assert "KV cache 99% full" in ctl.status()["pools"][0]["nodes"][2]["reason"]
+
+
+def test_peer_groups_from_the_gpu_model_label(haproxy_factory):
+    """Two H100s and two A100s 1.6x slower: grouped by the exporter's GPU model, nobody is cut."""
+    hap = haproxy_factory({"vllm_chat": servers(5)})
+    addrs = [f"127.0.0.1:{9100 + i}" for i in range(5)]
+    model = {a: ("NVIDIA H100 80GB HBM3" if i < 3 else "NVIDIA A100-SXM4-80GB") for i, a in enumerate(addrs)}
+    t = [1000.0]
+
+    def run(extra_pool):
+        ctl = make_controller([hap.endpoint], clock=lambda: t[0], extra={
+            "signals": {"peer_group_query": SIG.peer_group_query},
+            "pools": [{"name": "chat", "backend": "vllm_chat", **extra_pool}]})
+        with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+            prom_answers(rsps, {a: 0.02 * (1.6 if "A100" in model[a] else 1.0) for a in addrs}, now=t[0])
+            answer(rsps, SIG.peer_group_query, {"status": "success", "data": {"resultType": "vector", "result": [
+                {"metric": {"instance": a, "pool": "chat", "name": m}, "value": [t[0], "1"]}
+                for a, m in model.items()]}})
+            ctl.tick()
+        return {n: s.state for n, s in ctl.states["chat"].items()}
+
+    assert set(run({"peer_group_label": "name"}).values()) == {"healthy"}
+    assert set(run({}).values()) != {"healthy"}  # without groups the A100s would look sick

@@ -137,3 +137,9 @@ def test_a_quarantined_node_that_leaves_and_returns_is_still_quarantined():
     assert d2.nodes["d"].state.state == QUARANTINED and d2.nodes["d"].weight == 0
     late = decide_pool(states, {n: NodeInput(100) for n in "abc"}, pol, 1.0 + pol.thresholds.forget_after_s)
     assert "d" not in late.retained  # forgotten after the grace period
+
+
+def test_a_backend_that_is_starting_is_not_a_fault():
+    recs = by_node(trace(n2=lambda t: {"latency": None, "probe_result": "starting", "probe_ttft": None}
+                         if t < 60 else {}), "n2")
+    assert all(r["state"] == "healthy" and r["weight"] == 100 for r in recs)
