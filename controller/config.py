@@ -116,6 +116,8 @@ class ThresholdsConfig:
     min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
     # probes (the exporter's 1-token micro-probe)
     probe_slow_factor: float = 0.3  # weight factor while probes are slow (and slower than the peers' probes)
+    probe_slow_ratio: float = 3.0  # a probe this many times the peers' probe TTFT is slow, whatever the exporter says
+    probe_slow_consecutive: int = 2  # slow probes in a row before the weight is cut (one spike is noise)
     probe_failures_to_quarantine: int = 2  # consecutive timeouts/failed probes that quarantine (CUDA: one)
     probe_ok_to_clear: int = 3  # good probes in a row that clear a slow-probe degrade
     # errors
@@ -296,7 +298,9 @@ def _validate(cfg: Config) -> None:
     _check(0 <= t.min_degraded_weight <= 256, "thresholds.min_degraded_weight", "must be in 0..256")
     for name in ("probe_slow_factor", "error_factor"):
         _check(0 < getattr(t, name) <= 1, f"thresholds.{name}", "must be in (0, 1]")
-    for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "error_ticks", "circuit_ticks",
+    _check(t.probe_slow_ratio >= t.min_relative_gap, "thresholds.probe_slow_ratio", "must be >= min_relative_gap")
+    for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "probe_slow_consecutive", "error_ticks",
+                 "circuit_ticks",
                  "evidence_sustain_ticks"):
         _check(getattr(t, name) >= 1, f"thresholds.{name}", "must be >= 1")
     _check(0 < t.error_ratio < t.circuit_error_ratio <= 1, "thresholds.circuit_error_ratio",

@@ -23,6 +23,7 @@ class SignalMemory:
     probe_bad: int = 0  # consecutive failed probes, counted per tick when the exporter's count is absent
     probe_good: int = 0  # consecutive good probes
     probe_slow: bool = False  # slow-probe degrade in force
+    probe_slow_run: int = 0  # consecutive slow probes
     error_ticks: int = 0  # consecutive ticks above error_ratio
     circuit_ticks: int = 0  # consecutive ticks above circuit_error_ratio
     kv_saturated: bool = False
@@ -50,15 +51,19 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         if bad >= t.probe_failures_to_quarantine:
             return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
         return m, 1.0, "", None
-    # answered: slow only counts when it is also slow against the peers' probes
+    # answered: slow when the exporter says so and it is slower than the peers' probes, or when it is far
+    # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
-    if result == "slow" and slower:
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow": True})
-    elif slower and m.probe_slow:  # under the exporter's threshold but still slower than the peers: not good
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0})
+    far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
+    if (result == "slow" and slower) or far:
+        run = m.probe_slow_run + 1
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": run,
+                            "probe_slow": m.probe_slow or run >= t.probe_slow_consecutive})
+    elif slower and m.probe_slow:  # still slower than the peers: not a good probe
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": 0})
     else:
         good = m.probe_good + 1
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": good,
+        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": good, "probe_slow_run": 0,
                             "probe_slow": m.probe_slow and good < t.probe_ok_to_clear})
     if m.probe_slow:
         what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
