@@ -1,0 +1,245 @@
+"""Benchmark report: baselines joined to runs, the acceptance targets (PASS/MISS), Markdown tables. Pure."""
+
+from __future__ import annotations
+
+import statistics
+
+POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "grayguard")
+FAULTED = ("fault", "sensitivity", "double", "linkerd")
+RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
+GG = "grayguard"
+
+
+def _order(policies) -> list[str]:
+    known = [p for p in POLICY_ORDER if p in policies]
+    return known + sorted(p for p in policies if p not in known)
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def add_baselines(rows: list[dict]) -> None:
+    """Add `<metric>_x` (vs the healthy twin, same policy) and `ttft_p99_vs_lc` (vs leastconn, same scenario)."""
+    twin = {(r["traffic_key"], r["policy"]): r for r in rows if r["group"] == "healthy"}
+    lc = {r["scenario"]: r for r in rows if r["policy"] == "leastconn"}
+    for r in rows:
+        base = twin.get((r["traffic_key"], r["policy"])) if r["group"] in FAULTED else None
+        for m in RATIOS:
+            r[m + "_x"] = _ratio(r[m], base[m]) if base else None
+        other = lc.get(r["scenario"])
+        r["ttft_p99_vs_lc"] = _ratio(r["ttft_p99"], other["ttft_p99"]) if other else None
+
+
+def _med(vals):
+    v = [x for x in vals if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _f(x, digits: int = 2, unit: str = "") -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{unit}"
+    return f"{x}{unit}"
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def _target(name: str, ok: bool | None, measured: str, detail: str = "") -> dict:
+    return {"target": name, "status": "n/a" if ok is None else "PASS" if ok else "MISS", "measured": measured,
+            "detail": detail}
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's acceptance targets for grayguard's default policy, measured."""
+    gg = [r for r in rows if r["policy"] == GG]
+    out = []
+    benign = [r for r in gg if r["group"] == "benign"]
+    bad = [r for r in benign if r["false_quarantines"]]
+    out.append(_target("zero false quarantines in every benign scenario", None if not benign else not bad,
+                       f"{sum(r['false_quarantines'] for r in benign)} false quarantine(s) in {len(benign)} scenarios",
+                       ", ".join(f"{r['scenario']} ({r['false_quarantines']})" for r in bad)))
+    slow = [r for r in gg if r["group"] in ("fault", "sensitivity") and (r.get("slowdown") or 0) >= 2]
+    missed = [r for r in slow if r["t_quarantine_s"] is None]
+    sizes = sorted({r["size"] for r in slow})
+    out.append(_target(f"quarantines every injected slowdown >= 2x (pool sizes {', '.join(map(str, sizes))})",
+                       None if not slow else not missed, f"{len(slow) - len(missed)}/{len(slow)} quarantined",
+                       ", ".join(r["scenario"] for r in missed)))
+    faults = [r for r in gg if r["group"] == "fault"]
+    m = _med(r["ttft_p99_x"] for r in faults)
+    out.append(_target("P99 TTFT during faults within 1.3x of the healthy baseline (median over fault scenarios)",
+                       None if m is None else m <= 1.3, f"median {_f(m)}x over {len(faults)} scenarios"))
+    by = {(r["scenario"], r["policy"]): r for r in rows}
+    others = _order({r["policy"] for r in rows if r["group"] == "fault"} - {GG})
+    parts, ok, losses = [], True, []
+    for p in others:
+        rel = [_ratio(r["ttft_p99"], by[(r["scenario"], p)]["ttft_p99"]) for r in faults if (r["scenario"], p) in by]
+        mr = _med(rel)
+        lost = sum(1 for x in rel if x is not None and x > 1.05)
+        ok = ok and mr is not None and mr < 1.0
+        parts.append(f"{p} {_f(mr)}x")
+        losses.append(f"{p}: {lost}")
+    out.append(_target("beats every other policy on P99 TTFT in the fault scenarios (median of grayguard/other)",
+                       None if not faults or not others else ok, ", ".join(parts),
+                       "scenarios where grayguard's P99 was >5 % worse: " + ", ".join(losses)))
+    return out
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _fault_summary(rows: list[dict]) -> list[str]:
+    faults = [r for r in rows if r["group"] == "fault"]
+    if not faults:
+        return []
+    n = len({r["scenario"] for r in faults})
+    body = []
+    for p in _order({r["policy"] for r in faults}):
+        rs = [r for r in faults if r["policy"] == p]
+        slow = [r for r in rs if (r.get("slowdown") or 0) >= 2]
+        body.append([p, f"{sum(r['t_cut_s'] is not None for r in slow)}/{len(slow)}",
+                     f"{sum(r['t_quarantine_s'] is not None for r in slow)}/{len(slow)}",
+                     _f(_med(r["t_cut_s"] for r in slow), 0, " s"),
+                     _f(_med(r["t_quarantine_s"] for r in slow), 0, " s"),
+                     sum(r["false_cuts"] for r in rs), sum(r["false_quarantines"] for r in rs),
+                     _f(_med(r["ttft_p99_x"] for r in rs)), _f(_med(r["ttft_p999_x"] for r in rs)),
+                     _f(_med(r["e2e_p99_x"] for r in rs)), sum(r["timeout"] for r in rs),
+                     sum(r["error"] + r["no_server"] for r in rs), _pct(_med(r["capacity_kept"] for r in rs))])
+    return [f"### Fault scenarios ({n}: every fault type x pool size x mix x load)", "",
+            "Detection columns count the slowdown faults of 2x or more (thermal, pcie, slow_recovery); "
+            "latency columns are medians over all fault scenarios of P99 during the fault / P99 of the same "
+            "scenario without the fault (same policy, same seed).", ""] + _table(
+        ["policy", "slowdowns cut", "quarantined", "median time to cut", "median time to quarantine",
+         "false cuts", "false quarantines", "P99 TTFT x", "P99.9 TTFT x", "P99 e2e x", "timeouts", "errors",
+         "capacity kept"], body) + [""]
+
+
+def _per_fault(rows: list[dict]) -> list[str]:
+    faults = [r for r in rows if r["group"] == "fault"]
+    if not faults:
+        return []
+    pols = _order({r["policy"] for r in faults})
+    body = []
+    for f in sorted({r["fault"] for r in faults}):
+        rs = [r for r in faults if r["fault"] == f]
+        g = [r for r in rs if r["policy"] == GG]
+        row = [f] + [_f(_med(r["ttft_p99_x"] for r in rs if r["policy"] == p)) for p in pols]
+        row += [f"{sum(r['t_quarantine_s'] is not None for r in g)}/{len(g)}",
+                _f(_med(r["t_cut_s"] for r in g), 0, " s"), _f(_med(r["t_quarantine_s"] for r in g), 0, " s"),
+                sum(r["timeout"] for r in g), sum(r["error"] for r in g), sum(r["garbage"] for r in g)]
+        body.append(row)
+    return ["### Per fault type (median P99 TTFT x healthy baseline over sizes, mixes, loads)", ""] + _table(
+        ["fault"] + pols + ["grayguard quarantined", "time to cut", "time to quarantine", "timeouts", "errors",
+                            "garbage answers"], body) + [""]
+
+
+def _per_size(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "fault" and (r.get("slowdown") or 0) >= 2]
+    if not rs:
+        return []
+    pols = _order({r["policy"] for r in rs})
+    body = []
+    for size in sorted({r["size"] for r in rs}):
+        for mix in sorted({r["mix"] for r in rs}):
+            sub = [r for r in rs if r["size"] == size and r["mix"] == mix]
+            g = [r for r in sub if r["policy"] == GG]
+            if not g:
+                continue
+            body.append([size, mix] + [_f(_med(r["ttft_p99_x"] for r in sub if r["policy"] == p)) for p in pols]
+                        + [f"{sum(r['t_quarantine_s'] is not None for r in g)}/{len(g)}",
+                           _f(_med(r["t_quarantine_s"] for r in g), 0, " s"),
+                           sum(r["false_cuts"] for r in g), sum(r["false_quarantines"] for r in g)])
+    return ["### Slowdown faults by pool (median P99 TTFT x baseline; grayguard detection)", ""] + _table(
+        ["nodes", "mix"] + pols + ["quarantined", "time to quarantine", "false cuts", "false quarantines"], body) + [""]
+
+
+def _sensitivity(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "sensitivity"]
+    if not rs:
+        return []
+    body = []
+    for r in sorted((r for r in rs if r["policy"] == GG), key=lambda r: (r["slowdown"] or 0, r["size"])):
+        body.append([_f(r["slowdown"], 2, "x"), r["size"], _f(r["t_cut_s"], 0, " s"), _f(r["t_quarantine_s"], 0, " s"),
+                     r["false_cuts"], r["false_quarantines"], _f(r["ttft_p99_x"]), _f(r["ttft_p99_vs_lc"])])
+    return ["### Sensitivity: thermal slowdown k on homogeneous pools, steady load (grayguard)", ""] + _table(
+        ["slowdown", "nodes", "time to cut", "time to quarantine", "false cuts", "false quarantines",
+         "P99 TTFT x baseline", "P99 TTFT vs leastconn"], body) + [""]
+
+
+def _benign(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "benign"]
+    if not rs:
+        return []
+    pols = [p for p in _order({r["policy"] for r in rs}) if p not in ("roundrobin", "leastconn")]
+    by = {(r["scenario"], r["policy"]): r for r in rs}
+    body = []
+    for scn in sorted({r["scenario"] for r in rs}):
+        row = [scn]
+        for p in pols:
+            r = by.get((scn, p))
+            row.append("–" if r is None else f"{r['false_cuts']} / {r['false_quarantines']}")
+        g = by.get((scn, GG))
+        row += [_f(g["ttft_p99_vs_lc"]) if g else "–", _pct(g["capacity_kept"]) if g else "–"]
+        body.append(row)
+    return ["### Benign scenarios (must trigger nothing): false cuts / false quarantines", ""] + _table(
+        ["scenario"] + pols + ["grayguard P99 TTFT vs leastconn", "grayguard capacity kept"], body) + [""]
+
+
+def _double(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "double"]
+    if not rs:
+        return []
+    pols = _order({r["policy"] for r in rs})
+    by = {(r["scenario"], r["policy"]): r for r in rs}
+    body = []
+    for scn in sorted({r["scenario"] for r in rs}):
+        g = by.get((scn, GG))
+        body.append([scn] + [_f(by[(scn, p)]["ttft_p99_x"]) if (scn, p) in by else "–" for p in pols]
+                    + ([f"{g['faulty_cut']}/{g['faulty_quarantined']}", g["false_quarantines"]] if g else ["–", "–"]))
+    return ["### Two faults at once (P99 TTFT x baseline)", ""] + _table(
+        ["scenario"] + pols + ["grayguard faulty nodes cut/quarantined", "false quarantines"], body) + [""]
+
+
+def _linkerd(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "linkerd"]
+    if not rs:
+        return []
+    body = [[r["policy"], _pct(r["success_ratio"]), r["timeout"], r["requests"], _f(r["e2e_p99"], 3, " s"),
+             _f(r["t_cut_s"], 1, " s"), _f(r["t_quarantine_s"], 1, " s")]
+            for r in sorted(rs, key=lambda r: _order([x["policy"] for x in rs]).index(r["policy"]))]
+    return ["### Linkerd \"Beyond Round Robin\" replica (11 backends, 1000 req/s, one at 2 s for 30 s, 1 s timeout)",
+            "", "Linkerd measured about 95 % (round robin), 99 % (least loaded), 99.9 % (peak EWMA).", ""] + _table(
+        ["policy", "success", "timeouts", "requests", "P99 e2e", "time to cut", "time to quarantine"], body) + [""]
+
+
+def _details(rows: list[dict]) -> list[str]:
+    body = []
+    for r in rows:
+        body.append([r["scenario"], r["policy"], _f(r["t_cut_s"], 0), _f(r["t_quarantine_s"], 0),
+                     f"{r['false_cuts']}/{r['false_quarantines']}", _f(r["ttft_p99"], 3), _f(r["ttft_p99_x"]),
+                     _f(r["ttft_p999_x"]), _f(r["e2e_p99"], 2), _f(r["e2e_p99_x"]), r["timeout"],
+                     r["error"] + r["no_server"], _pct(r["capacity_kept"])])
+    return ["## Per scenario", "", "Times in seconds from the fault; x = ratio to the healthy baseline.", ""] + _table(
+        ["scenario", "policy", "cut", "quarantine", "false cut/q", "P99 TTFT", "x", "P99.9 TTFT x", "P99 e2e",
+         "x", "timeouts", "errors", "capacity"], body)
+
+
+def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
+    """The report as Markdown: summary tables, targets, then every run."""
+    head = [f"# grayguard bench: suite `{meta['suite']}`", "",
+            f"{meta['scenarios']} scenarios, {meta['runs']} runs in {meta['families']} families, "
+            f"{meta['wall_s']} s wall on {meta['workers']} worker(s) ({meta['cpu_s']} s of simulation), "
+            f"commit {meta['commit'] or '?'}{' (controller/ modified)' if meta['controller_dirty'] else ''}.", ""]
+    tl = ["### Targets (grayguard default policy)", ""] + [
+        f"- **{t['status']}** {t['target']}: {t['measured']}" + (f" ({t['detail']})" if t["detail"] else "")
+        for t in tgt] + [""]
+    parts = head + tl + _fault_summary(rows) + _per_fault(rows) + _per_size(rows) + _sensitivity(rows) \
+        + _benign(rows) + _double(rows) + _linkerd(rows) + _details(rows)
+    return "\n".join(parts) + "\n"
+

@@ -1,0 +1,206 @@
+"""What one benchmark scenario is: nodes, faults, load, control knobs; and its seeded arrival sequence.
+
+Pure data and pure functions: the same Scenario gives the same arrivals (times, sizes, pinned node) on
+every run, so every policy sees identical traffic, and the fault-free twin of a scenario (its healthy
+baseline) sees it too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field, replace
+
+from sim.loadgen import LengthDist
+from sim.model import SPEED_CLASSES
+
+# Requests per second one h100-class node serves at saturation with the default request mix
+# (docs/simulator.md, measured in virtual time); slower classes scale by their speed multiplier.
+H100_CAPACITY_RPS = 11.0
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One backend server."""
+
+    name: str
+    speed_class: str = "h100"  # sim.model.SPEED_CLASSES key
+    peer_group: str | None = None  # passed to the controller as NodeInput.peer_group
+    base_weight: int = 100  # the server's configured HAProxy weight
+    backend: str = "vllm"  # "vllm": sim.model.Engine; "fixed": a constant service time (Linkerd replica)
+    fixed_latency_s: float = 0.01  # service time of a "fixed" backend
+
+    @property
+    def speed(self) -> float:
+        return SPEED_CLASSES[self.speed_class]
+
+    @property
+    def capacity_rps(self) -> float:
+        """Nominal saturation rate with the default mix (relative capacity for 'capacity kept')."""
+        return H100_CAPACITY_RPS / self.speed
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Set `fault` (sim.faults catalogue) on `node` at at_s; clear it at until_s (None: never)."""
+
+    node: str
+    fault: str
+    at_s: float
+    until_s: float | None = None
+    params: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs: hashable, stable JSON
+
+    @property
+    def param_dict(self) -> dict[str, object]:
+        return dict(self.params)
+
+
+@dataclass(frozen=True)
+class PinnedLoad:
+    """Extra Poisson traffic pinned to one node (sticky sessions / stick tables bypass the balancer)."""
+
+    node: str
+    start_s: float
+    end_s: float
+    rate: float
+    prompt: LengthDist
+    completion: LengthDist
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Open-loop Poisson arrivals; the mean rate is `rate`, or `utilization` of the pool's capacity."""
+
+    utilization: float | None = 0.4
+    rate: float | None = None  # total req/s; wins over utilization
+    shape: str = "steady"  # steady | bursty (square wave: burst_factor for burst_s every burst_period_s)
+    burst_period_s: float = 30.0
+    burst_s: float = 10.0
+    burst_factor: float = 1.6
+    lull_factor: float = 0.7  # (1.6*10 + 0.7*20) / 30 = 1.0: the mean rate is unchanged
+    surges: tuple[tuple[float, float, float], ...] = ()  # (start_s, end_s, factor): whole-pool surges
+    prompt: LengthDist = field(default_factory=lambda: LengthDist(200, 1.0, 8, 4000))
+    completion: LengthDist = field(default_factory=lambda: LengthDist(100, 1.0, 4, 1024))
+    pinned: tuple[PinnedLoad, ...] = ()
+    timeout_s: float = 30.0  # client deadline per request, from its arrival
+
+    def factor(self, t: float) -> float:
+        """Rate multiplier at time t."""
+        f = 1.0
+        if self.shape == "bursty":
+            f = self.burst_factor if (t % self.burst_period_s) < self.burst_s else self.lull_factor
+        for start, end, k in self.surges:
+            if start <= t < end:
+                f *= k
+        return f
+
+    def max_factor(self) -> float:
+        f = max(self.burst_factor, self.lull_factor) if self.shape == "bursty" else 1.0
+        return f * math.prod(max(1.0, k) for _, _, k in self.surges)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark scenario; `policies` are compared on its identical traffic."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    load: LoadSpec = field(default_factory=LoadSpec)
+    faults: tuple[FaultSpec, ...] = ()
+    duration_s: float = 150.0  # arrivals stop here; answers are awaited up to the client timeout
+    seed: int = 1
+    group: str = "fault"  # fault | benign | double | linkerd | sensitivity (how the report reads it)
+    tick_s: float = 5.0  # control tick
+    control_start_s: float = 0.0  # first control tick (0: one tick after start); traffic starts at 0
+    window_s: float = 30.0  # rate window of the normalized-latency recording rule
+    omega: float = 0.25  # prompt-token weight in normalized latency
+    signal_lag_s: float = 5.0  # age of the rate-window data the controller reads (scrape + rule evaluation)
+    gauge_lag_s: float = 2.5  # age of scraped gauges (probe results, KV usage): half a 5 s scrape interval
+    probes: bool = True  # the exporter's 1-token micro-probe runs against every node (a little load)
+    probe_interval_s: float = 3.0  # exporter ProbeConfig defaults: every 3 s +-20 %, 2 s deadline,
+    probe_deadline_s: float = 2.0  # slower than 0.3 s is `slow`
+    probe_slow_s: float = 0.3
+    drift: float = 0.0  # amplitude of a slow sinusoidal speed drift per node (0.02 = +-2 %)
+    drift_period_s: float = 120.0
+    measure_from_s: float | None = None  # start of the measurement window (default: first fault, or 30 s)
+    measure_to_s: float | None = None  # end (default: duration_s)
+    policies: tuple[str, ...] = ()  # empty: the suite's default list
+    tags: tuple[tuple[str, object], ...] = ()  # report columns: fault, size, mix, load, slowdown
+
+    @property
+    def tag(self) -> dict[str, object]:
+        return dict(self.tags)
+
+    @property
+    def rate(self) -> float:
+        """Mean total arrival rate (req/s) of the balanced traffic."""
+        if self.load.rate is not None:
+            return self.load.rate
+        return (self.load.utilization or 0.0) * sum(n.capacity_rps for n in self.nodes)
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """The measurement window [from, to): the fault phase, or the event of a benign scenario."""
+        start = self.measure_from_s
+        if start is None:
+            start = min((f.at_s for f in self.faults), default=30.0)
+        end = self.measure_to_s if self.measure_to_s is not None else self.duration_s
+        return start, end
+
+    @property
+    def faulty(self) -> frozenset[str]:
+        return frozenset(f.node for f in self.faults)
+
+    def healthy_twin(self) -> Scenario:
+        """The same scenario without its faults (same seed, nodes and traffic): the baseline."""
+        return replace(self, name=self.name + "~healthy", faults=(), tags=())
+
+    def traffic_key(self) -> str:
+        """Identity of the fault-free run: scenarios with equal keys share one healthy baseline."""
+        d = asdict(self.healthy_twin())
+        for k in ("name", "group", "policies", "tags", "measure_from_s", "measure_to_s"):
+            d.pop(k)
+        return json.dumps(d, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """The arrival sequence: parallel lists, in time order. pin = node index, or -1 (balanced)."""
+
+    t: list[float]
+    prompt: list[int]
+    gen: list[int]
+    pin: list[int]
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+
+def _poisson(rate_at, max_rate: float, start: float, end: float, seed: int):
+    """Arrival times of a Poisson process with rate rate_at(t) <= max_rate (thinning), seeded."""
+    gap, keep = random.Random(seed), random.Random(seed + 7919)
+    t = start
+    while max_rate > 0:
+        t += gap.expovariate(max_rate)
+        if t >= end:
+            return
+        if keep.random() * max_rate < rate_at(t):
+            yield t
+
+
+def make_arrivals(s: Scenario) -> Arrivals:
+    """The scenario's arrivals: the balanced stream plus any pinned streams, merged by time."""
+    load = s.load
+    base = s.rate
+    rows: list[tuple[float, int, int, int]] = []
+    sizes = random.Random(s.seed + 1)  # own stream: sizes do not shift when the rate changes
+    for t in _poisson(lambda t: base * load.factor(t), base * load.max_factor(), 0.0, s.duration_s, s.seed):
+        rows.append((t, load.prompt.sample(sizes), load.completion.sample(sizes), -1))
+    index = {n.name: i for i, n in enumerate(s.nodes)}
+    for j, p in enumerate(load.pinned):
+        rng = random.Random(s.seed * 1000 + 17 * (j + 1))
+        for t in _poisson(lambda _t, r=p.rate: r, p.rate, p.start_s, min(p.end_s, s.duration_s), s.seed + 31 * (j + 1)):
+            rows.append((t, p.prompt.sample(rng), p.completion.sample(rng), index[p.node]))
+    rows.sort(key=lambda r: (r[0], r[3]))
+    return Arrivals([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
