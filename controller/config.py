@@ -116,7 +116,7 @@ class ThresholdsConfig:
     min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
     # probes (the exporter's 1-token micro-probe)
     probe_slow_factor: float = 0.3  # weight factor while probes are slow (and slower than the peers' probes)
-    probe_slow_ratio: float = 3.0  # a probe this many times the peers' probe TTFT is slow, whatever the exporter says
+    probe_slow_ratio: float = 10.0  # a probe this many times the peers' probe TTFT is slow, whatever the exporter says
     probe_slow_consecutive: int = 2  # slow probes in a row before the weight is cut (one spike is noise)
     probe_failures_to_quarantine: int = 2  # consecutive timeouts/failed probes that quarantine (CUDA: one)
     probe_ok_to_clear: int = 3  # good probes in a row that clear a slow-probe degrade

@@ -305,6 +305,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         s = replace(s, reason=why)
     if p_quarantine or e_quarantine:
         return s, (math.inf, "probe" if p_quarantine else "errors", p_quarantine or e_quarantine)
+    if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
+        ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.probe_slow_ratio
+        return s, (ratio, "probe", f"{p_reason} with GPU evidence: {', '.join(evidence)}")
     sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
     if sc is not None and s.hot_ticks >= sustain:
         tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""

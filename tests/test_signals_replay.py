@@ -147,8 +147,19 @@ def test_a_backend_that_is_starting_is_not_a_fault():
 
 
 def test_probes_far_slower_than_peers_count_even_under_the_exporters_threshold():
-    recs = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.2} if t >= 50 else {}), "n3")
-    assert [r["state"] for r in recs if 50 <= r["t"] < 60] == ["healthy", "degraded"]  # 0.2 s vs peers 0.03 s
+    recs = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.4} if t >= 50 else {}), "n3")
+    assert [r["state"] for r in recs if 50 <= r["t"] < 60] == ["healthy", "degraded"]  # 13x the peers
+    spiky = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.12} if t >= 50 else {}), "n3")
+    assert all(r["state"] == "healthy" for r in spiky)  # 4x the peers under the exporter's threshold: noise
+
+
+def test_slow_probes_with_gpu_evidence_quarantine_slow_probes_alone_only_degrade():
+    both = by_node(trace(n1=lambda t: {"probe_result": "slow", "probe_ttft": 0.5, "gpu_throttled": True}
+                         if t >= 50 else {}), "n1")
+    assert first(both, "quarantined") == 55  # the second slow probe
+    assert "GPU evidence" in next(r["reason"] for r in both if r["state"] == "quarantined")
+    alone = by_node(trace(n1=lambda t: {"probe_result": "slow", "probe_ttft": 0.5} if t >= 50 else {}), "n1")
+    assert first(alone, "quarantined") is None and first(alone, "degraded") == 55
 
 
 def test_a_single_probe_spike_cuts_nothing():
