@@ -52,6 +52,7 @@ class DemoOptions:
     balance: str = "roundrobin"  # HAProxy balance algorithm (roundrobin is HAProxy's default)
     control_window: str = "10s"
     overrides: dict = field(default_factory=dict)
+    keep_workdir: bool = False
 
 
 class Sampler:
@@ -213,7 +214,9 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout) -> 
         interrupted = True
         print("\n[demo] interrupted: stopping everything", file=out, flush=True)
     finally:
-        stack.stop()
+        stack.stop(keep_workdir=opts.keep_workdir)
+        if opts.keep_workdir:
+            print(f"[demo] kept {stack.dir} (configs and logs of HAProxy, Prometheus, Alertmanager)", file=out)
     return _finish(opts, report_dir, sampler, records, result, interrupted, out)
 
 
@@ -330,6 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-window", default=d.control_window,
                    help=f"rate window of the controller's signals (default {d.control_window})")
     p.add_argument("--no-controller", action="store_true", help="run the same scenario with grayguard off")
+    p.add_argument("--keep-workdir", action="store_true",
+                   help="keep the temp dir with every generated config and the services' logs")
     p.add_argument("--compare", action="store_true", help="run with and without the controller, report the ratios")
     p.add_argument("--live", choices=["auto", "tty", "plain", "off"], default="auto",
                    help="live view: redrawn table on a terminal, periodic lines otherwise (default auto)")
@@ -349,7 +354,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     o = DemoOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, fault=args.fault,
                     fault_node=args.fault_node, fault_start_s=args.fault_at, fault_end_s=until, fault_params=params,
                     controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout, live=args.live,
-                    balance=args.balance, control_window=args.control_window)
+                    balance=args.balance, control_window=args.control_window, keep_workdir=args.keep_workdir)
     if o.nodes < 3:
         raise ValueError("--nodes must be at least 3 (no peer comparison below)")
     if not 0 <= o.fault_start_s < o.duration_s:

@@ -233,8 +233,8 @@ class LocalStack:
         return {s.name: (s.weight, s.drain) for s in c.show_servers_state(BACKEND)}
 
     # ---- teardown ------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop everything that was started, in reverse order; never raises."""
+    def stop(self, keep_workdir: bool = False) -> None:
+        """Stop everything that was started, in reverse order; never raises. keep_workdir keeps the logs."""
         steps = [
             ("controller", self._stop_controller),
             ("prometheus", lambda: self.prometheus and self.prometheus.stop()),
@@ -249,7 +249,8 @@ class LocalStack:
                 fn()
             except Exception as e:  # keep tearing down the rest
                 log.warning("stopping %s: %s", name, e)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_workdir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def _stop_controller(self) -> None:
         self._ctl_stop.set()
