@@ -265,7 +265,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  calm_gap: float) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any."""
     lat_reason = ""
-    prev_factors = s.factors
+    prev_factors, prev_lat = s.factors, s.lat_degraded
     if sc is None:
         s = replace(s, score=None, ratio=None)
     else:
@@ -296,7 +296,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif s.state == HEALTHY and degraded:
         s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
     elif s.state == DEGRADED and not degraded:
-        was = {k for k, _, _ in prev_factors}
+        was = {k for k, _, _ in prev_factors} | ({"latency"} if prev_lat else set())
         cleared = [text for key, text in (
             ("latency", f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
             ("probe", f"{t.probe_ok_to_clear} good probes"), ("errors", "errors below the threshold")) if key in was]

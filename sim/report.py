@@ -23,7 +23,10 @@ def headline(samples: Sequence[dict], events: Sequence[dict], faulty: str, fault
     """The figures report.json leads with (seconds from the start of the run; None: did not happen)."""
     def node(s: dict) -> dict:
         return s["nodes"].get(faulty, {})
-    cut = first_time(samples, fault_start, lambda s: (node(s).get("weight") or base_weight) < base_weight)
+    def weight(s: dict) -> int:
+        w = node(s).get("weight")
+        return base_weight if w is None else w  # 0 is a weight, not a missing one
+    cut = first_time(samples, fault_start, lambda s: weight(s) < base_weight)
     quarantine = first_time(samples, fault_start, lambda s: node(s).get("state") == "quarantined")
     page = next((e["t"] for e in events if e["kind"] == "page" and e.get("node") == faulty
                  and e.get("status") == "firing" and e["t"] >= fault_start), None)
