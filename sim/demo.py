@@ -239,7 +239,7 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out) -> dic
     if report_dir is not None:
         write_report(report, sampler.samples, records, report_dir)
         if result is not None:
-            result.write_records(report_dir / "requests.csv")  # every request: start, backend, TTFT, e2e, status
+            result.write_records(str(report_dir / "requests.csv"))  # every request: start, backend, TTFT, e2e, status
         print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
     return report
 
