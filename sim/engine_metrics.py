@@ -5,10 +5,10 @@ Definitions (docs/benchmarks.md):
   when it is drained or set to weight 0 by a detector (Envoy ejection, the seeds' quarantine, grayguard's
   quarantined/canary states). A grayguard KV-saturation pause (weight 0, not drained) counts as a cut.
 - latency percentiles cover every request that ARRIVED in the scenario's measurement window: answered
-  ones (ok or garbage: a 200 the client cannot tell apart) with their latency, failed ones (timeout, HTTP
-  error, no server) as the client deadline — a failure is no better than the slowest acceptable answer,
-  so a policy cannot improve its P99 by failing requests fast. A timed-out request that got its first
-  token keeps that TTFT.
+  ones with their latency, failed ones (timeout, HTTP error, no server, garbage text — the load generator
+  counts that as an error too) as the client deadline: a failure is no better than the slowest acceptable
+  answer, so a policy cannot improve its P99 by failing requests fast. A timed-out request that got its
+  first token keeps that TTFT.
 - capacity kept: time average over the window of sum(capacity x min(1, weight/base)) over the nodes
   WITHOUT a fault, divided by their total capacity (1.0: nothing healthy was cut).
 """
@@ -97,13 +97,13 @@ def summarize(res: RunResult) -> dict:
         counts["requests"] += 1
         counts[names.get(st, "timeout")] += 1
         on_faulty += res.node[i] in faulty_idx
-        if st in (OK, GARBAGE):
+        if st == OK:
             ttft.append(res.ttft[i])
             e2e.append(res.e2e[i])
         elif st == TIMEOUT:
             ttft.append(res.ttft[i] if res.ttft[i] == res.ttft[i] else timeout)
             e2e.append(timeout)
-        else:  # HTTP error (also mid-stream) or no server: the client got no usable answer
+        else:  # HTTP error (also mid-stream), no server, garbage text: the client got no usable answer
             ttft.append(timeout)
             e2e.append(timeout)
     ttft.sort()
@@ -124,6 +124,12 @@ def summarize(res: RunResult) -> dict:
             else:
                 false_quarantines += 1
     n = counts["requests"]
+    settled = None  # P99 TTFT once every faulty node was drained: what is left is the capacity cost
+    t_q = max(first["quarantine"].values()) if fault_at and len(first["quarantine"]) == len(fault_at) else None
+    if t_q is not None:
+        start = max(fault_at.values()) + t_q
+        settled = percentile(sorted(x for x, t, st in zip(res.ttft, res.t, res.status, strict=True)
+                                    if start <= t < hi and st == OK and x == x), 99)
 
     def worst(d: dict[str, float]) -> float | None:  # the last faulty node to be handled; None if one never was
         return max(d.values()) if d and len(d) == len(fault_at) else None
@@ -134,6 +140,7 @@ def summarize(res: RunResult) -> dict:
         "t_cut_s": worst(first["cut"]), "t_quarantine_s": worst(first["quarantine"]),
         "faulty_cut": len(first["cut"]), "faulty_quarantined": len(first["quarantine"]),
         "false_cuts": false_cuts, "false_quarantines": false_quarantines,
+        "ttft_p99_settled": settled,
         "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "ttft_p999": percentile(ttft, 99.9),
         "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "e2e_p999": percentile(e2e, 99.9),
         **counts,
