@@ -21,7 +21,8 @@ faults, 1-token probes), HAProxy, Prometheus (1 s scrape, grayguard's rules), Al
 local webhook "pager", and the controller; sends open-loop load through HAProxy; injects a fault on
 one node and clears it; shows a live view; writes report.json and report.html to --report-dir.
 
-Defaults: 8 nodes, 20 req/s, thermal throttle (x6) on node3 from 30 s to 90 s, 150 s in all,
+Defaults: 8 nodes, 20 req/s, thermal throttle (every phase x10; real gray failures run 5-40x slower)
+on node3 from 30 s to 90 s, 150 s in all,
 HAProxy `balance roundrobin` (its default; --balance leastconn for the gentler status quo).
 Demo time is compressed: 1 s controller ticks, 10 s rate windows, short alert `for:` durations,
 a 3x-per-minute slow start. Everything it starts it stops, also on Ctrl-C.
@@ -44,7 +45,7 @@ class DemoOptions:
     fault_node: str = "node3"
     fault_start_s: float = 30.0
     fault_end_s: float | None = 90.0
-    fault_params: dict = field(default_factory=dict)
+    fault_params: dict = field(default_factory=lambda: {"k": 10})
     controller: bool = True
     seed: int = 1
     timeout_s: float = 30.0
@@ -325,7 +326,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-until", type=float, default=d.fault_end_s,
                    help=f"seconds; a negative value never clears it (default {d.fault_end_s:g})")
     p.add_argument("--fault-param", action="append", default=[], metavar="K=V",
-                   help="fault parameter, repeatable (e.g. k=8 for thermal)")
+                   help="fault parameter, repeatable (default for thermal: k=10; see docs/simulator.md)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the fleet and the load (default 1)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="client request deadline in seconds (default 30)")
     p.add_argument("--report-dir", default="./demo-report", help="where report.json and report.html go")
@@ -352,6 +353,8 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
             params[k] = float(v) if any(c in v for c in ".e") else int(v)
         except ValueError:
             params[k] = v
+    if args.fault == "thermal":
+        params.setdefault("k", 10)
     until = None if args.fault_until is not None and args.fault_until < 0 else args.fault_until
     o = DemoOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, fault=args.fault,
                     fault_node=args.fault_node, fault_start_s=args.fault_at, fault_end_s=until, fault_params=params,
