@@ -277,10 +277,10 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         s = replace(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
                     lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
         lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}"
-    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
-                                                    peer_probe, t)
-    mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
+    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
+                                                    peer_probe, t, corroborated=bool(evidence))
+    mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     factors = tuple(f for f in (("latency", s.lat_factor, lat_reason or "latency (held)"), ("probe", pf, p_reason),
                                 ("errors", ef, e_reason)) if f[1] < 1.0 and (f[0] != "latency" or s.lat_degraded))
     s = replace(s, signals=mem, factors=factors)

@@ -38,8 +38,12 @@ class Verdict:
 
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
-          peer_ttft: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
-    """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault."""
+          peer_ttft: float | None, t: ThresholdsConfig,
+          corroborated: bool = False) -> tuple[SignalMemory, float, str, str | None]:
+    """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
+
+    corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise.
+    """
     if result is None or result == "starting":  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
     bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAILURES | {PROBE_CUDA} else 0)
@@ -58,7 +62,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     if (result == "slow" and slower) or far:
         run = m.probe_slow_run + 1
         m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": run,
-                            "probe_slow": m.probe_slow or run >= t.probe_slow_consecutive})
+                            "probe_slow": m.probe_slow or run >= (1 if corroborated else t.probe_slow_consecutive)})
     elif slower and m.probe_slow:  # still slower than the peers: not a good probe
         m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": 0})
     else:
