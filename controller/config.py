@@ -112,7 +112,9 @@ class ThresholdsConfig:
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
     max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+)
     min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
-    min_request_rate: float = 0.2  # req/s below which a node's latency is not trusted (~6 requests in 30 s)
+    # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
+    # low: a badly slowed node finishes few requests (the probes cover a node that finishes none).
+    min_request_rate: float = 0.1
     min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
     # probes (the exporter's 1-token micro-probe)
     probe_slow_factor: float = 0.3  # weight factor while probes are slow (and slower than the peers' probes)

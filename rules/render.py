@@ -105,7 +105,8 @@ def clean_baselines(cfg: Config, baselines: Mapping[str, float] | None) -> dict[
     out = {}
     for p in cfg.pools:
         v = (baselines or {}).get(p.name)
-        if v is not None and math.isfinite(v) and v > 0:
+        # the alert threshold is v * regression_factor: it must stay finite too
+        if v is not None and math.isfinite(v) and v > 0 and math.isfinite(v * cfg.rules.regression_factor):
             out[p.name] = float(f"{v:.2g}")
     return out
 

@@ -55,6 +55,10 @@ def test_once_dry_run_prints_a_plan_and_writes_nothing(tmp_path):
             others = [v for k, v in vals.items() if k != slow]
             return len(vals) == 4 and vals[slow] > 1.6 * max(others)
         prom.wait_for(cfg.signals.latency_query, ready, timeout_s=40)
+        # and the controller trusts it: enough finished requests on the throttled node
+        prom.wait_for(cfg.signals.request_rate_query, lambda res: any(
+            r["metric"]["instance"] == slow and float(r["value"][1]) >= cfg.thresholds.min_request_rate for r in res),
+            timeout_s=30)
         p = subprocess.run([sys.executable, "-m", "controller.cli", "controller", "--config", str(cfg_path),
                             "--once", "--dry-run"], capture_output=True, text=True, timeout=60)
         print(p.stdout)
