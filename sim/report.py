@@ -99,9 +99,9 @@ def svg_chart(series: dict[str, list[tuple[float, float | None]]], *, title: str
         out.append(f'<text x="{X(t):.1f}" y="{height - 14}" text-anchor="middle">{t:.0f}s</text>')
     out.append(f'<text x="12" y="{mt + ph / 2}" transform="rotate(-90 12 {mt + ph / 2})" '
                f'text-anchor="middle">{html.escape(ylabel)}</text>')
-    for t, label in markers:
+    for k, (t, label) in enumerate(sorted(markers)):  # labels on staggered rows: events come seconds apart
         out.append(f'<line x1="{X(t):.1f}" y1="{mt}" x2="{X(t):.1f}" y2="{mt + ph}" stroke="#999" '
-                   f'stroke-dasharray="4 3"/><text x="{X(t) + 3:.1f}" y="{mt + 10}" fill="#555">'
+                   f'stroke-dasharray="4 3"/><text x="{X(t) + 3:.1f}" y="{mt + 10 + 12 * (k % 4)}" fill="#555">'
                    f'{html.escape(label)}</text>')
     for i, (name, s) in enumerate(sorted(series.items())):
         color = COLORS[i % len(COLORS)]
