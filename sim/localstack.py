@@ -42,7 +42,7 @@ class StackSpec:
     controller: bool = True
     tick_s: float = 1.0
     control_window: str = "10s"
-    probe_interval_s: float = 1.0
+    probe_interval_s: float = 0.5  # demo time: a sick node is seen within a second or two
     speed_classes: Any = None
     balance: str = "roundrobin"  # HAProxy's default algorithm; leastconn already shies away from slow nodes
     overrides: dict = field(default_factory=dict)  # merged into the controller config document
