@@ -22,6 +22,12 @@ import yaml
 HAPROXY_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 PROM_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def duration_seconds(duration: str) -> float:
+    """A Prometheus duration ("10s", "1m30s") in seconds."""
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))
 
 
 class ConfigError(ValueError):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.config import duration_seconds
+
 HELP = "run the full local stack on a simulated fleet, inject a gray failure, report what grayguard did"
 DESCRIPTION = """\
 Starts a simulated vLLM fleet (one asyncio process), an exporter per node (fake NVML driven by the
@@ -181,7 +183,7 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout) -> 
         faulted = cleared = False
         # Like a controller joining a fleet that is already serving: it starts once the first rate
         # window is full of traffic (everything here starts at once; early windows hold a few requests).
-        warmup = _seconds(opts.control_window) + 2.0
+        warmup = duration_seconds(opts.control_window) + 2.0
         controller_started = not opts.controller
         next_print = 0.0
         while not fut.done():
@@ -243,13 +245,6 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out) -> dic
             result.write_records(str(report_dir / "requests.csv"))  # every request: start, backend, TTFT, e2e, status
         print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
     return report
-
-
-def _seconds(duration: str) -> float:
-    """A Prometheus duration ("10s", "1m", "1m30s") in seconds."""
-    import re
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9]+)(ms|s|m|h|d|w|y)", duration))
 
 
 def verdict(r: dict) -> str:
@@ -382,7 +377,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     from controller.config import DURATION_RE
     if not DURATION_RE.match(o.control_window):
         raise ValueError(f"--control-window {o.control_window!r} is not a Prometheus duration such as 10s")
-    if o.controller and o.fault_start_s < _seconds(o.control_window) + 2:
+    if o.controller and o.fault_start_s < duration_seconds(o.control_window) + 2:
         raise ValueError(f"--fault-at must leave the controller its warm-up ({o.control_window} + 2 s)")
     if o.fault_end_s is not None and not o.fault_start_s < o.fault_end_s <= o.duration_s:
         raise ValueError("--fault-until must be after --fault-at and within the run")

@@ -65,3 +65,8 @@ def test_example_shows_the_defaults():
     assert cfg.thresholds == ThresholdsConfig()
     assert cfg.recovery == RecoveryConfig()
     assert cfg.signals == SignalsConfig()
+
+
+def test_duration_seconds():
+    from controller.config import duration_seconds
+    assert duration_seconds("10s") == 10 and duration_seconds("1m30s") == 90 and duration_seconds("500ms") == 0.5
