@@ -3,7 +3,7 @@
 Everything binds to 127.0.0.1 on free ports, lives in a temp dir and is stopped at the end of its
 `with` block (and at interpreter exit, as a last resort). Usage:
 
-    require("prometheus", "alertmanager")                     # pytest.skip with an install hint
+    require("prometheus", "alertmanager")                     # pytest.fail with an install hint
     with WebhookReceiver() as hook, serve_registry(metrics.registry) as ctl, \\
          start_alertmanager(alertmanager_config(EXAMPLE_AM, hook)) as am, \\
          start_prometheus(prometheus_config([static_job("grayguard-controller", [ctl.target])],
@@ -47,12 +47,13 @@ _ALIASES = {"alertmanager": ("alertmanager", "prometheus-alertmanager")}
 
 
 def require(*binaries: str) -> None:
-    """Skip the test (with the apt-get hint) when a binary is missing."""
+    """Fail the test (with the apt-get hint) when a binary is missing: `make test` installs them, so a
+    missing one is a broken set-up, never a reason to pass silently."""
     for b in binaries:
         try:
             find_binary(*_ALIASES.get(b, (b,)))
         except BinaryMissing as e:
-            pytest.skip(str(e))
+            pytest.fail(str(e))
 
 
 class MetricsServer:
