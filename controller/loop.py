@@ -92,43 +92,52 @@ class Controller:
             out[hc.endpoint] = by_backend
         return out
 
+    def _query_all(self, queries: dict[str, str]) -> dict[str, list[Sample] | PromError]:
+        """Run instant queries concurrently (one round trip per tick, not one per signal)."""
+        if not queries:
+            return {}
+
+        def one(q: str) -> list[Sample] | PromError:
+            try:
+                return self.prom.query(q)
+            except PromError as e:
+                return e
+        with ThreadPoolExecutor(max_workers=len(queries)) as ex:
+            return dict(zip(queries, ex.map(one, queries.values()), strict=True))
+
     def read_prometheus(self) -> tuple[dict[str, list[Sample]], str | None]:
         """Latency and request-rate samples, or the reason to hold."""
-        got = {}
-        for name, q in (("latency", self.cfg.signals.latency_query),
-                        ("rate", self.cfg.signals.request_rate_query)):
-            try:
-                got[name] = self.prom.query(q)
-            except PromError as e:
-                self.metrics.prometheus_errors.labels(e.kind).inc()
-                return {}, f"Prometheus {e.kind}: {e}"
+        got = self._query_all({"latency": self.cfg.signals.latency_query,
+                               "rate": self.cfg.signals.request_rate_query})
+        for res in got.values():
+            if isinstance(res, PromError):
+                self.metrics.prometheus_errors.labels(res.kind).inc()
+                return {}, f"Prometheus {res.kind}: {res}"
         now = self.clock()
         for samples in got.values():
-            for s in samples:
+            for s in samples:  # type: ignore[union-attr]
                 if abs(now - s.timestamp) > self.cfg.stale_after_s:
                     self.metrics.prometheus_errors.labels("stale").inc()
                     return {}, (f"Prometheus data is {now - s.timestamp:.0f}s old "
                                 f"(stale_after_s={self.cfg.stale_after_s:g})")
-        return got, None
+        return got, None  # type: ignore[return-value]
 
     OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
                 "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group")
 
     def read_optional(self) -> dict[str, list[Sample]]:
         """The optional signals; a failing query is counted, logged once, and treated as absent."""
+        wanted = {name: getattr(self.cfg.signals, f"{name}_query") for name in self.OPTIONAL}
+        if not any(p.peer_group_label for p in self.cfg.pools):
+            wanted.pop("peer_group")
         got = {}
-        for name in self.OPTIONAL:
-            q = getattr(self.cfg.signals, f"{name}_query")
-            if name == "peer_group" and not any(p.peer_group_label for p in self.cfg.pools):
-                continue
-            if not q:
-                continue
-            try:
-                got[name] = self.prom.query(q)
-            except PromError as e:
-                self.metrics.prometheus_errors.labels(e.kind).inc()
-                self._warn_once(f"signal:{name}:{e.kind}", f"signal {name} unavailable ({e.kind}): {e}; "
+        for name, res in self._query_all({k: q for k, q in wanted.items() if q}).items():
+            if isinstance(res, PromError):
+                self.metrics.prometheus_errors.labels(res.kind).inc()
+                self._warn_once(f"signal:{name}:{res.kind}", f"signal {name} unavailable ({res.kind}): {res}; "
                                 f"treated as absent (signals.{name}_query)")
+            else:
+                got[name] = res
         return got
 
     @staticmethod
