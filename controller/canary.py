@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from controller.config import RecoveryConfig
+from grayguard.config import RecoveryConfig
 
 log = logging.getLogger("grayguard.canary")
 

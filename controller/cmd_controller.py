@@ -9,12 +9,12 @@ import sys
 import threading
 from datetime import UTC, datetime
 
-from controller.config import Config, ConfigError, load_config
 from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from controller.loop import Controller, TickResult
 from controller.metrics import ControllerMetrics
-from controller.promclient import PrometheusClient
 from controller.statefile import StateFile
+from grayguard.config import Config, ConfigError, load_config
+from grayguard.promclient import PrometheusClient
 
 HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
 DESCRIPTION = """\

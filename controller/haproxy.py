@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from controller.config import HAPROXY_NAME_RE
+from grayguard.config import HAPROXY_NAME_RE
 
 # srv_admin_state bits (HAProxy src/server.h)
 ADMF_FMAINT, ADMF_IMAINT, ADMF_CMAINT, ADMF_FDRAIN, ADMF_IDRAIN, ADMF_RMAINT, ADMF_HMAINT = (

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from controller.config import Config, PoolConfig
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.metrics import STATES, ControllerMetrics
 from controller.plan import Change, plan_backend
@@ -29,8 +28,9 @@ from controller.policy import (
     canary_due,
     decide_pool,
 )
-from controller.promclient import PromError, PrometheusClient, Sample, finite
 from controller.statefile import StateFile
+from grayguard.config import Config, PoolConfig
+from grayguard.promclient import PromError, PrometheusClient, Sample, finite
 
 log = logging.getLogger("grayguard.controller")
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from controller import peers, signals
-from controller.config import RecoveryConfig, ThresholdsConfig
 from controller.scoring import ema, usable
 from controller.signals import SignalMemory
+from grayguard.config import RecoveryConfig, ThresholdsConfig
 
 HEALTHY, DEGRADED, QUARANTINED, CANARY, SLOW_START = (
     "healthy", "degraded", "quarantined", "canary", "slow_start")

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from controller.config import ConfigError, load_config
 from controller.policy import NodeInput, NodeState, Policy, canary_due, decide_pool
+from grayguard.config import ConfigError, load_config
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
 DESCRIPTION = """\

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.config import ThresholdsConfig
+from grayguard.config import ThresholdsConfig
 
 PROBE_FAILURES = frozenset({"timeout", "connect_error", "http_error", "bad_response"})
 PROBE_CUDA = "cuda_error"

@@ -8,8 +8,8 @@ import sys
 from datetime import datetime
 from typing import IO
 
-from controller.config import Config
-from controller.promclient import PromError, PrometheusClient, finite
+from grayguard.config import Config
+from grayguard.promclient import PromError, PrometheusClient, finite
 
 
 def parse_time(text: str) -> float:

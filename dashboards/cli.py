@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from controller.config import ConfigError, load_config
 from dashboards.config import DashboardConfig
+from grayguard.config import ConfigError, load_config
 
 # The builders (and grafana-foundation-sdk) are imported when a dashboard is rendered, not here: the
 # `grayguard` dispatcher imports every subcommand, and a missing SDK must not break the controller's CLI.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.config import Config, RulesConfig, ThresholdsConfig
+from grayguard.config import Config, RulesConfig, ThresholdsConfig
 
 _T, _R = ThresholdsConfig(), RulesConfig()
 _TICK_S = Config.__dataclass_fields__["tick_interval_s"].default

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import requests
 
-from controller.config import ConfigError, load_config
-from controller.promclient import PromError, PrometheusClient
-from rules.procs import install_hint
+from grayguard.binaries import install_hint
+from grayguard.config import ConfigError, load_config
+from grayguard.promclient import PromError, PrometheusClient
 from rules.render import recording_rule_names, render_all
 from rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 

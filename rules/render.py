@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from controller.config import Config, ConfigError
+from grayguard.config import Config, ConfigError
 
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"

@@ -22,8 +22,8 @@ from pathlib import Path
 import requests
 import yaml
 
-from controller.config import Config
-from controller.promclient import PromError, PrometheusClient
+from grayguard.config import Config
+from grayguard.promclient import PromError, PrometheusClient
 from rules.render import baseline_query, render_all
 
 log = logging.getLogger("grayguard.rules")

@@ -1,7 +1,7 @@
 """Pure latency model of one vLLM engine: continuous batching, chunked prefill, a KV-cache budget.
 
 No asyncio, no clock, no I/O: every method takes the current time as a parameter, so the same
-`Engine` is stepped in real time by the simulated HTTP server (sim/node.py) and in virtual time by a
+`EngineModel` is stepped in real time by the simulated HTTP server (sim/node.py) and in virtual time by a
 discrete-event simulator. Calibration (an H100 serving a small model; see docs/simulator.md):
 prefill 0.1 ms per prompt token, a decode step 15 ms at batch 1 growing linearly to 30 ms at batch 64.
 """
@@ -20,7 +20,7 @@ SPEED_CLASSES: dict[str, float] = {"h200": 0.85, "h100": 1.0, "a100": 1.6, "l40s
 
 @dataclass(frozen=True)
 class ModelParams:
-    """Engine knobs; defaults model an H100 with a small model (Llama-3-8B-class)."""
+    """EngineModel knobs; defaults model an H100 with a small model (Llama-3-8B-class)."""
 
     prefill_s_per_token: float = 1.0e-4  # 0.1 ms per prompt token (~10k tok/s prefill)
     decode_s_base: float = 0.015  # one engine step with a single sequence
@@ -173,7 +173,7 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class Engine:
+class EngineModel:
     """One vLLM engine core: `submit`, then `advance(now)` to collect events; `next_event_time()`."""
 
     def __init__(self, params: ModelParams | None = None, *, speed: float = 1.0, seed: int = 0,

@@ -1,6 +1,6 @@
 """One simulated vLLM node: the OpenAI-compatible API, /metrics and a fault admin endpoint (aiohttp).
 
-The pure `Engine` (sim/model.py) is stepped in real time by loop timers: one timer per node, set to
+The pure `EngineModel` (sim/model.py) is stepped in real time by loop timers: one timer per node, set to
 the end of the engine step in progress, so the CPU cost is per step, not per token.
 """
 
@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from sim.faults import CUDA_ERROR_TEXT, Fault, FaultError, FaultState
 from sim.metrics import VllmMetrics
-from sim.model import Engine, Finished, FirstToken, ModelParams, StepDone
+from sim.model import EngineModel, Finished, FirstToken, ModelParams, StepDone
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class SimNode:
         self.model_name = model_name
         self.on_fault_change = on_fault_change
         self.faults = FaultState()
-        self.engine = Engine(self.params, speed=speed, seed=seed, slowdown=self.faults.slowdown)
+        self.engine = EngineModel(self.params, speed=speed, seed=seed, slowdown=self.faults.slowdown)
         self.metrics = VllmMetrics(model_name, self.params.max_model_len)
         self.metrics.bind_engine_state(lambda: self.engine.num_running, lambda: self.engine.num_waiting,
                                        self.engine.kv_usage)
@@ -370,7 +370,7 @@ class SimNode:
 
 
 class _Pending(asyncio.Queue):
-    """Engine events of one open request, in order; `arrival` is its submit time."""
+    """EngineModel events of one open request, in order; `arrival` is its submit time."""
 
     def __init__(self, arrival: float) -> None:
         super().__init__()

@@ -1,6 +1,6 @@
 import pytest
 
-from controller.haproxy_launch import HaproxyProc, haproxy_config
+from localstack.haproxy import HaproxyProc, haproxy_config
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The virtual-time benchmark: scenario engine, HAProxy balancer models, policies, suites, `grayguard bench`."""

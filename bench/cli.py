@@ -1,0 +1,165 @@
+"""`grayguard bench`: every policy on every scenario of a suite, side by side, in virtual time.
+
+Scenarios that share their traffic (same pool, load and seed; different faults) are run as one family:
+the fault-free prefix once, then one branch per fault and one for the healthy baseline (bench.engine
+run_family). Families run in worker processes; the report is written as Markdown and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.engine import run_family
+from bench.metrics import summarize
+from bench.report import add_baselines, markdown, targets
+from bench.scenarios import SuiteError, load_suite, suites
+from bench.spec import Scenario
+
+HELP = "benchmark grayguard against round robin, least-connections, the seeds' Z-score and Envoy on fault scenarios"
+DESCRIPTION = """\
+Runs a scenario suite (bench/suites/<suite>.yaml) in virtual time: the simulator's latency model behind
+a model of HAProxy's weighted leastconn/roundrobin, with each policy deciding weights on identical
+traffic (grayguard runs the controller's own decide_pool). Per scenario and policy it measures the time
+from fault to first weight cut and to quarantine, false cuts and quarantines, client P99/P99.9 TTFT and
+end-to-end latency against the healthy baseline (the same scenario without the fault, same seed),
+timeouts, errors and the capacity kept; then prints a summary and PASS/MISS per target.
+
+examples:
+  grayguard bench --suite smoke --report-dir /tmp/bench
+  grayguard bench --suite default --report-dir bench-report --workers 2
+  grayguard bench --suite default --report-dir /tmp/b --filter thermal/n8 --policies leastconn,grayguard
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", default="smoke", help=f"suite name or YAML path (shipped: {', '.join(suites())})")
+    p.add_argument("--report-dir", required=True, metavar="DIR", help="where report.md and report.json go")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: min(2, CPUs))")
+    p.add_argument("--policies", help="comma-separated policies instead of the suite's (see bench/policies.py)")
+    p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
+                   help="only scenarios whose name contains SUBSTR (repeatable: any of them)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+
+
+def families(scenarios: list[Scenario], policy_override: list[str] | None = None) -> list[tuple[str, list[Scenario]]]:
+    """(policy, scenarios sharing their traffic) work items; each fault family gets its healthy twin."""
+    by: dict[tuple[str, str], list[Scenario]] = {}
+    for s in scenarios:
+        for pol in policy_override or s.policies:
+            by.setdefault((pol, s.traffic_key()), []).append(s)
+    out = []
+    for (pol, _key), members in by.items():
+        if any(m.faults for m in members):
+            first = next(m for m in members if m.faults)
+            lo, hi = first.window  # the baseline is measured over the same window as the faults
+            twin = replace(first.healthy_twin(), name="healthy/" + "/".join(first.name.split("/")[1:]),
+                           group="healthy", tags=tuple({**first.tag, "fault": "healthy", "slowdown": None}.items()),
+                           measure_from_s=lo, measure_to_s=hi)
+            members = [*members, twin]
+        out.append((pol, members))
+    # biggest first: keeps both workers busy until the end
+    out.sort(key=lambda f: -sum(len(s.nodes) * s.duration_s for s in f[1]))
+    return out
+
+
+def run_one(item: tuple[str, list[Scenario]]) -> tuple[str, list[dict], float]:
+    """Worker: run one family under one policy; returns (label, summaries, seconds)."""
+    pol, members = item
+    t0 = time.perf_counter()
+    results = run_family(members, pol)
+    rows = [summarize(r) for r in results]
+    for s, row in zip(members, rows, strict=True):
+        row["traffic_key"] = s.traffic_key()
+    label = f"{pol} {'/'.join(members[0].name.split('/')[1:])} ({len(members)} runs)"
+    return label, rows, time.perf_counter() - t0
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    k = round(width * done / total) if total else width
+    return "[" + "#" * k + "." * (width - k) + "]"
+
+
+def execute(items: list, workers: int, progress=sys.stderr) -> tuple[list[dict], float]:
+    """Run the work items (in a process pool when workers > 1), reporting progress; (rows, wall seconds)."""
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    total = len(items)
+
+    def report(i: int, label: str, secs: float) -> None:
+        el = time.perf_counter() - t0
+        print(f"bench {_bar(i, total)} {i}/{total} {el:6.1f}s  {label}: {secs:.1f}s", file=progress, flush=True)
+
+    if workers <= 1:
+        for i, item in enumerate(items, 1):
+            label, r, secs = run_one(item)
+            rows += r
+            report(i, label, secs)
+    else:
+        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ctx.Pool(workers) as pool:
+            for i, (label, r, secs) in enumerate(pool.imap_unordered(run_one, items), 1):
+                rows += r
+                report(i, label, secs)
+    return rows, time.perf_counter() - t0
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        scenarios, spec = load_suite(args.suite)
+    except SuiteError as e:
+        print(f"grayguard bench: {e}", file=sys.stderr)
+        return 2
+    if args.filter:
+        scenarios = [s for s in scenarios if any(f in s.name for f in args.filter)]
+    override = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    if not scenarios:
+        print("grayguard bench: no scenario left after --filter", file=sys.stderr)
+        return 2
+    try:
+        from bench.policies import make_policy
+        for pol in override or sorted({p for s in scenarios for p in s.policies}):
+            make_policy(pol, scenarios[0].nodes, scenarios[0])
+    except ValueError as e:
+        print(f"grayguard bench: {e}", file=sys.stderr)
+        return 2
+    workers = args.workers or min(2, os.cpu_count() or 1)
+    items = families(scenarios, override)
+    n_runs = sum(len(m) for _p, m in items)
+    print(f"bench: suite {spec.get('suite', args.suite)}: {len(scenarios)} scenarios, {n_runs} runs in "
+          f"{len(items)} families, {workers} worker(s)", file=sys.stderr)
+    rows, wall = execute(items, workers)
+    rows.sort(key=lambda r: (r["group"], r["scenario"], r["policy"]))
+    add_baselines(rows)
+    tgt = targets(rows)
+    meta = {"suite": spec.get("suite", args.suite), "scenarios": len(scenarios), "runs": n_runs,
+            "families": len(items), "workers": workers, "wall_s": round(wall, 1),
+            "cpu_s": round(sum(r["wall_s"] for r in rows), 1),
+            "commit": _git("rev-parse", "--short", "HEAD"),
+            "controller_dirty": bool(_git("status", "--porcelain", "--", "controller")),
+            "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    out = Path(args.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(rows, tgt, meta)
+    (out / "report.md").write_text(md)
+    (out / "report.json").write_text(json.dumps({"meta": meta, "targets": tgt, "runs": rows}, indent=1,
+                                                default=str) + "\n")
+    print(md.split("\n## Per scenario")[0])
+    print(f"report: {out / 'report.md'}, {out / 'report.json'}  ({wall:.0f}s wall, {workers} worker(s))")
+    missed = [t for t in tgt if t["status"] == "MISS"]
+    return 1 if args.strict and missed else 0

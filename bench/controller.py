@@ -1,0 +1,112 @@
+"""`grayguard bench-controller`: measured cost of the decision code and of HAProxy batch writes."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from controller.haproxy import Command, RuntimeClient, ServerState
+from controller.plan import plan_backend
+from controller.policy import NodeInput, Policy, decide_pool
+
+HELP = "benchmark the controller: decision time per tick at scale, HAProxy batch write throughput"
+DESCRIPTION = """\
+Prints measured numbers (this machine, now):
+  * decide + plan time for one whole tick over N nodes split into pools (default 1,000 and 10,000
+    nodes in pools of 20), with noisy latencies and one slow node in every tenth pool;
+  * one HAProxy runtime-API batch of 1,000 weight changes over one connection, next to the same
+    1,000 changes sent one connection each (needs the haproxy binary).
+Timings are medians over --ticks runs; compare ratios, not absolute numbers, on a noisy machine.
+"""
+
+
+def _inputs(n_pools: int, per_pool: int, rnd: random.Random, slow_every: int = 10) -> dict[str, dict]:
+    pools = {}
+    for p in range(n_pools):
+        nodes = {}
+        for i in range(per_pool):
+            v = 0.02 * (1 + rnd.gauss(0, 0.05))
+            if p % slow_every == 0 and i == 0:
+                v *= 4
+            nodes[f"n{i}"] = NodeInput(100, v, request_rate=5.0)
+        pools[f"pool{p}"] = nodes
+    return pools
+
+
+def bench_decide(n_nodes: int, per_pool: int, ticks: int, seed: int = 1) -> dict:
+    """Median and max seconds of one tick's decide_pool + plan_backend over every pool."""
+    rnd = random.Random(seed)
+    n_pools = max(1, n_nodes // per_pool)
+    policy = Policy()
+    states: dict[str, dict] = {}
+    times = []
+    changes = 0
+    for k in range(ticks):
+        pools = _inputs(n_pools, per_pool, rnd)
+        actual = {p: {n: ServerState(p, n, "h:1", 100, 100, 0, 2) for n in nodes} for p, nodes in pools.items()}
+        t0 = time.perf_counter()
+        for p, inputs in pools.items():
+            d = decide_pool(states.get(p, {}), inputs, policy, 1000.0 + 5 * k)
+            states[p] = {n: nd.state for n, nd in d.nodes.items()}
+            changes += len(plan_backend(p, p, d.nodes, actual[p]))
+        times.append(time.perf_counter() - t0)
+    return {"nodes": n_pools * per_pool, "pools": n_pools, "ticks": ticks,
+            "median_s": statistics.median(times), "max_s": max(times), "planned_changes": changes}
+
+
+def bench_haproxy(n: int = 1000, rounds: int = 5) -> dict:
+    """One batch of n weight changes on one connection vs n connections (median of rounds)."""
+    from localstack.haproxy import HaproxyProc, haproxy_config
+    with tempfile.TemporaryDirectory(prefix="grayguard-bench-") as d:
+        servers = [(f"n{i}", f"127.0.0.1:{20000 + i}", 100) for i in range(n)]
+        hap = HaproxyProc(Path(d), haproxy_config(Path(d) / "admin.sock", {"big": servers}))
+        hap.start()
+        try:
+            c = RuntimeClient(hap.endpoint)
+            batch, single = [], []
+            for r in range(rounds):
+                cmds = [Command("big", f"n{i}", "weight", (i + r) % 256 + 1) for i in range(n)]
+                t0 = time.perf_counter()
+                res = c.apply(cmds)
+                batch.append(time.perf_counter() - t0)
+                assert all(x.ok for x in res), "HAProxy refused a write"
+                t0 = time.perf_counter()
+                for cmd in cmds:
+                    c.apply([cmd])
+                single.append(time.perf_counter() - t0)
+            got = {s.name: s.weight for s in c.show_servers_state("big")}
+            assert got == {f"n{i}": (i + rounds - 1) % 256 + 1 for i in range(n)}, "weights not applied"
+        finally:
+            hap.stop()
+    b, s = statistics.median(batch), statistics.median(single)
+    return {"changes": n, "batch_s": b, "separate_connections_s": s, "ratio": s / b}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
+    p.add_argument("--pool-size", type=int, default=20, help="nodes per pool (default 20: 10,000 nodes = 500 pools)")
+    p.add_argument("--ticks", type=int, default=5, help="ticks per measurement (default 5)")
+    p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
+
+
+def run(args: argparse.Namespace) -> int:
+    print("decision time per tick (decide + plan, every pool):")
+    for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
+        print(f"  measuring {n} nodes...", file=sys.stderr, flush=True)
+        r = bench_decide(n, args.pool_size, args.ticks)
+        print(f"  {r['nodes']:>6} nodes in {r['pools']:>4} pools: median {r['median_s'] * 1000:8.1f} ms, "
+              f"max {r['max_s'] * 1000:8.1f} ms over {r['ticks']} ticks ({r['planned_changes']} changes planned)")
+    if args.haproxy_batch:
+        try:
+            h = bench_haproxy(args.haproxy_batch)
+        except FileNotFoundError as e:
+            print(f"HAProxy batch: skipped ({e})")
+            return 1
+        print(f"HAProxy runtime API, {h['changes']} weight changes: one batch {h['batch_s'] * 1000:.1f} ms, "
+              f"one connection each {h['separate_connections_s'] * 1000:.1f} ms ({h['ratio']:.1f}x slower)")
+    return 0

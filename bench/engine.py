@@ -1,0 +1,383 @@
+"""The scenario engine: one scenario, one policy, in virtual time (discrete events, no sockets, no clock).
+
+Arrivals go through a model of HAProxy's balancer (weighted leastconn or roundrobin) to simulated nodes
+(sim.model.EngineModel stepped lazily: `advance(t)` whenever something must know a node's state at t);
+faults are set and cleared on schedule; every control tick the policy's detector sees the observations
+the recording rules would give and sets weights, the way the controller's loop applies them. grayguard's
+canaries are real 1-token requests to the node and its peers; the decision waits for them as the live
+loop does. Client deadlines abort requests (vLLM then forgets them: they never reach its histograms).
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from bench.lb import make_balancer
+from bench.node import NodeObs, VirtualNode, observe
+from bench.policies import Assign, make_policy
+from bench.spec import Scenario, make_arrivals
+from sim.model import Finished, FirstToken, ModelParams
+
+PENDING, OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER = range(6)
+STATUS_NAMES = ("pending", "ok", "timeout", "error", "garbage", "no_server")
+PROBE_PROMPT_TOKENS = 8  # "The capital of France is" plus the prober's random prefix (canaries: the same)
+
+
+@dataclass
+class RunResult:
+    """Everything one run produced; metrics are computed from it (bench.metrics)."""
+
+    scenario: Scenario
+    policy: str
+    t: list[float]  # arrival times (the scenario's arrivals, in order)
+    node: list[int]  # server index per request (-1: none)
+    status: list[int]  # OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER
+    ttft: list[float]  # from arrival; NaN when no first token
+    e2e: list[float]  # from arrival to the end (answer, error or deadline)
+    # (time, node index, weight, drained, state) each time a server's assignment changed; t=0 rows: start.
+    timeline: list[tuple[float, int, int, bool, str]] = field(default_factory=list)
+    # (tick time, {node: normalized latency}) as the controller would read them.
+    signals: list[tuple[float, dict[str, float | None]]] = field(default_factory=list)
+    canaries: int = 0
+    wall_s: float = 0.0
+
+
+class _CanaryRound:
+    """Canary requests in flight for one tick: the decision waits for their answers or the deadline."""
+
+    def __init__(self, now: float, deadline: float, obs: dict[str, NodeObs]) -> None:
+        self.now, self.deadline, self.obs = now, deadline, obs
+        self.requests: dict[int, tuple[str, int, float]] = {}  # rid -> (target name, node index, sent)
+        self.ttft: dict[str, float | None] = {}
+
+    def next_time(self, nodes: list[VirtualNode]) -> float:
+        t = self.deadline
+        for name, k, _sent in self.requests.values():
+            if name not in self.ttft:
+                t = min(t, nodes[k].engine.next_event_time())
+        return t
+
+    def done(self) -> bool:
+        return all(name in self.ttft for name, _k, _s in self.requests.values())
+
+
+class Run:
+    """The state of one run; `Run(scn, policy).execute()` returns the RunResult."""
+
+    def __init__(self, scn: Scenario, policy: str, params: ModelParams | None = None) -> None:
+        self.scn = scn
+        self.nodes = [VirtualNode(spec, i, scn, params) for i, spec in enumerate(scn.nodes)]
+        self.index = {n.spec.name: n.index for n in self.nodes}
+        self.detector, balancer = make_policy(policy, scn.nodes, scn)
+        self.lb = make_balancer(balancer, len(self.nodes))
+        self.lazy = balancer == "roundrobin"  # roundrobin needs no node state to pick
+        self.weights = [n.base_weight for n in scn.nodes]
+        self.drained = [False] * len(self.nodes)
+        self.state = ["healthy"] * len(self.nodes)
+        arr = make_arrivals(scn)
+        self.arr = arr
+        r = len(arr)
+        self.res = RunResult(scn, policy, arr.t, [-1] * r, [PENDING] * r, [math.nan] * r, [math.nan] * r)
+        self.res.timeline = [(0.0, k, w, False, "healthy") for k, w in enumerate(self.weights)]
+        self.garbage = bytearray(r)
+        self.midstream = bytearray(r)
+        self.deadlines: deque[tuple[float, int]] = deque()
+        self.canary: _CanaryRound | None = None
+        self._synthetic_id = 0  # canaries and probes have negative request ids
+        self.now = 0.0
+        self.ai = 0
+        interval = self.detector.interval_s
+        self.next_tick = (scn.control_start_s or interval) if interval else math.inf
+        self._schedule_faults(0.0)
+        self.probe_inflight: dict[int, tuple[int, float]] = {}  # rid -> (node index, sent)
+        self.probe_deadlines: deque[tuple[float, int]] = deque()
+        self.probe_rng = random.Random(scn.seed * 31 + 5)
+        self.probe_due: list[tuple[float, int]] = []
+        if scn.probes:
+            self.probe_due = [(self.probe_rng.uniform(0, scn.probe_interval_s), k) for k in range(len(self.nodes))]
+            heapq.heapify(self.probe_due)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def advance(self, k: int, t: float) -> None:
+        """Bring node k to time t and account for everything that happened on it."""
+        node = self.nodes[k]
+        evs = node.engine.advance(t)
+        if not evs:
+            return
+        res = self.res
+        status = res.status
+        for ev in evs:
+            tp = type(ev)
+            if tp is FirstToken:
+                rid = ev.req_id
+                if rid < 0:
+                    f = node.faults.active  # the prober rejects garbage text as a bad response
+                    bad = f is not None and f.name == "garbage" and node.rng.random() < f.params["rate"]
+                    c = self.canary
+                    if rid in self.probe_inflight:
+                        _k, sent = self.probe_inflight.pop(rid)
+                        ttft = ev.time - sent
+                        node.probes.finish(ev.time, "bad_response" if bad else
+                                           "slow" if ttft > self.scn.probe_slow_s else "ok", ttft)
+                    elif c is not None and rid in c.requests:
+                        name, _k, sent = c.requests[rid]
+                        c.ttft[name] = None if bad else ev.time - sent
+                elif status[rid] == PENDING:
+                    res.ttft[rid] = ev.time - res.t[rid]
+                    if self.midstream[rid]:  # cuda_error midstream: an error event after the first token
+                        node.engine.abort(rid)
+                        node.errors.append(ev.time)
+                        self._end(rid, k, ERROR, ev.time)
+            elif tp is Finished:
+                node.record(ev.stats)
+                rid = ev.req_id
+                if rid >= 0 and status[rid] == PENDING:
+                    self._end(rid, k, GARBAGE if self.garbage[rid] else OK, ev.time)
+
+    def _end(self, rid: int, k: int, st: int, t: float) -> None:
+        self.res.status[rid] = st
+        self.res.e2e[rid] = t - self.res.t[rid]
+        self.lb.ended(k, t)
+        self.apply(self.detector.on_result(self.nodes[k].spec.name, st in (OK, GARBAGE), t), t)
+
+    def apply(self, changes: dict[str, Assign], t: float) -> None:
+        for name, a in changes.items():
+            k = self.index[name]
+            if (a.weight, a.drained, a.state) != (self.weights[k], self.drained[k], self.state[k]):
+                self.weights[k], self.drained[k], self.state[k] = a.weight, a.drained, a.state
+                self.res.timeline.append((t, k, a.weight, a.drained, a.state))
+
+    # -- events -----------------------------------------------------------------------------------
+    def arrival(self, i: int) -> None:
+        t = self.arr.t[i]
+        pin = self.arr.pin[i]
+        if not self.lazy:
+            for k in range(len(self.nodes)):
+                self.advance(k, t)
+        k = pin if pin >= 0 else self.lb.pick(self.weights, self.drained)
+        res = self.res
+        if k is None:
+            res.status[i], res.e2e[i] = NO_SERVER, 0.0
+            return
+        node = self.nodes[k]
+        res.node[i] = k
+        f = node.faults.active
+        if f is not None and f.name == "cuda_error" and node.rng.random() < f.params["rate"]:
+            if f.params["mode"] == "http":  # HTTP 500 before any output; vLLM counts finished_reason=error
+                node.errors.append(t)
+                res.status[i], res.e2e[i] = ERROR, 0.0
+                self.apply(self.detector.on_result(node.spec.name, False, t), t)
+                return
+            self.midstream[i] = 1
+        if f is not None and f.name == "garbage" and node.rng.random() < f.params["rate"]:
+            self.garbage[i] = 1
+        if self.lazy:
+            self.advance(k, t)
+        node.engine.submit(i, self.arr.prompt[i], self.arr.gen[i], t)
+        self.advance(k, t)
+        self.lb.started(k, t)
+        self.deadlines.append((t + self.scn.load.timeout_s, i))
+
+    def deadline(self) -> None:
+        t, rid = self.deadlines.popleft()
+        if self.res.status[rid] != PENDING:
+            return
+        k = self.res.node[rid]
+        self.advance(k, t)
+        if self.res.status[rid] == PENDING:
+            self.nodes[k].engine.abort(rid)
+            self._end(rid, k, TIMEOUT, t)
+
+    def fault(self, t: float, k: int, spec, clear: bool) -> None:
+        node = self.nodes[k]
+        self.advance(k, t)
+        if clear:
+            if node.fault_name() == spec.fault:  # a scheduled clear only clears its own fault
+                node.faults.clear(t)
+                node.engine.resume(t)
+            return
+        was_hang = node.fault_name() == "hang"
+        node.faults.set(spec.fault, spec.param_dict, t)
+        if spec.fault == "cuda_error":
+            node.xid_at = t  # the exporter sees the XID once
+        if spec.fault == "hang":
+            node.engine.stall(t)
+        elif was_hang:
+            node.engine.resume(t)
+
+    def tick(self, t: float) -> None:
+        for k in range(len(self.nodes)):
+            self.advance(k, t)
+        obs = {n.spec.name: observe(n, t, self.scn) for n in self.nodes}
+        self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
+        rounds = self.detector.canaries(t)
+        if not rounds:
+            self.apply(self.detector.tick(t, obs, {}), t)
+            return
+        c = _CanaryRound(t, t + self.detector.policy.recovery.canary_timeout_s, obs)  # type: ignore[attr-defined]
+        for target in sorted({m for _n, targets in rounds for m in targets}):
+            k = self.index[target]
+            node = self.nodes[k]
+            rid = self._new_id()
+            c.requests[rid] = (target, k, t)
+            self.res.canaries += 1
+            f = node.faults.active
+            if f is not None and f.name == "cuda_error" and f.params["mode"] == "http" \
+                    and node.rng.random() < f.params["rate"]:
+                c.ttft[target] = None
+                continue
+            node.engine.submit(rid, PROBE_PROMPT_TOKENS, 1, t)
+            self.advance(k, t)
+        self.canary = c
+        self.canary_step(t)
+
+    def _new_id(self) -> int:
+        self._synthetic_id -= 1
+        return self._synthetic_id
+
+    def probe_send(self) -> None:
+        """The exporter's micro-probe: 1 token, 2 s deadline; the next one 3 s +-20 % later."""
+        t, k = heapq.heappop(self.probe_due)
+        scn = self.scn
+        heapq.heappush(self.probe_due, (t + scn.probe_interval_s * self.probe_rng.uniform(0.8, 1.2), k))
+        node = self.nodes[k]
+        self.advance(k, t)
+        f = node.faults.active
+        if f is not None and f.name == "cuda_error" and f.params["mode"] == "http" \
+                and node.rng.random() < f.params["rate"]:
+            node.probes.finish(t, "cuda_error", None)
+            return
+        rid = self._new_id()
+        self.probe_inflight[rid] = (k, t)
+        self.probe_deadlines.append((t + scn.probe_deadline_s, rid))
+        node.engine.submit(rid, PROBE_PROMPT_TOKENS, 1, t)
+        self.advance(k, t)
+
+    def probe_deadline(self) -> None:
+        t, rid = self.probe_deadlines.popleft()
+        if rid not in self.probe_inflight:
+            return
+        k, _sent = self.probe_inflight[rid]
+        self.advance(k, t)
+        if self.probe_inflight.pop(rid, None) is not None:
+            self.nodes[k].engine.abort(rid)
+            self.nodes[k].probes.finish(t, "timeout", None)
+
+    def canary_step(self, t: float) -> None:
+        c = self.canary
+        assert c is not None
+        for _rid, (name, k, _s) in c.requests.items():
+            if name not in c.ttft:
+                self.advance(k, t)
+        if not c.done() and t < c.deadline:
+            return
+        for rid, (name, k, _s) in c.requests.items():
+            if name not in c.ttft:
+                self.nodes[k].engine.abort(rid)
+                c.ttft[name] = None
+        self.canary = None
+        self.apply(self.detector.tick(c.now, c.obs, c.ttft), t)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _schedule_faults(self, after: float) -> None:
+        self.fault_events = []
+        for f in self.scn.faults:
+            if f.at_s < after:
+                raise ValueError(f"{self.scn.name}: fault at {f.at_s}s is before the branch point {after}s")
+            self.fault_events.append((f.at_s, self.index[f.node], f, False))
+            if f.until_s is not None:
+                self.fault_events.append((f.until_s, self.index[f.node], f, True))
+        self.fault_events.sort(key=lambda x: (x[0], x[3]))
+        self.fi = 0
+
+    def branch(self, scn: Scenario) -> Run:
+        """A copy of this run (stopped with execute(until=T)) that continues as `scn` from T.
+
+        scn must have the same traffic (same healthy twin) and no fault before T: the copy is then exactly
+        what a full run of scn would have been at T. Scenarios that share their traffic share the prefix.
+        """
+        if scn.traffic_key() != self.scn.traffic_key():
+            raise ValueError(f"{scn.name}: different traffic, cannot branch from {self.scn.name}")
+        b = copy.deepcopy(self)
+        b.scn = b.res.scenario = scn
+        b._schedule_faults(self.now)
+        return b
+
+    def execute(self, until: float = math.inf) -> RunResult:
+        """Process events until `until` (exclusive; default: the end); the result is complete only at the end."""
+        started = time.perf_counter()
+        scn, arr = self.scn, self.arr
+        inf = math.inf
+        interval = self.detector.interval_s
+        end = scn.duration_s
+        n_arr = len(arr)
+        times = arr.t
+        faults = self.fault_events
+        n_faults = len(faults)
+        while True:
+            ai, fi = self.ai, self.fi
+            t_arr = times[ai] if ai < n_arr else inf
+            t_fault = faults[fi][0] if fi < n_faults else inf
+            t_dead = self.deadlines[0][0] if self.deadlines else inf
+            t_tick = self.next_tick if self.next_tick <= end else inf
+            t_can = self.canary.next_time(self.nodes) if self.canary is not None else inf
+            t_probe = self.probe_due[0][0] if self.probe_due and self.probe_due[0][0] < end else inf
+            t_pdead = self.probe_deadlines[0][0] if self.probe_deadlines else inf
+            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead)
+            if t == inf or t >= until:
+                break
+            self.now = t
+            if t == t_pdead:
+                self.probe_deadline()
+            elif t == t_probe:
+                self.probe_send()
+            elif t == t_fault:
+                _t, k, spec, clear = faults[fi]
+                self.fi = fi + 1
+                self.fault(t, k, spec, clear)
+            elif t == t_can:
+                self.canary_step(t)
+            elif t == t_tick:
+                self.next_tick += interval  # type: ignore[operator]
+                if self.canary is None:  # a tick still waiting for canaries is not started twice
+                    self.tick(t)
+            elif t == t_dead:
+                self.deadline()
+            else:
+                self.ai = ai + 1
+                self.arrival(ai)
+        if until < inf:
+            self.now = until
+        self.res.wall_s += time.perf_counter() - started
+        return self.res
+
+
+def run(scn: Scenario, policy: str, *, healthy: bool = False, params: ModelParams | None = None) -> RunResult:
+    """Run one scenario (or, with healthy=True, its fault-free twin) under one policy."""
+    return Run(scn.healthy_twin() if healthy else scn, policy, params).execute()
+
+
+def run_family(scenarios: list[Scenario], policy: str, params: ModelParams | None = None) -> list[RunResult]:
+    """Run scenarios that share their traffic: the common fault-free prefix once, then one branch each.
+
+    Returns one RunResult per scenario, in order; each equals what run(scenario, policy) returns.
+    """
+    if not scenarios:
+        return []
+    split = min((f.at_s for s in scenarios for f in s.faults), default=math.inf)
+    root = Run(scenarios[0].healthy_twin(), policy, params)
+    if split == math.inf or len(scenarios) == 1:
+        return [Run(s, policy, params).execute() for s in scenarios]
+    root.execute(until=split)
+    out = []
+    for s in scenarios:
+        b = root.branch(s)
+        b.res.wall_s = 0.0
+        out.append(b.execute())
+    return out

@@ -1,0 +1,151 @@
+"""Per-run figures from a RunResult: detection times, false cuts, client latency percentiles, capacity kept.
+
+Definitions (docs/benchmarks.md):
+- a node is *cut* when its weight falls below its base weight while it stays in rotation, *quarantined*
+  when it is drained or set to weight 0 by a detector (Envoy ejection, the seeds' quarantine, grayguard's
+  quarantined/canary states). A grayguard KV-saturation pause (weight 0, not drained) counts as a cut.
+- latency percentiles cover every request that ARRIVED in the scenario's measurement window: answered
+  ones with their latency, failed ones (timeout, HTTP error, no server, garbage text — the load generator
+  counts that as an error too) as the client deadline: a failure is no better than the slowest acceptable
+  answer, so a policy cannot improve its P99 by failing requests fast. A timed-out request that got its
+  first token keeps that TTFT.
+- capacity kept: time average over the window of sum(capacity x min(1, weight/base)) over the nodes
+  WITHOUT a fault, divided by their total capacity (1.0: nothing healthy was cut).
+"""
+
+from __future__ import annotations
+
+import math
+
+from bench.engine import ERROR, GARBAGE, NO_SERVER, OK, TIMEOUT, RunResult
+
+QUARANTINE_STATES = frozenset({"quarantined", "canary"})
+
+
+def percentile(sorted_vals: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100) of a sorted list; None when empty."""
+    if not sorted_vals:
+        return None
+    pos = (len(sorted_vals) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def _kind(weight: int, drained: bool, state: str, base: int) -> str:
+    if drained or state in QUARANTINE_STATES:
+        return "quarantine"
+    if weight < base:
+        return "cut"
+    return "full"
+
+
+def transitions(res: RunResult) -> list[tuple[float, int, str]]:
+    """(time, node, 'cut' | 'quarantine') each time a node newly enters a cut or quarantine."""
+    bases = [n.base_weight for n in res.scenario.nodes]
+    kind = ["full"] * len(bases)
+    out = []
+    for t, k, w, d, st in res.timeline:
+        new = _kind(w, d, st, bases[k])
+        if new != kind[k] and new != "full" and (new == "quarantine" or kind[k] == "full"):
+            out.append((t, k, new))
+        kind[k] = new
+    return out
+
+
+def capacity_kept(res: RunResult, lo: float, hi: float) -> float | None:
+    """Time-averaged share of the fault-free nodes' capacity left in rotation over [lo, hi)."""
+    scn = res.scenario
+    faulty = scn.faulty
+    healthy = [k for k, n in enumerate(scn.nodes) if n.name not in faulty]
+    total = sum(scn.nodes[k].capacity_rps for k in healthy)
+    if not healthy or hi <= lo or total <= 0:
+        return None
+    share = {k: 1.0 for k in healthy}
+    area, last = 0.0, lo
+    cur = 1.0
+    for t, k, w, d, _st in sorted(res.timeline, key=lambda r: r[0]):
+        if k not in share:
+            continue
+        if t > last:
+            seg_end = min(t, hi)
+            if seg_end > last:
+                area += cur * (seg_end - last)
+                last = seg_end
+        base = scn.nodes[k].base_weight
+        share[k] = 0.0 if d or base <= 0 else min(1.0, w / base)
+        cur = sum(share[j] * scn.nodes[j].capacity_rps for j in healthy) / total
+    if hi > last:
+        area += cur * (hi - last)
+    return area / (hi - lo)
+
+
+def summarize(res: RunResult) -> dict:
+    """The figures of one run (plain JSON types)."""
+    scn = res.scenario
+    lo, hi = scn.window
+    timeout = scn.load.timeout_s
+    ttft, e2e = [], []
+    counts = {"requests": 0, "ok": 0, "timeout": 0, "error": 0, "garbage": 0, "no_server": 0}
+    names = {OK: "ok", TIMEOUT: "timeout", ERROR: "error", GARBAGE: "garbage", NO_SERVER: "no_server"}
+    faulty_idx = {k for k, n in enumerate(scn.nodes) if n.name in scn.faulty}
+    on_faulty = 0
+    for i, t in enumerate(res.t):
+        if not lo <= t < hi:
+            continue
+        st = res.status[i]
+        counts["requests"] += 1
+        counts[names.get(st, "timeout")] += 1
+        on_faulty += res.node[i] in faulty_idx
+        if st == OK:
+            ttft.append(res.ttft[i])
+            e2e.append(res.e2e[i])
+        elif st == TIMEOUT:
+            ttft.append(res.ttft[i] if res.ttft[i] == res.ttft[i] else timeout)
+            e2e.append(timeout)
+        else:  # HTTP error (also mid-stream), no server, garbage text: the client got no usable answer
+            ttft.append(timeout)
+            e2e.append(timeout)
+    ttft.sort()
+    e2e.sort()
+    trans = transitions(res)
+    first: dict[str, dict[str, float]] = {"cut": {}, "quarantine": {}}
+    false_cuts = false_quarantines = 0
+    fault_at = {f.node: f.at_s for f in scn.faults}
+    for t, k, kind in trans:
+        name = scn.nodes[k].name
+        if name in fault_at and t >= fault_at[name]:
+            first[kind].setdefault(name, t - fault_at[name])
+            if kind == "quarantine":
+                first["cut"].setdefault(name, t - fault_at[name])
+        else:  # a node without a fault, or a faulty node before its fault started
+            if kind == "cut":
+                false_cuts += 1
+            else:
+                false_quarantines += 1
+    n = counts["requests"]
+    settled = None  # P99 TTFT once every faulty node was drained: what is left is the capacity cost
+    t_q = max(first["quarantine"].values()) if fault_at and len(first["quarantine"]) == len(fault_at) else None
+    if t_q is not None:
+        start = max(fault_at.values()) + t_q
+        settled = percentile(sorted(x for x, t, st in zip(res.ttft, res.t, res.status, strict=True)
+                                    if start <= t < hi and st == OK and x == x), 99)
+
+    def worst(d: dict[str, float]) -> float | None:  # the last faulty node to be handled; None if one never was
+        return max(d.values()) if d and len(d) == len(fault_at) else None
+
+    return {
+        "scenario": scn.name, "policy": res.policy, "group": scn.group, **scn.tag,
+        "window": [lo, hi], "nodes": len(scn.nodes),
+        "t_cut_s": worst(first["cut"]), "t_quarantine_s": worst(first["quarantine"]),
+        "faulty_cut": len(first["cut"]), "faulty_quarantined": len(first["quarantine"]),
+        "false_cuts": false_cuts, "false_quarantines": false_quarantines,
+        "ttft_p99_settled": settled,
+        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "ttft_p999": percentile(ttft, 99.9),
+        "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "e2e_p999": percentile(e2e, 99.9),
+        **counts,
+        "success_ratio": counts["ok"] / n if n else None,
+        "on_faulty_share": on_faulty / n if n else None,
+        "capacity_kept": capacity_kept(res, lo, hi),
+        "canaries": res.canaries, "wall_s": round(res.wall_s, 3),
+    }

@@ -1,0 +1,220 @@
+"""One simulated backend in virtual time, and what the controller can observe about it.
+
+`VirtualNode` wraps the latency model (`sim.model.EngineModel`, or a constant-service-time backend for the Linkerd
+replica) with its fault state and the per-node record the recording rules are computed from.
+`observe()` is the single place that turns a node into per-tick observations; `node_input()` maps them
+onto the controller's NodeInput, passing every optional signal NodeInput declares (probe results, error
+ratio, KV usage, GPU flags) as soon as the controller grows those fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from bench.spec import NodeSpec, Scenario
+from controller.policy import NodeInput
+from sim.faults import FaultState
+from sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown
+
+
+class FixedBackend:
+    """A plain HTTP server with a constant service time and unbounded concurrency (EngineModel's interface).
+
+    Unlike vLLM it does not notice a client hanging up: an aborted request still completes and is
+    recorded server-side, as a simple Go or Java server would.
+    """
+
+    def __init__(self, latency_s: float, slowdown) -> None:
+        self.latency_s = latency_s
+        self.slowdown = slowdown
+        self._heap: list[tuple[float, int, object, float, int, int]] = []
+        self._n = 0
+        self._stalled_at: float | None = None
+
+    def submit(self, req_id, prompt_tokens: int, max_tokens: int, now: float) -> None:
+        self._n += 1
+        done = now + self.latency_s * self.slowdown(now).decode
+        heapq.heappush(self._heap, (done, self._n, req_id, now, prompt_tokens, max_tokens))
+
+    def advance(self, now: float) -> list:
+        out: list = []
+        if self._stalled_at is not None:
+            now = min(now, self._stalled_at)
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            t, _, rid, arrival, p, g = heapq.heappop(heap)
+            out.append(FirstToken(rid, t))
+            out.append(Finished(rid, t, 0, RequestStats(arrival, arrival, t, t, p, g, 0)))
+        return out
+
+    def next_event_time(self) -> float:
+        if self._stalled_at is not None or not self._heap:
+            return math.inf
+        return self._heap[0][0]
+
+    def abort(self, req_id) -> bool:
+        return False  # the server finishes the work anyway
+
+    def stall(self, now: float) -> None:
+        if self._stalled_at is None:
+            self._stalled_at = now
+
+    def resume(self, now: float) -> None:
+        if self._stalled_at is None:
+            return
+        shift = now - self._stalled_at
+        self._heap = [(max(t, self._stalled_at) + shift, *rest) for t, *rest in self._heap]
+        heapq.heapify(self._heap)
+        self._stalled_at = None
+
+    def kv_usage(self) -> float:
+        return 0.0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._heap)
+
+
+@dataclass(frozen=True)
+class NodeObs:
+    """What the controller's data sources show for one node at one tick (None: no sample).
+
+    Field names match NodeInput's optional signals, so node_input() can pass them by name.
+    """
+
+    latency: float | None  # normalized latency over the window; None when nothing finished
+    request_rate: float  # finished requests per second over the window
+    error_ratio: float | None = None  # errored / (finished + errored) requests over the window
+    kv_cache_usage: float | None = None  # vllm:kv_cache_usage_perc at the scrape
+    gpu_throttled: bool | None = None  # thermal clock-event reasons under load (thermal, slow_recovery)
+    pcie_degraded: bool | None = None  # PCIe link below its maximum under load (pcie)
+    gpu_xid: bool | None = None  # an XID in the last 5 minutes (cuda_error emits one when it starts)
+    probe_result: str | None = None  # the exporter's last probe class
+    probe_ttft: float | None = None  # TTFT of its last answered probe
+    probe_failures: int | None = None  # its consecutive failed probes
+
+
+class ProbeLog:
+    """The exporter's micro-probe state for one node over time, as its gauges would be scraped."""
+
+    def __init__(self) -> None:
+        self.history: deque[tuple[float, str, float | None, int]] = deque()  # (time, result, last ttft, failures)
+        self.failures = 0
+        self.last_ttft: float | None = None
+
+    def finish(self, t: float, result: str, ttft: float | None) -> None:
+        """One probe ended at t with result (ok, slow, timeout, cuda_error, bad_response)."""
+        if result in ("ok", "slow"):
+            self.failures = 0
+            self.last_ttft = ttft
+        else:
+            self.failures += 1
+        self.history.append((t, result, self.last_ttft, self.failures))
+
+    def at(self, t: float) -> tuple[str, float | None, int] | None:
+        """The gauges as of time t (None before the first probe ended)."""
+        h = self.history
+        while len(h) > 1 and h[1][0] <= t:
+            h.popleft()
+        if not h or h[0][0] > t:
+            return None
+        return h[0][1], h[0][2], h[0][3]
+
+
+class VirtualNode:
+    """A backend: its engine, fault, and the record of finished and failed requests."""
+
+    def __init__(self, spec: NodeSpec, index: int, scn: Scenario, params: ModelParams | None = None) -> None:
+        self.spec = spec
+        self.index = index
+        self.faults = FaultState()
+        self.drift = scn.drift
+        self.drift_w = 2 * math.pi / scn.drift_period_s
+        self.drift_phase = 2 * math.pi * index / max(1, len(scn.nodes))
+        seed = scn.seed * 7_919 + index
+        if spec.backend == "fixed":
+            self.engine = FixedBackend(spec.fixed_latency_s, self.slowdown)
+        else:
+            self.engine = EngineModel(params, speed=spec.speed, seed=seed, slowdown=self.slowdown)
+        self.rng = random.Random(seed ^ 0x9E3779B9)  # draws for cuda_error / garbage rates
+        self.finished: deque[tuple[float, float, int, int]] = deque()  # (time, e2e, prompt, generated)
+        self.errors: deque[float] = deque()  # times of requests that ended in an error (CUDA)
+        self.probes = ProbeLog()
+        self.xid_at: float | None = None  # when a cuda_error fault emitted its XID
+
+    def slowdown(self, now: float) -> Slowdown:
+        sd = self.faults.slowdown(now)
+        if self.drift:
+            k = 1.0 + self.drift * math.sin(self.drift_w * now + self.drift_phase)
+            sd = Slowdown(sd.prefill * k, sd.decode * k, sd.kv_fraction)
+        return sd
+
+    def fault_name(self) -> str | None:
+        return self.faults.active.name if self.faults.active is not None else None
+
+    def record(self, stats: RequestStats) -> None:
+        """A request finished (vLLM's per-request histograms observe it)."""
+        self.finished.append((stats.last_token, stats.e2e, stats.prompt_tokens, stats.generation_tokens))
+
+    def forget_before(self, t: float) -> None:
+        """Drop records older than t (ticks only move forward)."""
+        fin, err = self.finished, self.errors
+        while fin and fin[0][0] <= t:
+            fin.popleft()
+        while err and err[0] <= t:
+            err.popleft()
+
+
+def observe(node: VirtualNode, now: float, scn: Scenario) -> NodeObs:
+    """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
+
+    normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
+    that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
+    KV cache, GPU flags) are read as of now - gauge_lag.
+    """
+    hi = now - scn.signal_lag_s
+    lo = hi - scn.window_s
+    node.forget_before(lo)
+    e2e = weighted = 0.0
+    n = 0
+    for t, lat, p, g in node.finished:
+        if t > hi:
+            break
+        e2e += lat
+        weighted += scn.omega * p + g
+        n += 1
+    errors = sum(1 for t in node.errors if t <= hi)
+    name = node.fault_name()
+    busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
+    probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
+    return NodeObs(
+        latency=e2e / weighted if weighted > 0 else None,
+        request_rate=n / scn.window_s,
+        error_ratio=errors / (n + errors) if n + errors else None,
+        kv_cache_usage=node.engine.kv_usage() if node.spec.backend == "vllm" else None,
+        gpu_throttled=name in ("thermal", "slow_recovery") and busy,
+        pcie_degraded=name == "pcie" and busy,
+        gpu_xid=node.xid_at is not None and now - node.xid_at < 300.0,
+        probe_result=probe[0] if probe else None,
+        probe_ttft=probe[1] if probe else None,
+        probe_failures=probe[2] if probe else None,
+    )
+
+
+_NODE_INPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(NodeInput))
+_OPTIONAL = tuple(f.name for f in dataclasses.fields(NodeObs) if f.name in _NODE_INPUT_FIELDS - {"latency",
+                                                                                               "request_rate"})
+
+
+def node_input(spec: NodeSpec, obs: NodeObs | None, canary: float | None = None) -> NodeInput:
+    """The controller's NodeInput for one node; each optional signal only where NodeInput has the field."""
+    if obs is None:
+        return NodeInput(base_weight=spec.base_weight, peer_group=spec.peer_group, canary=canary)
+    extra = {k: getattr(obs, k) for k in _OPTIONAL}
+    return NodeInput(base_weight=spec.base_weight, latency=obs.latency, request_rate=obs.request_rate,
+                     peer_group=spec.peer_group, canary=canary, **extra)

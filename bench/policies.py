@@ -1,0 +1,239 @@
+"""The policies the benchmark compares, each a detector on top of an HAProxy balancing algorithm.
+
+A detector sees what its real counterpart sees (per-request outcomes for Envoy, per-tick observations for
+the latency-based ones) and sets per-server weights: 0..256, or drained. Names: `roundrobin`, `leastconn`
+(no detector: the status quo), `seeds`, `envoy`, `envoy-one` (always_eject_one_host), `grayguard`; the
+detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from bench.node import NodeObs, node_input
+from bench.spec import NodeSpec, Scenario
+from controller.policy import (
+    EJECTED,
+    IN_ROTATION,
+    NodeState,
+    Policy,
+    canary_due,
+    decide_pool,
+)
+from controller.scoring import ema
+
+
+@dataclass(frozen=True)
+class Assign:
+    """A detector's instruction for one server."""
+
+    weight: int
+    drained: bool = False
+    state: str = "healthy"
+
+
+class Detector:
+    """No detection: weights stay at their base (plain roundrobin / leastconn)."""
+
+    interval_s: float | None = None  # how often tick() runs; None: never
+
+    def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario) -> None:
+        self.nodes = list(nodes)
+        self.names = [n.name for n in nodes]
+        self.spec = {n.name: n for n in nodes}
+
+    def on_result(self, node: str, ok: bool, now: float) -> dict[str, Assign]:
+        """A client-visible request outcome (an answer, an HTTP error, a timeout)."""
+        return {}
+
+    def canaries(self, now: float) -> list[tuple[str, list[str]]]:
+        """Canary rounds due now: (drained node, [node, peer, peer]) for the engine to send."""
+        return []
+
+    def tick(self, now: float, obs: Mapping[str, NodeObs], canary_ttft: Mapping[str, float | None]
+             ) -> dict[str, Assign]:
+        """Periodic decision; canary_ttft holds the TTFT of each canary target (None: failed)."""
+        return {}
+
+
+class Seeds(Detector):
+    """The seeds' algorithm: population Z-score (node included) over the EMA of normalized latency.
+
+    weight = base * 2^-(Z-2) above Z 2.0; weight 0 above Z 3.5 within a cap of floor(30 % of the pool);
+    back to base when Z < 2. A zeroed node gets no traffic, so its EMA freezes: it returns only if the
+    pool's statistics move, which is how the algorithm was written.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, alpha: float = 0.2, degrade: float = 2.0,
+                 quarantine: float = 3.5, cap: float = 0.3) -> None:
+        super().__init__(nodes, scn)
+        self.interval_s = scn.tick_s
+        self.alpha, self.degrade, self.quarantine, self.cap = alpha, degrade, quarantine, cap
+        self.ema: dict[str, float] = {}
+        self.zeroed: set[str] = set()
+
+    def tick(self, now, obs, canary_ttft):
+        for n in self.names:
+            o = obs.get(n)
+            if o is not None and o.latency is not None and o.latency > 0 and n not in self.zeroed:
+                self.ema[n] = ema(self.ema.get(n), o.latency, self.alpha)
+        vals = list(self.ema.values())
+        if len(vals) < 2:
+            return {}
+        mean, std = statistics.fmean(vals), statistics.pstdev(vals)
+        z = {n: (v - mean) / std if std > 0 else 0.0 for n, v in self.ema.items()}
+        out: dict[str, Assign] = {}
+        cap = math.floor(self.cap * len(self.names) + 1e-9)
+        for n, zn in z.items():
+            if zn < self.degrade:
+                self.zeroed.discard(n)
+        for _zn, n in sorted(((zn, n) for n, zn in z.items() if zn > self.quarantine), reverse=True):
+            if n not in self.zeroed and len(self.zeroed) < cap:
+                self.zeroed.add(n)
+        for n, zn in z.items():
+            base = self.spec[n].base_weight
+            if n in self.zeroed:
+                out[n] = Assign(0, False, "quarantined")
+            elif zn > self.degrade:
+                out[n] = Assign(max(1, round(base * 2.0 ** -(zn - self.degrade))), False, "degraded")
+            else:
+                out[n] = Assign(base, False, "healthy")
+        return out
+
+
+class Envoy(Detector):
+    """Envoy outlier detection with its defaults (consecutive_5xx and success-rate ejection).
+
+    Failures are 5xx answers and timeouts (Envoy maps local-origin timeouts to 5xx by default). Ejection is
+    allowed while (ejected + 1) / hosts <= max_ejection_percent (Envoy >= 1.27); with the default 10 % a
+    pool below 10 hosts therefore ejects nobody unless always_eject_one_host is set.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, consecutive_5xx: int = 5, interval_s: float = 10.0,
+                 base_ejection_s: float = 30.0, max_ejection_s: float = 300.0, max_ejection_percent: float = 10.0,
+                 sr_minimum_hosts: int = 5, sr_request_volume: int = 100, sr_stdev_factor: float = 1.9,
+                 always_eject_one_host: bool = False) -> None:
+        super().__init__(nodes, scn)
+        self.interval_s = interval_s
+        self.c5xx, self.base_s, self.max_s = consecutive_5xx, base_ejection_s, max_ejection_s
+        self.max_pct, self.sr_hosts, self.sr_volume = max_ejection_percent, sr_minimum_hosts, sr_request_volume
+        self.sr_factor, self.always_one = sr_stdev_factor, always_eject_one_host
+        self.consecutive = dict.fromkeys(self.names, 0)
+        self.ok = dict.fromkeys(self.names, 0)
+        self.total = dict.fromkeys(self.names, 0)
+        self.ejected_at: dict[str, float] = {}
+        self.multiplier = dict.fromkeys(self.names, 0)
+
+    def _eject(self, n: str, now: float) -> dict[str, Assign]:
+        active = len(self.ejected_at)
+        if n in self.ejected_at:
+            return {}
+        if 100.0 * (active + 1) / len(self.names) > self.max_pct and not (self.always_one and active == 0):
+            return {}
+        self.ejected_at[n] = now
+        self.multiplier[n] += 1
+        return {n: Assign(0, True, "quarantined")}
+
+    def on_result(self, node, ok, now):
+        self.total[node] += 1
+        if ok:
+            self.ok[node] += 1
+            self.consecutive[node] = 0
+            return {}
+        self.consecutive[node] += 1
+        if self.consecutive[node] >= self.c5xx:
+            self.consecutive[node] = 0
+            return self._eject(node, now)
+        return {}
+
+    def tick(self, now, obs, canary_ttft):
+        out: dict[str, Assign] = {}
+        for n, at in list(self.ejected_at.items()):
+            if now - at >= min(self.max_s, self.base_s * self.multiplier[n]) - 1e-9:
+                del self.ejected_at[n]
+                out[n] = Assign(self.spec[n].base_weight, False, "healthy")
+        for n in self.names:  # a host that stayed in rotation a whole interval earns back one multiplier
+            if n not in self.ejected_at and n not in out and self.multiplier[n] > 0:
+                self.multiplier[n] -= 1
+        rates = {n: self.ok[n] / self.total[n] for n in self.names
+                 if self.total[n] >= self.sr_volume and n not in self.ejected_at}
+        if len(rates) >= self.sr_hosts:
+            mean, std = statistics.fmean(rates.values()), statistics.pstdev(rates.values())
+            for n, sr in sorted(rates.items(), key=lambda kv: kv[1]):
+                if sr < mean - self.sr_factor * std:
+                    out.update(self._eject(n, now))
+        self.ok = dict.fromkeys(self.names, 0)
+        self.total = dict.fromkeys(self.names, 0)
+        return out
+
+
+class Grayguard(Detector):
+    """grayguard's controller: decide_pool with the given Policy (default Policy()), canaries as loop.py."""
+
+    def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, policy: Policy | None = None) -> None:
+        super().__init__(nodes, scn)
+        self.interval_s = scn.tick_s
+        self.policy = policy or Policy()
+        self.states: dict[str, NodeState] = {}
+
+    def canaries(self, now):
+        prev, group = self.states, {n.name: n.peer_group for n in self.nodes}
+        rounds = []
+        for n in self.names:
+            if n in prev and canary_due(prev[n], now, self.policy.recovery):
+                peers = sorted((m for m in self.names if m != n and m in prev and prev[m].state in IN_ROTATION
+                                and prev[m].ema is not None and group[m] == group[n]),
+                               key=lambda m: (prev[m].score or 0.0, m))[:2]
+                rounds.append((n, [n, *peers]))
+        return rounds
+
+    def canary_estimates(self, now: float, canary_ttft: Mapping[str, float | None]) -> dict[str, float]:
+        """controller/loop.py run_canaries: median(peer EMA) * node TTFT / median(peer TTFT); failed: inf."""
+        out = {}
+        for n, targets in self.canaries(now):
+            peers = targets[1:]
+            node_ttft = canary_ttft.get(n)
+            ref = [canary_ttft[m] for m in peers if canary_ttft.get(m) is not None and canary_ttft[m] > 0]
+            if node_ttft is None:
+                out[n] = math.inf
+            elif ref:
+                scale = statistics.median(self.states[m].ema for m in peers)  # type: ignore[misc]
+                out[n] = scale * node_ttft / statistics.median(ref)
+        return out
+
+    def tick(self, now, obs, canary_ttft):
+        est = self.canary_estimates(now, canary_ttft) if canary_ttft else {}
+        inputs = {n: node_input(self.spec[n], obs.get(n), est.get(n)) for n in self.names}
+        d = decide_pool(self.states, inputs, self.policy, now)
+        self.states = {n: nd.state for n, nd in d.nodes.items()}
+        out = {}
+        for n, nd in d.nodes.items():
+            if nd.weight is not None:
+                out[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state)
+        return out
+
+
+DETECTORS = {
+    "roundrobin": (Detector, "roundrobin", {}),
+    "leastconn": (Detector, "leastconn", {}),
+    "seeds": (Seeds, "leastconn", {}),
+    "envoy": (Envoy, "leastconn", {}),
+    "envoy-one": (Envoy, "leastconn", {"always_eject_one_host": True}),
+    "grayguard": (Grayguard, "leastconn", {}),
+}
+
+
+def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:
+    """(detector, balancer name) for a policy name like `grayguard` or `envoy@roundrobin`."""
+    base, _, balancer = name.partition("@")
+    if base not in DETECTORS:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(DETECTORS)} (optionally @roundrobin)")
+    cls, default_lb, kw = DETECTORS[base]
+    if balancer and base in ("roundrobin", "leastconn"):
+        raise ValueError(f"policy {name!r}: {base} is itself a balancer")
+    if balancer not in ("", "roundrobin", "leastconn"):
+        raise ValueError(f"policy {name!r}: unknown balancer {balancer!r}")
+    return cls(nodes, scn, **kw), balancer or default_lb

@@ -1,0 +1,194 @@
+"""Scenario suites: a compact YAML spec (bench/suites/<suite>.yaml) expanded into Scenario objects.
+
+A suite names pools (speed-class compositions per mix and size), loads, fault injections and benign
+variations, then lists groups; a group's `matrix` is expanded as a cross product. See
+docs/benchmarks.md for the format. Errors name the suite file and the offending key.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from sim.faults import FaultError, make_fault
+from sim.loadgen import LengthDist
+
+SCENARIO_DIR = Path(__file__).parent / "suites"
+_SCENARIO_FIELDS = {f.name for f in fields(Scenario)} - {"name", "nodes", "load", "faults", "policies", "tags", "group"}
+_LOAD_FIELDS = {f.name for f in fields(LoadSpec)}
+MATRIX_KEYS = ("fault", "benign", "size", "mix", "load")
+
+
+class SuiteError(ValueError):
+    """A malformed suite spec."""
+
+
+def suites() -> list[str]:
+    """Names of the suites shipped in bench/suites."""
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+
+
+def _dist(d: Any, where: str) -> LengthDist:
+    if not isinstance(d, dict):
+        raise SuiteError(f"{where}: expected a mapping with median, cv, lo, hi")
+    try:
+        return LengthDist(float(d["median"]), float(d.get("cv", 1.0)), int(d.get("lo", 1)), int(d.get("hi", 4096)))
+    except (KeyError, ValueError, TypeError) as e:
+        raise SuiteError(f"{where}: bad length distribution {d!r} ({e})") from None
+
+
+def _load(d: dict, nodes: tuple[NodeSpec, ...], where: str) -> LoadSpec:
+    d = dict(d)
+    kw: dict[str, Any] = {}
+    per_node = d.pop("rate_per_node", None)
+    if per_node is not None:
+        kw["rate"], kw["utilization"] = float(per_node) * len(nodes), None
+    for key in ("prompt", "completion"):
+        if key in d:
+            kw[key] = _dist(d.pop(key), f"{where}.{key}")
+    if "surges" in d:
+        kw["surges"] = tuple(tuple(float(x) for x in s) for s in d.pop("surges"))
+    pinned = []
+    for j, p in enumerate(d.pop("pinned", []) or []):
+        w = f"{where}.pinned[{j}]"
+        node = p["node"]
+        name = nodes[node].name if isinstance(node, int) else str(node)
+        pinned.append(PinnedLoad(name, float(p["start_s"]), float(p["end_s"]), float(p["rate"]),
+                                 _dist(p["prompt"], w + ".prompt"), _dist(p["completion"], w + ".completion")))
+    kw["pinned"] = tuple(pinned)
+    unknown = set(d) - _LOAD_FIELDS
+    if unknown:
+        raise SuiteError(f"{where}: unknown load key(s) {sorted(unknown)}")
+    kw.update(d)
+    return LoadSpec(**kw)
+
+
+def _nodes(composition: list, node_spec: dict) -> tuple[NodeSpec, ...]:
+    classes = [(int(c), str(k)) for c, k in composition]
+    grouped = len(classes) > 1  # mixed pools declare one peer group per speed class
+    out = []
+    for count, cls in classes:
+        for _ in range(count):
+            out.append(NodeSpec(f"node{len(out)}", cls, cls if grouped else None, **node_spec))
+    return tuple(out)
+
+
+def _nominal_slowdown(fault: str, params: dict) -> float | None:
+    """The injected multiplier a fault stands for (None: not a slowdown, or not a fixed one)."""
+    p = make_fault(fault, params).params
+    if fault in ("thermal", "slow_recovery"):
+        return float(p["k"])
+    if fault == "pcie":
+        return float(min(p["k"], p["prefill_k"]))
+    return None
+
+
+def _faults(entry: str, spec: dict, nodes: tuple[NodeSpec, ...], at: float, where: str
+            ) -> tuple[tuple[FaultSpec, ...], float | None]:
+    """Faults for `entry` ('thermal', or 'thermal+cuda_error' for two nodes at once) and the nominal slowdown."""
+    out, slow = [], []
+    for j, name in enumerate(entry.split("+")):
+        f = spec.get(name)
+        if f is None:
+            raise SuiteError(f"{where}: fault {name!r} is not declared under faults")
+        params = dict(f.get("params") or {})
+        try:
+            slow.append(_nominal_slowdown(f["fault"], params))
+        except FaultError as e:
+            raise SuiteError(f"{where}: {e}") from None
+        node = nodes[int(f.get("node", j))].name
+        until = f.get("until_s")
+        out.append(FaultSpec(node, f["fault"], float(f.get("at_s", at)), None if until is None else float(until),
+                             tuple(sorted(params.items()))))
+    known = [s for s in slow if s is not None]
+    return tuple(out), (min(known) if known and len(known) == len(slow) else None)
+
+
+def load_suite(name_or_path: str) -> tuple[list[Scenario], dict]:
+    """Expand a suite (a name in bench/suites or a path) into scenarios; also returns the raw spec."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise SuiteError(f"no suite {name_or_path!r} (known: {', '.join(suites())})")
+    spec = yaml.safe_load(path.read_text()) or {}
+    try:
+        return expand(spec, path.name), spec
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, SuiteError):
+            raise
+        raise SuiteError(f"{path.name}: {type(e).__name__}: {e}") from None
+
+
+def expand(spec: dict, where: str = "suite") -> list[Scenario]:
+    """Scenarios of a parsed suite spec, in a stable order."""
+    base = dict(spec.get("base") or {})
+    fault_at = float(base.pop("fault_at_s", 40.0))
+    node_spec = dict(base.pop("node", {}) or {})
+    unknown = set(base) - _SCENARIO_FIELDS
+    if unknown:
+        raise SuiteError(f"{where}: base: unknown key(s) {sorted(unknown)}")
+    policies = tuple(spec.get("policies") or ())
+    out: list[Scenario] = []
+    seen: set[str] = set()
+    for gi, g in enumerate(spec.get("groups") or []):
+        gw = f"{where}: groups[{gi}]"
+        matrix = g.get("matrix") or {}
+        bad = set(matrix) - set(MATRIX_KEYS)
+        if bad:
+            raise SuiteError(f"{gw}.matrix: unknown key(s) {sorted(bad)} (known: {', '.join(MATRIX_KEYS)})")
+        keys = [k for k in MATRIX_KEYS if k in matrix]
+        for combo in itertools.product(*(matrix[k] for k in keys)):
+            c = dict(zip(keys, combo, strict=True))
+            out.append(_one(spec, g, c, base, node_spec, fault_at, policies, gw))
+            if out[-1].name in seen:
+                raise SuiteError(f"{gw}: duplicate scenario name {out[-1].name}")
+            seen.add(out[-1].name)
+    return out
+
+
+def _one(spec: dict, g: dict, c: dict, base: dict, node_spec: dict, fault_at: float, policies: tuple,
+         where: str) -> Scenario:
+    overrides: dict[str, Any] = dict(g.get("set") or {})
+    benign = c.get("benign")
+    if benign is not None:
+        b = (spec.get("benign") or {}).get(benign)
+        if b is None:
+            raise SuiteError(f"{where}: benign case {benign!r} is not declared under benign")
+        overrides.update({k: v for k, v in b.items() if k not in ("mix", "load")})
+        c = {"mix": b.get("mix", "homogeneous"), "load": b.get("load", "steady"), **c}
+    mix, size, load_name = c.get("mix", "homogeneous"), int(c["size"]), c.get("load", "steady")
+    comp = (spec.get("pools") or {}).get(mix, {}).get(size)
+    if comp is None:
+        raise SuiteError(f"{where}: no pool composition for mix {mix!r} size {size}")
+    nodes = _nodes(comp, {**node_spec, **(g.get("node") or {})})
+    load_def = load_name if isinstance(load_name, dict) else (spec.get("loads") or {}).get(load_name)
+    if load_def is None:
+        raise SuiteError(f"{where}: load {load_name!r} is not declared under loads")
+    load_def = {**load_def, **(overrides.pop("load_overrides", None) or {})}
+    load = _load(load_def, nodes, f"{where}.load")
+    faults, slowdown = (), None
+    if "fault" in c:
+        faults, slowdown = _faults(c["fault"], spec.get("faults") or {}, nodes, fault_at, where)
+    parts = [c.get("fault") or benign or group_name(g), f"n{size}", mix[:5], str(load_name)]
+    seed = int(base.get("seed", 1)) * 1000 + size * 10 + (1 if mix != "homogeneous" else 0) \
+        + (5 if load_name != "steady" else 0)
+    kw = {**base, **{k: v for k, v in overrides.items() if k in _SCENARIO_FIELDS}}
+    unknown = set(overrides) - _SCENARIO_FIELDS
+    if unknown:
+        raise SuiteError(f"{where}: unknown scenario key(s) {sorted(unknown)}")
+    kw["seed"] = seed
+    tags = {"fault": c.get("fault") or benign or group_name(g), "size": size, "mix": mix, "load": str(load_name),
+            "slowdown": slowdown}
+    scn = Scenario(name="/".join(parts), nodes=nodes, load=load, faults=faults, group=g["group"],
+                   policies=tuple(g.get("policies") or policies), tags=tuple(tags.items()))
+    return replace(scn, **kw)
+
+
+def group_name(g: dict) -> str:
+    return str(g.get("name", g["group"]))

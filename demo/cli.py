@@ -1,0 +1,412 @@
+"""`grayguard demo`: the whole system catching a gray failure on a simulated fleet, with a live view and a report."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grayguard.config import duration_seconds
+
+HELP = "run the full local stack on a simulated fleet, inject a gray failure, report what grayguard did"
+DESCRIPTION = """\
+Starts a simulated vLLM fleet (one asyncio process), an exporter per node (fake NVML driven by the
+faults, 1-token probes), HAProxy, Prometheus (1 s scrape, grayguard's rules), Alertmanager with a
+local webhook "pager", and the controller; sends open-loop load through HAProxy; injects a fault on
+one node and clears it; shows a live view; writes report.json and report.html to --report-dir.
+
+Defaults: 8 nodes, 20 req/s, thermal throttle (every phase x10; real gray failures run 5-40x slower)
+on node3 from 30 s to 90 s, 150 s in all,
+HAProxy `balance roundrobin` (its default; --balance leastconn for the gentler status quo).
+Demo time is compressed: 1 s controller ticks, 10 s rate windows, short alert `for:` durations,
+a 3x-per-minute slow start. Everything it starts it stops, also on Ctrl-C.
+
+examples:
+  grayguard demo                         # the default scenario (about 2.5 minutes)
+  grayguard demo --fault pcie --fault-node node5
+  grayguard demo --no-controller         # the same scenario with grayguard off
+  grayguard demo --compare               # with, without, and a fault-free run: the ratios (~8 minutes)
+"""
+log = logging.getLogger("grayguard.demo")
+
+
+@dataclass
+class DemoOptions:
+    nodes: int = 8
+    rate: float = 20.0
+    duration_s: float = 150.0
+    fault: str = "thermal"
+    fault_node: str = "node3"
+    fault_start_s: float = 30.0
+    fault_end_s: float | None = 90.0
+    fault_params: dict = field(default_factory=lambda: {"k": 10})
+    controller: bool = True
+    seed: int = 1
+    timeout_s: float = 30.0
+    live: str = "auto"  # auto, tty, plain, off
+    balance: str = "roundrobin"  # HAProxy balance algorithm (roundrobin is HAProxy's default)
+    control_window: str = "10s"
+    overrides: dict = field(default_factory=dict)
+    keep_workdir: bool = False
+
+
+class Sampler:
+    """Once a second: what the controller, HAProxy, Prometheus and the exporters say; events as they happen."""
+
+    def __init__(self, stack: Any, opts: DemoOptions, t0: float):
+        self.stack, self.opts, self.t0 = stack, opts, t0
+        self.samples: list[dict] = []
+        self.events: list[dict] = []
+        self._last_state: dict[str, str] = {}
+        self._seen_notes = 0
+        self._addr = {n.address: n.name for n in stack.nodes}
+        self._lock = threading.Lock()
+
+    def event(self, kind: str, text: str, **extra: Any) -> dict:
+        e = {"t": round(time.time() - self.t0, 2), "kind": kind, "text": text, **extra}
+        with self._lock:
+            self.events.append(e)
+        return e
+
+    def sample(self) -> dict:
+        st = self.stack
+        t = round(time.time() - self.t0, 2)
+        nodes: dict[str, dict] = {n.name: {} for n in st.nodes}
+        try:
+            for name, (w, drained) in st.haproxy_weights().items():
+                nodes[name].update(weight=w, drained=drained)
+        except Exception as e:  # noqa: BLE001 - a sample must never kill the run
+            log.debug("haproxy read failed: %s", e)
+        try:
+            q = st.cfg.signals.latency_query
+            for r in st.prometheus.query(q):
+                name = self._addr.get(r["metric"].get("instance"))
+                if name:
+                    v = float(r["value"][1])
+                    nodes[name]["latency"] = v if math.isfinite(v) else None
+        except Exception as e:  # noqa: BLE001
+            log.debug("prometheus read failed: %s", e)
+        for name, ex in st.exporters.items():
+            ps = ex.prober.state if ex.prober else None
+            if ps is not None:
+                nodes[name].update(probe_ttft=ps.last_ttft, probe_result=ps.last_result)
+        ctl = st.controller
+        if ctl is not None:
+            for name, s in ctl.states.get("chat", {}).items():
+                nodes[name].update(state=s.state, score=None if s.score is None else round(s.score, 2))
+                if self._last_state.get(name, "healthy") != s.state:
+                    self.event("transition", f"{name}: {self._last_state.get(name, 'healthy')} -> {s.state}: "
+                               f"{s.reason}", node=name, state=s.state)
+                self._last_state[name] = s.state
+        notes = st.webhook.received()
+        for n in notes[self._seen_notes:]:
+            for a in n.alerts:
+                lab = a.get("labels", {})
+                kind = "page" if n.path == "/page" else "ticket"
+                self.event(kind, f"{a.get('status')} {lab.get('alertname')} pool={lab.get('pool')} "
+                           f"node={lab.get('node') or lab.get('instance')}", node=lab.get("node"),
+                           pool=lab.get("pool"), alert=lab.get("alertname"), status=a.get("status"),
+                           summary=a.get("annotations", {}).get("summary"),
+                           runbook_url=a.get("annotations", {}).get("runbook_url"))
+        self._seen_notes = len(notes)
+        s = {"t": t, "nodes": nodes}
+        self.samples.append(s)
+        return s
+
+
+def live_view(opts: DemoOptions, s: dict, records: list, events: list, tty: bool) -> str:
+    """The terminal view: a row per node, then the latest events."""
+    t = s["t"]
+    recent = sorted(r.ttft_s for r in list(records) if r.status == "ok" and r.ttft_s is not None
+                    and t - 10 <= r.start_s <= t)
+    p99 = recent[min(len(recent) - 1, int(0.99 * len(recent)))] if recent else None
+    phase = ("fault" if opts.fault_start_s <= t < (opts.fault_end_s or math.inf)
+             else "recovery" if t >= (opts.fault_end_s or math.inf) else "baseline")
+    lines = [f"grayguard demo  t={t:6.1f}s / {opts.duration_s:.0f}s  phase={phase}  "
+             f"fault={opts.fault}@{opts.fault_node}  client P99 TTFT (10 s)="
+             + (f"{p99 * 1000:.0f} ms" if p99 is not None else "-"),
+             f"{'node':<8}{'state':<12}{'score':>7}{'weight':>8}{'latency':>11}{'probe':>9} result"]
+    for name, v in sorted(s["nodes"].items(), key=lambda kv: (len(kv[0]), kv[0])):
+        lat = v.get("latency")
+        pt = v.get("probe_ttft")
+        lines.append(f"{name:<8}{v.get('state', '-'):<12}{v.get('score') if v.get('score') is not None else '-':>7}"
+                     f"{v.get('weight', '-'):>8}{(f'{lat * 1000:.2f}ms' if lat else '-'):>11}"
+                     f"{(f'{pt * 1000:.0f}ms' if pt else '-'):>9} {v.get('probe_result') or '-'}")
+    if tty:
+        lines.append("events:")
+        lines += [f"  {e['t']:6.1f}s {e['kind']:<10} {e['text'][:110]}" for e in events[-8:]]
+    return "\n".join(lines)
+
+
+def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout) -> dict:
+    """Bring the stack up, run the load and the fault, tear down; return (and write) the report."""
+    from localstack.stack import LocalStack, StackSpec
+    from sim.loadgen import LoadConfig, run_load
+    from sim.loadstats import Phase
+
+    tty = opts.live == "tty" or (opts.live == "auto" and out.isatty())
+    plain = opts.live in ("plain", "auto") and not tty
+
+    def progress(msg: str) -> None:
+        print(f"[setup] {msg}", file=out, flush=True)
+
+    stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
+                                 balance=opts.balance, control_window=opts.control_window,
+                                 overrides=opts.overrides), progress=progress)
+    interrupted = False
+    records: list = []
+    sampler = None
+    result = None
+    try:
+        stack.start()
+        if opts.fault_node not in {n.name for n in stack.nodes}:
+            raise ValueError(f"--fault-node {opts.fault_node!r} is not one of the fleet's nodes "
+                             f"({', '.join(n.name for n in stack.nodes)})")
+        end_fault = opts.fault_end_s if opts.fault_end_s is not None else math.inf
+        phases = (Phase("baseline", 0, opts.fault_start_s), Phase("fault", opts.fault_start_s, end_fault),
+                  *((Phase("recovery", end_fault, math.inf),) if math.isfinite(end_fault) else ()))
+        cfg = LoadConfig(url=stack.gateway_url, rate=opts.rate, duration_s=opts.duration_s, seed=opts.seed,
+                         timeout_s=opts.timeout_s, phases=phases)
+        print(f"[run] {opts.duration_s:.0f} s of load at {opts.rate:g} req/s through HAProxy "
+              f"({'controller ON' if opts.controller else 'controller OFF'})", file=out, flush=True)
+        t0 = time.time()
+        fut = stack.fleet.submit(run_load(cfg, sink=records))
+        sampler = Sampler(stack, opts, t0)
+        faulted = cleared = False
+        # Like a controller joining a fleet that is already serving: it starts once the first rate
+        # window is full of traffic (everything here starts at once; early windows hold a few requests).
+        warmup = duration_seconds(opts.control_window) + 2.0
+        controller_started = not opts.controller
+        next_print = 0.0
+        while not fut.done():
+            el = time.time() - t0
+            if not controller_started and el >= warmup:
+                stack.start_controller()
+                sampler.event("controller", f"controller started ({opts.control_window} rate windows are full)")
+                controller_started = True
+            if not faulted and el >= opts.fault_start_s and opts.fault != "none":
+                stack.set_fault(opts.fault_node, opts.fault, **opts.fault_params)
+                sampler.event("fault", f"{opts.fault} injected on {opts.fault_node} {opts.fault_params or ''}")
+                faulted = True
+            if faulted and not cleared and el >= end_fault:
+                stack.clear_fault(opts.fault_node)
+                sampler.event("fault", f"{opts.fault} cleared on {opts.fault_node}")
+                cleared = True
+            n_events = len(sampler.events)
+            s = sampler.sample()
+            if tty:
+                out.write("\x1b[H\x1b[2J" + live_view(opts, s, records, sampler.events, True) + "\n")
+                out.flush()
+            elif plain:
+                for e in sampler.events[n_events:]:
+                    print(f"  {e['t']:6.1f}s {e['kind']:<10} {e['text']}", file=out, flush=True)
+                if el >= next_print:
+                    print(live_view(opts, s, records, sampler.events, False), file=out, flush=True)
+                    next_print = el + 15
+            concurrent.futures.wait([fut], timeout=max(0.05, 1.0 - (time.time() - t0 - el)))
+        result = fut.result()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\n[demo] interrupted: stopping everything", file=out, flush=True)
+    finally:
+        stack.stop(keep_workdir=opts.keep_workdir)
+        if opts.keep_workdir:
+            print(f"[demo] kept {stack.dir} (configs and logs of HAProxy, Prometheus, Alertmanager)", file=out)
+    return _finish(opts, report_dir, sampler, records, result, interrupted, out)
+
+
+def _finish(opts, report_dir, sampler, records, result, interrupted, out) -> dict:
+    from demo.report import headline, write_report
+    if sampler is None:
+        raise RuntimeError("the stack did not start")
+    h = headline(sampler.samples, sampler.events, opts.fault_node, opts.fault_start_s, opts.fault_end_s)
+    if not opts.controller:
+        for k in ("first_weight_cut_s", "quarantine_s", "recovered_s"):
+            h[k] = None
+    phases = result.summary() if result is not None else {}
+    phases.pop("all", None)
+    report = {**h, "fault": opts.fault, "fault_params": opts.fault_params, "controller": opts.controller,
+              "balance": opts.balance, "control_window": opts.control_window,
+              "nodes": opts.nodes, "rate": opts.rate, "duration_s": opts.duration_s, "seed": opts.seed,
+              "interrupted": interrupted, "phases": phases, "events": sampler.events}
+    report["verdict"] = verdict(report)
+    print(summary_text(report), file=out, flush=True)
+    if report_dir is not None:
+        write_report(report, sampler.samples, records, report_dir)
+        if result is not None:
+            result.write_records(str(report_dir / "requests.csv"))  # every request: start, backend, TTFT, e2e, status
+        print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
+    return report
+
+
+def verdict(r: dict) -> str:
+    """One line: did the demo show what it should?"""
+    if r["fault"] == "none":
+        q = r["false_quarantines"] + ([r["faulty_node"]] if r["quarantine_s"] is not None else [])
+        return "no fault injected: " + (f"QUARANTINED {', '.join(q)} (false positive)" if q else
+                                        "nobody quarantined")
+    if not r["controller"]:
+        return "controller off: nothing steers traffic away from the faulty node"
+    fs = r["fault_start_s"]
+    checks = {
+        "weight cut within 10 s": r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] - fs <= 10,
+        "quarantine within 30 s": r["quarantine_s"] is not None and r["quarantine_s"] - fs <= 30,
+        "page at the webhook": r["page_s"] is not None,
+        "full weight again after the fault": r["fault_end_s"] is None or r["recovered_s"] is not None,
+        "no other node quarantined": not r["false_quarantines"],
+    }
+    missed = [k for k, ok in checks.items() if not ok]
+    return "all targets met: " + ", ".join(checks) if not missed else "MISSED: " + ", ".join(missed)
+
+
+def _rel(x: float | None, t0: float) -> str:
+    return "-" if x is None else f"{x:.1f}s (+{x - t0:.1f}s)"
+
+
+def summary_text(r: dict) -> str:
+    fs = r["fault_start_s"]
+    lines = ["", f"=== {r['fault']} on {r['faulty_node']} ({'controller ON' if r['controller'] else 'controller OFF'})",
+             f"fault injected      {fs:.1f}s   cleared {r['fault_end_s']}",
+             f"first weight cut    {_rel(r['first_weight_cut_s'], fs)}",
+             f"quarantined         {_rel(r['quarantine_s'], fs)}",
+             f"paged               {_rel(r['page_s'], fs)}",
+             f"full weight again   {_rel(r['recovered_s'], r['fault_end_s'] or fs)}",
+             f"false quarantines   {r['false_quarantines'] or 'none'}",
+             "client latency (s)  requests   ok   TTFT p50    p99  p99.9 | e2e p50    p99"]
+    for p, v in r["phases"].items():
+        tt, ee = v["ttft"], v["e2e"]
+        lines.append(f"  {p:<17} {v['requests']:>8} {v['ok']:>4}  {_f(tt.get('p50'))} {_f(tt.get('p99'))} "
+                     f"{_f(tt.get('p99.9'))} |  {_f(ee.get('p50'))} {_f(ee.get('p99'))}")
+    lines.append(r["verdict"])
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "     -" if x is None else f"{x:6.3f}"
+
+
+def compare(opts: DemoOptions, report_dir: Path, out=sys.stdout) -> dict:
+    """The scenario with the controller, without it, and without the fault (the healthy baseline).
+
+    The healthy baseline is the same time window of the same seeded traffic with no fault: a heavy
+    tail of prompt lengths puts a different number of long prompts in each phase of one run, so the
+    run's own baseline phase would compare unlike requests.
+    """
+    on = run_scenario(opts, report_dir / "with-controller", out)
+    off = run_scenario(DemoOptions(**{**opts.__dict__, "controller": False}), report_dir / "without-controller", out)
+    healthy = run_scenario(DemoOptions(**{**opts.__dict__, "fault": "none"}), report_dir / "healthy", out)
+
+    def p99(r: dict, phase: str) -> float | None:
+        return r["phases"].get(phase, {}).get("ttft", {}).get("p99")
+    on_f, off_f, base = p99(on, "fault"), p99(off, "fault"), p99(healthy, "fault")
+    cmp = {"p99_ttft_fault_with": on_f, "p99_ttft_fault_without": off_f, "p99_ttft_fault_window_healthy": base,
+           "p99_ttft_baseline_phase_with": p99(on, "baseline"),
+           "improvement_x": off_f / on_f if on_f and off_f else None,
+           "fault_vs_healthy_with_x": on_f / base if on_f and base else None,
+           "healthy_run_false_quarantines": healthy["false_quarantines"] + (
+               [healthy["faulty_node"]] if healthy["quarantine_s"] is not None else [])}
+    ok = (cmp["improvement_x"] or 0) >= 3 and 0 < (cmp["fault_vs_healthy_with_x"] or 99) <= 1.5
+    cmp["verdict"] = (f"{'PASS' if ok else 'MISS'}: P99 TTFT during the fault {cmp['improvement_x'] or 0:.1f}x "
+                      f"better with grayguard (target >= 3x); {cmp['fault_vs_healthy_with_x'] or 0:.2f}x the healthy "
+                      "run's P99 over the same window (target <= 1.5x)")
+    (report_dir / "compare.json").write_text(json.dumps(cmp, indent=1))
+    print("\n=== compare\n" + cmp["verdict"], file=out, flush=True)
+    return cmp
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DemoOptions()
+    p.add_argument("--nodes", type=int, default=d.nodes, help=f"simulated vLLM nodes (default {d.nodes})")
+    p.add_argument("--rate", type=float, default=d.rate,
+                   help=f"requests per second through HAProxy (default {d.rate:g})")
+    p.add_argument("--duration", type=float, default=d.duration_s, help=f"seconds of load (default {d.duration_s:g})")
+    p.add_argument("--fault", default=d.fault,
+                   help=f"thermal, pcie, kv_thrash, hang, cuda_error, garbage, slow_recovery, or none "
+                   f"(default {d.fault})")
+    p.add_argument("--fault-node", default=d.fault_node, help=f"node to break (default {d.fault_node})")
+    p.add_argument("--fault-at", type=float, default=d.fault_start_s, help=f"seconds (default {d.fault_start_s:g})")
+    p.add_argument("--fault-until", type=float, default=d.fault_end_s,
+                   help=f"seconds; a negative value never clears it (default {d.fault_end_s:g})")
+    p.add_argument("--fault-param", action="append", default=[], metavar="K=V",
+                   help="fault parameter, repeatable (default for thermal: k=10; see docs/simulator.md)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the fleet and the load (default 1)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="client request deadline in seconds (default 30)")
+    p.add_argument("--report-dir", default="./demo-report", help="where report.json and report.html go")
+    p.add_argument("--balance", choices=["roundrobin", "leastconn"], default=d.balance,
+                   help="HAProxy balance algorithm (default roundrobin, HAProxy's own default; leastconn already "
+                   "sends fewer requests to a node that holds connections longer)")
+    p.add_argument("--control-window", default=d.control_window,
+                   help=f"rate window of the controller's signals (default {d.control_window})")
+    p.add_argument("--no-controller", action="store_true", help="run the same scenario with grayguard off")
+    p.add_argument("--keep-workdir", action="store_true",
+                   help="keep the temp dir with every generated config and the services' logs")
+    p.add_argument("--compare", action="store_true", help="run with and without the controller, report the ratios")
+    p.add_argument("--live", choices=["auto", "tty", "plain", "off"], default="auto",
+                   help="live view: redrawn table on a terminal, periodic lines otherwise (default auto)")
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    params: dict[str, Any] = {}
+    for kv in args.fault_param:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--fault-param {kv!r}: want K=V")
+        try:
+            params[k] = float(v) if any(c in v for c in ".e") else int(v)
+        except ValueError:
+            params[k] = v
+    if args.fault == "thermal":
+        params.setdefault("k", 10)
+    until = None if args.fault_until is not None and args.fault_until < 0 else args.fault_until
+    o = DemoOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, fault=args.fault,
+                    fault_node=args.fault_node, fault_start_s=args.fault_at, fault_end_s=until, fault_params=params,
+                    controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout, live=args.live,
+                    balance=args.balance, control_window=args.control_window, keep_workdir=args.keep_workdir)
+    if o.nodes < 3:
+        raise ValueError("--nodes must be at least 3 (no peer comparison below)")
+    if not 0 <= o.fault_start_s < o.duration_s:
+        raise ValueError("--fault-at must be within the run (0 <= fault-at < duration)")
+    from grayguard.config import DURATION_RE
+    if not DURATION_RE.match(o.control_window):
+        raise ValueError(f"--control-window {o.control_window!r} is not a Prometheus duration such as 10s")
+    if o.controller and o.fault_start_s < duration_seconds(o.control_window) + 2:
+        raise ValueError(f"--fault-at must leave the controller its warm-up ({o.control_window} + 2 s)")
+    if o.fault_end_s is not None and not o.fault_start_s < o.fault_end_s <= o.duration_s:
+        raise ValueError("--fault-until must be after --fault-at and within the run")
+    from sim.faults import make_fault
+    if o.fault != "none":
+        make_fault(o.fault, params)  # an unknown fault or parameter fails here, before anything starts
+    return o
+
+
+def run(args: argparse.Namespace) -> int:
+    from localstack.procs import BinaryMissing
+    try:
+        opts = options_from_args(args)
+    except ValueError as e:
+        print(f"grayguard demo: {e}", file=sys.stderr)
+        return 2
+    # The live view shows transitions and pages; per-tick logs would drown it (--log-level DEBUG shows all).
+    if logging.getLogger().level > logging.DEBUG:
+        for name in ("aiohttp", "apscheduler", "grayguard", "exporters", "rules", "sim", "localstack", "demo"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    report_dir = Path(args.report_dir)
+    try:
+        if args.compare:
+            compare(opts, report_dir)
+        else:
+            run_scenario(opts, report_dir)
+    except BinaryMissing as e:
+        print(f"grayguard demo: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

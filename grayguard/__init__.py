@@ -1,0 +1,1 @@
+"""What every grayguard package shares: the config schema, the vocabulary, the Prometheus client, the CLI."""

@@ -1,0 +1,67 @@
+"""The `grayguard` command: one entry point, a subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> module providing HELP, add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "controller": "controller.cmd_controller",
+    "replay": "controller.replay",
+    "bench-controller": "bench.controller",
+    "exporter": "exporters.cli",
+    "rules": "rules.cli",
+    "fleet": "sim.cli_fleet",
+    "loadgen": "sim.cli_loadgen",
+    "demo": "demo.cli",
+    "bench": "bench.cli",
+    "dashboards": "dashboards.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="grayguard",
+        description="Find gray failures in LLM inference fleets (alive but slow vLLM nodes) and steer "
+        "HAProxy traffic away from them.",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, modname in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:  # component not built into this tree
+                continue
+            raise
+        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, set up logging and run the chosen subcommand."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":  # APScheduler logs every run of every job at INFO
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

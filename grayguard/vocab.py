@@ -1,0 +1,66 @@
+"""grayguard's shared words: node states, probe results, drain causes. Every package imports them from here.
+
+They are `StrEnum`s: each member *is* its string (`State.HEALTHY == "healthy"`), so state files,
+metric labels, CSV traces and YAML stay plain text, and a typo in code is an AttributeError rather
+than a silently unmatched string.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """Where the controller holds a node (docs/architecture.md, "States")."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    QUARANTINED = "quarantined"
+    CANARY = "canary"
+    SLOW_START = "slow_start"
+
+
+#: every state, in the order the metrics, dashboards and docs list them
+STATES: tuple[State, ...] = tuple(State)
+#: drained: out of rotation, probed with canaries
+EJECTED = frozenset({State.QUARANTINED, State.CANARY})
+#: in rotation: HAProxy sends it traffic (possibly at a reduced weight)
+IN_ROTATION = frozenset({State.HEALTHY, State.DEGRADED, State.SLOW_START})
+
+
+class ProbeResult(StrEnum):
+    """The class of one micro-probe (or canary): exactly one per request."""
+
+    OK = "ok"
+    SLOW = "slow"
+    TIMEOUT = "timeout"
+    CONNECT_ERROR = "connect_error"
+    HTTP_ERROR = "http_error"
+    CUDA_ERROR = "cuda_error"
+    BAD_RESPONSE = "bad_response"
+    STARTING = "starting"
+
+
+PROBE_RESULTS: tuple[ProbeResult, ...] = tuple(ProbeResult)
+#: the engine answered (a time to first token was measured)
+PROBE_ANSWERED = frozenset({ProbeResult.OK, ProbeResult.SLOW})
+#: failures that count towards quarantine (a CUDA error quarantines at once; `starting` is no fault)
+PROBE_FAILURES = frozenset({ProbeResult.TIMEOUT, ProbeResult.CONNECT_ERROR, ProbeResult.HTTP_ERROR,
+                            ProbeResult.BAD_RESPONSE})
+
+
+class Signal(StrEnum):
+    """A signal that yields a weight factor (`grayguard_node_weight_factor{signal}`)."""
+
+    LATENCY = "latency"
+    PROBE = "probe"
+    ERRORS = "errors"
+    KV_CACHE = "kv_cache"
+
+
+class DrainCause(StrEnum):
+    """Why a node was drained (the `drain_cause` of /status, the reason code of quarantined nodes)."""
+
+    LATENCY = "latency"
+    PROBE = "probe"
+    ERRORS = "errors"

@@ -1,0 +1,169 @@
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.haproxy import ServerState
+from controller.plan import plan_backend
+from controller.policy import (
+    CANARY,
+    DEGRADED,
+    EJECTED,
+    HEALTHY,
+    QUARANTINED,
+    SLOW_START,
+    NodeInput,
+    NodeState,
+    Policy,
+    decide_pool,
+    latency_factor,
+    max_ejected,
+    target_weight,
+)
+from grayguard.config import RecoveryConfig, ThresholdsConfig
+
+P = Policy()
+STATES = [HEALTHY, DEGRADED, QUARANTINED, CANARY, SLOW_START]
+
+node_state = st.builds(
+    NodeState,
+    state=st.sampled_from(STATES),
+    since=st.floats(0, 1000),
+    ema=st.one_of(st.none(), st.floats(0.001, 1.0)),
+    score=st.one_of(st.none(), st.floats(-20, 50)),
+    hot_ticks=st.integers(0, 10),
+    calm_ticks=st.integers(0, 5),
+    canary_ok=st.integers(0, 5),
+    last_canary=st.one_of(st.none(), st.floats(0, 1000)),
+    weight=st.one_of(st.none(), st.integers(0, 256)),
+)
+node_input = st.builds(
+    NodeInput,
+    base_weight=st.integers(0, 256),
+    latency=st.one_of(st.none(), st.just(math.nan), st.just(math.inf), st.floats(0.001, 1.0)),
+    request_rate=st.one_of(st.none(), st.floats(0, 100)),
+    peer_group=st.sampled_from([None, None, "a", "b"]),
+    canary=st.one_of(st.none(), st.just(math.inf), st.floats(0.001, 1.0)),
+    hold=st.booleans(),
+)
+
+
+@st.composite
+def pools(draw):
+    n = draw(st.integers(1, 12))
+    names = [f"n{i}" for i in range(n)]
+    inputs = {k: draw(node_input) for k in names}
+    prev = {k: draw(node_state) for k in names if draw(st.booleans())}
+    # a valid previous tick never had more drained than the cap
+    drained = [k for k in sorted(prev) if prev[k].state in EJECTED]
+    for k in drained[max_ejected(n, P.thresholds.max_ejected_fraction):]:
+        prev[k] = NodeState(state=HEALTHY)
+    return prev, inputs, draw(st.floats(1000, 2000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools())
+def test_never_more_than_the_cap_drained_and_weights_in_range(p):
+    prev, inputs, now = p
+    d = decide_pool(prev, inputs, P, now)
+    drained = [n for n, nd in d.nodes.items() if nd.state.state in EJECTED]
+    assert len(drained) <= max_ejected(len(inputs), P.thresholds.max_ejected_fraction)
+    assert d.ejected == len(drained)
+    for nd in d.nodes.values():
+        assert nd.weight is None or 0 <= nd.weight <= 256
+        assert nd.state.state in STATES
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.randoms())
+def test_permuting_nodes_changes_nothing(p, rnd):
+    prev, inputs, now = p
+    names = list(inputs)
+    rnd.shuffle(names)
+    shuffled_inputs = {n: inputs[n] for n in names}
+    shuffled_prev = {n: prev[n] for n in reversed(names) if n in prev}
+    a = decide_pool(prev, inputs, P, now)
+    b = decide_pool(shuffled_prev, shuffled_inputs, P, now)
+    assert a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools())
+def test_a_converged_state_plans_no_writes(p):
+    prev, inputs, now = p
+    d = decide_pool(prev, inputs, P, now)
+    # HAProxy after applying the plan: exactly what was decided
+    actual = {n: ServerState("be", n, "127.0.0.1:1", nd.weight if nd.weight is not None else 7,
+                             inputs[n].base_weight, 0x08 if nd.drain else 0, 2) for n, nd in d.nodes.items()}
+    first = plan_backend("p", "be", d.nodes, {})
+    assert first == []  # no known servers: nothing to write
+    assert plan_backend("p", "be", d.nodes, actual) == []
+
+
+def test_plan_orders_drain_before_weight_and_weight_before_ready():
+    d = decide_pool({"a": NodeState(state=QUARANTINED, since=0), "b": NodeState(), "c": NodeState()}, {
+        "a": NodeInput(100), "b": NodeInput(100), "c": NodeInput(100)}, P, 1.0)
+    actual = {n: ServerState("be", n, "h:1", 100, 100, 0, 2) for n in "abc"}
+    plan = plan_backend("p", "be", d.nodes, actual)
+    assert [(c.command.kind, c.command.value) for c in plan] == [("state", "drain"), ("weight", 0)]
+    back = {"a": ServerState("be", "a", "h:1", 0, 100, 0x08, 2)}
+    d2 = decide_pool({"a": NodeState(state=SLOW_START, since=0)}, {"a": NodeInput(100)}, P, 0.0)
+    plan2 = plan_backend("p", "be", d2.nodes, back)
+    assert [(c.command.kind, c.command.value) for c in plan2] == [("weight", 10), ("state", "ready")]
+
+
+def test_maint_servers_are_left_alone():
+    d = decide_pool({}, {"a": NodeInput(100, hold=True)}, P, 0.0)
+    actual = {"a": ServerState("be", "a", "h:1", 3, 100, 0x01, 0)}
+    assert d.nodes["a"].weight is None
+    assert plan_backend("p", "be", d.nodes, actual) == []
+
+
+def fleet(latencies, prev=None, now=100.0, policy=P, groups=None):
+    inputs = {n: NodeInput(100, v, peer_group=(groups or {}).get(n)) for n, v in latencies.items()}
+    return decide_pool(prev or {}, inputs, policy, now)
+
+
+def test_degraded_weight_follows_the_seeds_formula_in_half_steps():
+    def w(score):
+        return target_weight(NodeState(state=DEGRADED, factors=(("latency", latency_factor(score), ""),)), 100, 0, P)
+    assert w(3.2) == round(100 * 2 ** -1.0)  # 3.2 -> 3.0
+    assert w(2.3) == 100
+    assert w(40) == 1  # keeps being measured
+
+
+def test_safeguard_caps_quarantine_and_says_so():
+    t = ThresholdsConfig(sustain_ticks=1)
+    pol = Policy(t, RecoveryConfig())
+    lat = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1, "e": 0.5, "f": 0.6}
+    d = fleet(lat, policy=pol)
+    assert max_ejected(6, 0.3) == 1
+    assert [n for n, x in d.nodes.items() if x.state.state == QUARANTINED] == ["f"]  # the worst first
+    assert d.nodes["e"].state.state == DEGRADED and d.safeguard
+    assert "safeguard" in d.nodes["e"].state.reason
+
+
+def test_small_pools_never_eject():
+    assert max_ejected(2, 1.0) == 0 and max_ejected(3, 0.3) == 1 and max_ejected(10, 0.3) == 3
+    d = fleet({"a": 0.1, "b": 1.0})
+    assert all(x.state.state == HEALTHY and x.state.score is None for x in d.nodes.values())
+
+
+def test_hysteresis_a_node_at_the_edge_does_not_flap():
+    t = ThresholdsConfig(ema_alpha=1.0)
+    pol = Policy(t, RecoveryConfig())
+    peers = {"a": 0.1, "b": 0.1, "c": 0.1}
+    prev: dict = {}
+    states = []
+    for i in range(20):  # alternates just above and just below the entry gap
+        x = 0.13 if i % 2 == 0 else 0.12
+        d = fleet({**peers, "x": x}, prev=prev, now=float(i), policy=pol)
+        prev = {n: nd.state for n, nd in d.nodes.items()}
+        states.append(prev["x"].state)
+    assert states[0] == DEGRADED and set(states) == {DEGRADED}  # 1.2x is not calm (calm < 1.125x)
+
+
+def test_no_data_holds_state_and_weight():
+    prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5, lat_degraded=True, lat_factor=0.25)}
+    d = fleet({"a": None, "b": None, "c": None, "x": None}, prev=prev)
+    assert d.nodes["x"].state.state == DEGRADED and d.nodes["x"].weight == 25

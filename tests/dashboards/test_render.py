@@ -1,0 +1,202 @@
+"""Dashboards rendered from the config: committed JSON current, Grafana's model, config knobs, CLI, provisioning."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import cli, gpu, pool
+from dashboards.config import DashboardConfig
+from dashboards.lint import expressions, problems
+from dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
+from grayguard.cli import build_parser
+from grayguard.config import load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "grayguard.example.yaml"
+PROVISIONING = DASHBOARDS_DIR / "provisioning"
+
+
+def dash(argv):
+    """`grayguard dashboards ARGV` without the dispatcher (which imports every component, mid-edit ones too)."""
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return cli.run(p.parse_args(argv))
+
+
+def docs(cfg=None):
+    return {name: json.loads(text) for name, text in render_all(cfg).items()}
+
+
+def panel(doc, title):
+    (p,) = [p for p in doc["panels"] if p.get("title") == title]
+    return p
+
+
+def test_committed_json_is_the_render_of_the_defaults_and_of_the_example_config():
+    committed = {name: (DASHBOARDS_DIR / name).read_text() for name in BUILDERS}
+    hint = "dashboards/*.json are stale: run grayguard dashboards render"
+    assert render_all() == committed, hint
+    assert render_all(DashboardConfig.from_config(load_config(EXAMPLE))) == committed, hint
+
+
+def test_cli_rerender_changes_nothing_and_check_passes(capsys):
+    before = {name: (DASHBOARDS_DIR / name).read_bytes() for name in BUILDERS}
+    assert dash(["render", "--check"]) == 0
+    assert dash(["render"]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert {name: (DASHBOARDS_DIR / name).read_bytes() for name in BUILDERS} == before
+
+
+def test_render_writes_then_reports_unchanged(tmp_path, capsys):
+    assert dash(["render", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("written") == len(BUILDERS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(BUILDERS)
+    assert dash(["render", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("unchanged") == len(BUILDERS)
+
+
+def test_check_reports_a_stale_file_and_writes_nothing(tmp_path, capsys):
+    assert dash(["render", "--out", str(tmp_path)]) == 0
+    stale = tmp_path / "grayguard-gpu-health.json"
+    stale.write_text("{}\n")
+    assert dash(["render", "--out", str(tmp_path), "--check"]) == 1
+    assert f"{stale}: would change" in capsys.readouterr().out
+    assert stale.read_text() == "{}\n"
+
+
+def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
+    bad = tmp_path / "g.yaml"
+    bad.write_text("pools: [{name: chat, backend: b}]\nthresholds: {quarantine_score: 1.0}\n")
+    assert dash(["render", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "thresholds.quarantine_score" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_action_exits_2(capsys):
+    assert dash([]) == 2
+
+
+def test_dispatcher_has_the_subcommand():
+    args = build_parser().parse_args(["dashboards", "render", "--out", "x", "--config", "y"])
+    assert (args.out, args.config, args.check) == ("x", "y", False)
+    assert all(name in cli.DESCRIPTION for name in BUILDERS) and cli.DASHBOARDS_DIR == DASHBOARDS_DIR
+
+
+def test_without_the_sdk_the_cli_still_loads_and_render_says_what_to_install(monkeypatch, capsys):
+    for m in [m for m in sys.modules if m.startswith(("grafana_foundation_sdk", "dashboards."))
+              and m not in ("dashboards.cli", "dashboards.config")]:
+        monkeypatch.delitem(sys.modules, m)
+        if m.startswith("dashboards."):
+            monkeypatch.delattr(sys.modules["dashboards"], m.split(".")[1], raising=False)
+    monkeypatch.setitem(sys.modules, "grafana_foundation_sdk", None)  # import raises ModuleNotFoundError
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)  # what the dispatcher calls for every subcommand: `grayguard controller` keeps working
+    assert dash(["render", "--check"]) == 1
+    assert "grafana-foundation-sdk==1769699379!11.6.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_grafana_dashboard_model(name):
+    doc = docs()[name]
+    assert problems(doc) == []
+    assert isinstance(doc["schemaVersion"], int) and doc["schemaVersion"] >= 36
+    assert doc["uid"] in (pool.UID, gpu.UID) and doc["title"].startswith("grayguard / ")
+    assert "id" not in doc or doc["id"] is None  # provisioning and import assign their own
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in doc["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert p.get("description"), f"{p['title']} needs a description"
+            assert all(t["refId"] and t["expr"] for t in p["targets"])
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert "pool" in variables
+
+
+def test_layout_problems_are_found():
+    doc = docs()["grayguard-pool-overview.json"]
+    a, b = doc["panels"][1], doc["panels"][2]
+    b["gridPos"] = dict(a["gridPos"])
+    b["id"] = a["id"]
+    doc["panels"].append({"type": "timeseries", "title": "wide", "id": 999, "targets": [{"expr": "x"}],
+                          "gridPos": {"x": 20, "y": 500, "w": 8, "h": 2}})
+    found = " | ".join(problems(doc))
+    assert f"id {a['id']}" in found and "overlaps" in found and "wider than" in found
+    assert problems({"panels": []})[:1] == ["missing uid"]
+
+
+def test_pool_overview_has_what_the_pager_needs():
+    doc = docs()["grayguard-pool-overview.json"]
+    names = {v["name"] for v in doc["templating"]["list"]}
+    assert {"pool", "node", "instance"} <= names
+    score = panel(doc, "Peer score")
+    steps = [s["value"] for s in score["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps == [None, 2.0, 3.5]
+    assert score["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "dashed"
+    exprs = "\n".join(e for _, e in expressions(doc))
+    for series in ("grayguard_node_score", "grayguard_node_state", "grayguard_node_weight",
+                   "grayguard_pool_ejected_nodes", "grayguard_pool_max_ejected_nodes", "grayguard_pool_nodes",
+                   "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                   "grayguard_probe_ttft_seconds_bucket", "grayguard_probe_results_total",
+                   "grayguard_tick_duration_seconds_bucket", "grayguard_last_successful_tick_timestamp_seconds",
+                   "grayguard_prometheus_errors_total", "grayguard_haproxy_errors_total",
+                   "instance:vllm_normalized_latency_seconds_per_token:rate30s",
+                   "pool:vllm_normalized_latency_seconds_per_token:median_rate30s",
+                   "instance:vllm_request_rate:rate5m", "instance:vllm_request_errors:ratio_rate5m"):
+        assert series in exprs, series
+    assert panel(doc, "Node state")["type"] == "state-timeline"
+    texts = {o["text"] for m in panel(doc, "Node state")["fieldConfig"]["defaults"]["mappings"]
+             for o in m["options"].values()}
+    assert texts == {"healthy", "degraded", "quarantined", "canary", "slow_start"}
+    assert "probe" in panel(doc, "TTFT P50 / P99 (pool)")["description"]
+    (transitions,) = [a for a in doc["annotations"]["list"] if a["name"] == "Controller transitions"]
+    assert "grayguard_node_transitions_total" in transitions["expr"]
+    assert "{{from_state}}" in transitions["titleFormat"] and "node" in transitions["tagKeys"].split(",")
+
+
+def test_gpu_health_covers_every_nvml_signal():
+    doc = docs()["grayguard-gpu-health.json"]
+    names = {v["name"] for v in doc["templating"]["list"]}
+    assert {"pool", "instance", "gpu"} <= names
+    exprs = "\n".join(e for _, e in expressions(doc))
+    for series in ("sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "clock_event_reason_active",
+                   "temperature_celsius", "power_watts", "power_limit_watts", "pcie_link_generation",
+                   "pcie_link_max_generation", "pcie_link_width", "pcie_link_max_width", "pcie_replay_total",
+                   "ecc_errors", "remapped_rows", "row_remap_pending", "row_remap_failure", "xid_errors_total",
+                   "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "lost"):
+        assert f"grayguard_gpu_{series}" in exprs, series
+
+
+def test_config_knobs_reach_the_dashboards():
+    cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
+                        "thresholds": {"degrade_score": 2.5, "quarantine_score": 4.0},
+                        "rules": {"control_window": "10s", "human_window": "1m", "controller_job": "ctl",
+                                  "vllm_prefix": "vllm_"}})
+    doc = docs(DashboardConfig.from_config(cfg))["grayguard-pool-overview.json"]
+    steps = [s["value"] for s in panel(doc, "Peer score")["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps == [None, 2.5, 4.0]
+    exprs = "\n".join(e for _, e in expressions(doc))
+    assert "rate10s" in exprs and "rate1m" in exprs and "rate30s" not in exprs and "rate5m" not in exprs
+    assert 'job="ctl"' in exprs and "vllm_time_to_first_token_seconds_bucket" in exprs and "vllm:" not in exprs
+
+
+def test_provisioning_points_grafana_at_the_dashboards():
+    ds = yaml.safe_load((PROVISIONING / "datasource.yaml").read_text())
+    (prom,) = ds["datasources"]
+    assert ds["apiVersion"] == 1 and prom["type"] == "prometheus" and prom["url"].startswith("http")
+    prov = yaml.safe_load((PROVISIONING / "dashboards.yaml").read_text())
+    (provider,) = prov["providers"]
+    assert prov["apiVersion"] == 1 and provider["type"] == "file" and provider["options"]["path"]
+    assert provider["folder"] == "grayguard"
+
+
+def test_docs_list_every_dashboard():
+    text = (REPO / "docs" / "dashboards.md").read_text()
+    for name in BUILDERS:
+        assert name in text
+    assert "grafana-foundation-sdk" in text

@@ -1,0 +1,62 @@
+"""End-to-end: the whole local stack (simulated fleet, exporters, real HAProxy, Prometheus, Alertmanager,
+webhook pager, controller) catches faults. Each run is bounded: about 30-45 s."""
+
+import io
+import json
+
+import pytest
+
+from demo.cli import DemoOptions, run_scenario
+
+pytestmark = pytest.mark.e2e
+
+
+def scenario(tmp_path, fault, node, duration, **params):
+    # The demo's 10 s rate windows: 5 s windows at ~2.4 req/s per node hold a dozen heavy-tailed requests,
+    # noisy enough to make a healthy node look 1.5x slow now and then. The short client deadline only
+    # bounds the run (long generations time out on every node alike).
+    opts = DemoOptions(nodes=5, rate=12, duration_s=duration, fault=fault, fault_node=node, fault_start_s=13,
+                       fault_end_s=None, fault_params=params, live="off", seed=3, control_window="10s",
+                       timeout_s=6)
+    out = io.StringIO()
+    return run_scenario(opts, tmp_path / "report", out), out.getvalue()
+
+
+def pages(r, alert):
+    return [e for e in r["events"] if e["kind"] == "page" and e.get("alert") == alert and e["status"] == "firing"]
+
+
+def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
+    r, log = scenario(tmp_path, "thermal", "node2", 36, k=8)
+    assert r["quarantine_s"] is not None, log
+    assert r["quarantine_s"] - r["fault_start_s"] <= 30
+    assert r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] <= r["quarantine_s"]
+    assert r["false_quarantines"] == [], log
+    p = pages(r, "GrayguardNodeQuarantined")
+    assert p and p[0]["node"] == "node2" and p[0]["pool"] == "chat", log
+    assert p[0]["runbook_url"].endswith("docs/runbook.md#grayguardnodequarantined")
+    assert r["page_s"] is not None
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    for key in ("fault_start_s", "first_weight_cut_s", "quarantine_s", "page_s", "recovered_s", "faulty_node",
+                "false_quarantines", "phases"):
+        assert key in doc
+    assert set(doc["phases"]) == {"baseline", "fault"}
+    assert "<svg" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_a_hung_node_is_quarantined_within_10s_through_the_probes(tmp_path):
+    r, log = scenario(tmp_path, "hang", "node4", 28)
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
+    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    assert "probe" in reason and "timeout" in reason, reason
+    assert r["false_quarantines"] == [], log
+
+
+def test_a_cuda_error_is_quarantined_and_pages_naming_cuda(tmp_path):
+    r, log = scenario(tmp_path, "cuda_error", "node1", 30)
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
+    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    assert "CUDA" in reason
+    p = pages(r, "GrayguardProbeCudaError")
+    assert p and "CUDA" in p[0]["summary"], log
+    assert r["false_quarantines"] == [], log

@@ -1,0 +1,62 @@
+"""docs/metrics.md documents every series the exporter and the controller export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from exporters.fakenvml import FakeNvml, healthy_h100
+from exporters.nvml import NvmlCollector
+from exporters.prober import Prober
+from exporters.server import Exporter
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+
+
+def exposed_names(registry: CollectorRegistry) -> set[str]:
+    names = set()
+    for collector in list(registry._collector_to_names):
+        for family in collector.describe():
+            names.add(family.name + "_total" if family.type == "counter" else family.name)
+    return names
+
+
+def test_every_exporter_series_is_documented():
+    exporter = Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)]))
+    names = exposed_names(exporter.registry)
+    assert len(names) >= 35
+    for name in sorted(names):
+        assert f"`{name}`" in DOC, name
+
+
+def test_fixed_names_from_the_issue_are_exported():
+    registry = CollectorRegistry()
+    registry.register(NvmlCollector(nvml=FakeNvml([healthy_h100(0)]), xid_events=False))
+    Prober("http://127.0.0.1:1", registry=registry)
+    fixed = [
+        "grayguard_exporter_nvml_up", "grayguard_gpu_info", "grayguard_gpu_sm_clock_hertz",
+        "grayguard_gpu_sm_clock_max_hertz", "grayguard_gpu_memory_clock_hertz",
+        "grayguard_gpu_memory_clock_max_hertz", "grayguard_gpu_clock_event_reason_active",
+        "grayguard_gpu_temperature_celsius", "grayguard_gpu_memory_temperature_celsius",
+        "grayguard_gpu_power_watts", "grayguard_gpu_power_limit_watts",
+        "grayguard_gpu_energy_joules_total", "grayguard_gpu_pcie_link_generation",
+        "grayguard_gpu_pcie_link_max_generation", "grayguard_gpu_pcie_link_width",
+        "grayguard_gpu_pcie_link_max_width", "grayguard_gpu_pcie_replay_total", "grayguard_gpu_ecc_errors",
+        "grayguard_gpu_remapped_rows", "grayguard_gpu_row_remap_pending",
+        "grayguard_gpu_row_remap_failure", "grayguard_gpu_xid_errors_total",
+        "grayguard_gpu_utilization_ratio", "grayguard_gpu_memory_used_bytes",
+        "grayguard_gpu_memory_total_bytes", "grayguard_gpu_lost", "grayguard_probe_ttft_seconds",
+        "grayguard_probe_results_total", "grayguard_probe_last_result",
+        "grayguard_probe_last_ttft_seconds", "grayguard_probe_consecutive_failures",
+        "grayguard_probe_last_timestamp_seconds", "grayguard_exporter_probe_errors_total",
+    ]
+    assert set(fixed) <= exposed_names(registry)
+
+
+def test_every_controller_series_is_documented():
+    metrics = pytest.importorskip("controller.metrics")
+    registry = metrics.ControllerMetrics.create().registry
+    for name in sorted(exposed_names(registry)):
+        assert f"`{name}`" in DOC, name

@@ -1,0 +1,72 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from grayguard.config import ConfigError, load_config, parse_config
+
+
+def base():
+    return {"pools": [{"name": "chat", "backend": "vllm_chat"}]}
+
+
+def test_example_config_loads():
+    cfg = load_config("grayguard.example.yaml")
+    assert cfg.pools[0].backend == "vllm_chat"
+    assert cfg.thresholds.degrade_score == 2.0 and cfg.thresholds.quarantine_score == 3.5
+    assert cfg.thresholds.max_ejected_fraction == 0.3 and cfg.recovery.canary_interval_s == 10
+
+
+@pytest.mark.parametrize("mutate, path, problem", [
+    (lambda d: d["pools"][0].update(backend="vllm;shutdown"), "pools[0].backend", "inject"),
+    (lambda d: d["pools"][0].pop("backend"), "pools[0].backend", "required"),
+    (lambda d: d.update(thresholds={"ema_alpha": 1.5}), "thresholds.ema_alpha", "(0, 1]"),
+    (lambda d: d.update(thresholds={"quarantine_score": 1.0}), "thresholds.quarantine_score", ">="),
+    (lambda d: d.update(thresholds={"sustain_ticks": "three"}), "thresholds.sustain_ticks", "integer"),
+    (lambda d: d.update(tresholds={}), "tresholds", "unknown field"),
+    (lambda d: d.update(haproxy={"endpoints": ["nohost"]}), "haproxy.endpoints[0]", "host:port"),
+    (lambda d: d.update(prometheus={"url": "localhost:9090"}), "prometheus.url", "http://"),
+    (lambda d: d["pools"].append({"name": "chat", "backend": "b2"}), "pools[1].name", "duplicate"),
+    (lambda d: d["pools"][0].update(servers={"n 1": {}}), "pools[0].servers.n 1", "server names"),
+    (lambda d: d.update(rules={"control_window": "30 seconds"}), "rules.control_window", "duration"),
+    (lambda d: d.update(pools=[]), "pools", "at least one"),
+])
+def test_bad_fields_are_named(mutate, path, problem):
+    d = base()
+    mutate(d)
+    with pytest.raises(ConfigError) as e:
+        parse_config(d)
+    assert e.value.path == path
+    assert problem in str(e.value)
+
+
+def test_cli_exits_2_naming_the_field(tmp_path):
+    d = base()
+    d["thresholds"] = {"max_ejected_fraction": 3}
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(d))
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(f), "--check"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "thresholds.max_ejected_fraction" in p.stderr
+    f.write_text("pools: [")
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(f), "--check"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "not valid YAML" in p.stderr
+    ok = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config",
+                         "grayguard.example.yaml", "--check"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+
+
+def test_example_shows_the_defaults():
+    from grayguard.config import RecoveryConfig, SignalsConfig, ThresholdsConfig
+    cfg = load_config("grayguard.example.yaml")
+    assert cfg.thresholds == ThresholdsConfig()
+    assert cfg.recovery == RecoveryConfig()
+    assert cfg.signals == SignalsConfig()
+
+
+def test_duration_seconds():
+    from grayguard.config import duration_seconds
+    assert duration_seconds("10s") == 10 and duration_seconds("1m30s") == 90 and duration_seconds("500ms") == 0.5

@@ -1,0 +1,79 @@
+"""Process helpers shared by tests and the demo: binaries, ports, bounded waits, orderly stop."""
+
+import sys
+import time
+
+import pytest
+
+from localstack.procs import (
+    BinaryMissing,
+    ManagedProcess,
+    ProcessExited,
+    find_binary,
+    free_port,
+    install_hint,
+    start_process,
+    wait_until,
+)
+from tests.support.stack import WebhookReceiver
+
+
+def test_missing_binary_says_which_package(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(BinaryMissing, match=r"promtool not found on PATH: apt-get install prometheus"):
+        find_binary("promtool")
+    with pytest.raises(BinaryMissing, match="apt-get install prometheus-alertmanager"):
+        find_binary("alertmanager", "prometheus-alertmanager")
+    assert install_hint("/usr/bin/amtool").startswith("apt-get install prometheus-alertmanager")
+
+
+def test_find_binary_takes_the_first_present():
+    assert find_binary("no-such-binary-x", sys.executable) == sys.executable
+
+
+def test_free_port_is_bindable():
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_wait_until_returns_the_value_or_times_out():
+    t0 = time.monotonic()
+    assert wait_until(lambda: time.monotonic() - t0 > 0.1 and "done", 5, 0.01) == "done"
+    with pytest.raises(TimeoutError, match="the impossible"):
+        wait_until(lambda: False, 0.2, 0.05, "the impossible")
+    with pytest.raises(TimeoutError, match="last error: boom"):
+        wait_until(lambda: (_ for _ in ()).throw(ValueError("boom")), 0.1, 0.05)
+
+
+def test_process_is_ready_then_stopped(tmp_path):
+    port = free_port()
+    p = start_process([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "log",
+                      ready_url=f"http://127.0.0.1:{port}/", timeout_s=20)
+    assert p.running()
+    assert p.stop() is not None and not p.running()
+    assert p.stop() == p.proc.returncode  # idempotent
+
+
+def test_process_that_dies_reports_its_output(tmp_path):
+    p = ManagedProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], tmp_path / "log")
+    with pytest.raises(ProcessExited, match="bad flag"):
+        p.wait_ready("http://127.0.0.1:1/", timeout_s=10)
+    assert not p.running()
+
+
+def test_process_that_never_gets_ready_is_killed(tmp_path):
+    p = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    with pytest.raises(TimeoutError):
+        p.wait_ready(f"http://127.0.0.1:{free_port()}/", timeout_s=0.5)
+    assert not p.running()
+
+
+def test_webhook_receiver_records_posts():
+    import requests
+    with WebhookReceiver() as hook:
+        requests.post(hook.url("/page"), json={"alerts": [{"status": "firing", "labels": {"a": "1"}}]}, timeout=5)
+        got = hook.wait_for(lambda h: h.alerts("/page"), timeout_s=5)
+        assert got[0]["labels"] == {"a": "1"}
+        assert hook.alerts("/ticket") == []
