@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 from bench.engine import ERROR, GARBAGE, NO_SERVER, OK, TIMEOUT, RunResult
+from grayguard.vocab import EJECTED
 
-QUARANTINE_STATES = frozenset({"quarantined", "canary"})
+QUARANTINE_STATES = EJECTED  # grayguard's drained states (quarantined, canary)
 
 
 def percentile(sorted_vals: list[float], q: float) -> float | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-STATES = ("healthy", "degraded", "quarantined", "canary", "slow_start")
+from grayguard.vocab import STATES as STATES  # the values of grayguard_node_state's `state` label (re-exported)
 
 
 @dataclass

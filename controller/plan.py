@@ -38,7 +38,7 @@ def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
         a = actual.get(node)
         if a is None or d.weight is None or a.maint:
             continue  # unknown server (reported by the caller), held by policy, or in operator MAINT
-        reason = f"{d.state.state}: {d.state.reason}" if d.state.reason else d.state.state
+        reason = f"{d.state.state}: {d.state.reason}" if d.state.reason else str(d.state.state)
         if d.drain and not a.drain:
             drains.append(Change(pool, node, Command(backend, node, "state", "drain"), reason, "ready"))
         if a.weight != d.weight:

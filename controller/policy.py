@@ -21,11 +21,11 @@ from controller import peers, signals
 from controller.scoring import ema, usable
 from controller.signals import SignalMemory
 from grayguard.config import RecoveryConfig, ThresholdsConfig
+from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, Signal, State
 
-HEALTHY, DEGRADED, QUARANTINED, CANARY, SLOW_START = (
-    "healthy", "degraded", "quarantined", "canary", "slow_start")
-EJECTED = frozenset({QUARANTINED, CANARY})
-IN_ROTATION = frozenset({HEALTHY, DEGRADED, SLOW_START})
+# Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
+HEALTHY, DEGRADED, QUARANTINED, CANARY = State.HEALTHY, State.DEGRADED, State.QUARANTINED, State.CANARY
+SLOW_START = State.SLOW_START
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ class NodeState:
     lat_degraded: bool = False  # the latency signal holds the node degraded
     lat_factor: float = 1.0  # its factor (kept while the node has no data)
     signals: SignalMemory = field(default_factory=SignalMemory)
-    factors: tuple = ()  # ((signal, factor, reason), ...) in force, for /status and metrics
-    cause: str = ""  # why the node was drained: latency, probe, errors
+    factors: tuple = ()  # ((Signal, factor, reason), ...) in force, for /status and metrics
+    cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors)
     ramp_start: float | None = None  # slow start ramps from here (a new node's warm-up ends here)
     gone_since: float | None = None  # absent from HAProxy since
 
@@ -257,7 +257,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
     # An open error circuit goes half-open at the next canary interval; other causes wait min_quarantine_s.
-    return min(r.min_quarantine_s, r.canary_interval_s) if s.cause == "errors" else r.min_quarantine_s
+    return min(r.min_quarantine_s, r.canary_interval_s) if s.cause == DrainCause.ERRORS else r.min_quarantine_s
 
 
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
@@ -281,11 +281,12 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence))
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    factors = tuple(f for f in (("latency", s.lat_factor, lat_reason or "latency (held)"), ("probe", pf, p_reason),
-                                ("errors", ef, e_reason)) if f[1] < 1.0 and (f[0] != "latency" or s.lat_degraded))
+    factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
+                                (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason))
+                    if f[1] < 1.0 and (f[0] != Signal.LATENCY or s.lat_degraded))
     s = replace(s, signals=mem, factors=factors)
-    why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""] + [f[2] for f in factors if f[0] != "latency"]
-                    if x)
+    why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""]
+                    + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
     degraded = s.lat_degraded or pf < 1.0 or ef < 1.0
@@ -296,23 +297,24 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif s.state == HEALTHY and degraded:
         s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
     elif s.state == DEGRADED and not degraded:
-        was = {k for k, _, _ in prev_factors} | ({"latency"} if prev_lat else set())
+        was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat else set())
         cleared = [text for key, text in (
-            ("latency", f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
-            ("probe", f"{t.probe_ok_to_clear} good probes"), ("errors", "errors below the threshold")) if key in was]
+            (Signal.LATENCY, f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
+            (Signal.PROBE, f"{t.probe_ok_to_clear} good probes"), (Signal.ERRORS, "errors below the threshold"))
+            if key in was]
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif s.state == DEGRADED or s.state == HEALTHY:
         s = replace(s, reason=why)
     if p_quarantine or e_quarantine:
-        return s, (math.inf, "probe" if p_quarantine else "errors", p_quarantine or e_quarantine)
+        return s, (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
         ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.probe_slow_ratio
-        return s, (ratio, "probe", f"{p_reason} with GPU evidence: {', '.join(evidence)}")
+        return s, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")
     sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
     if sc is not None and s.hot_ticks >= sustain:
         tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
-        return s, (sc.z, "latency", f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f} for {s.hot_ticks} "
-                   f"tick(s){tail}")
+        return s, (sc.z, DrainCause.LATENCY, f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f} for "
+                   f"{s.hot_ticks} tick(s){tail}")
     return s, None
 
 

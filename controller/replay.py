@@ -18,6 +18,7 @@ from typing import IO
 
 from controller.policy import NodeInput, NodeState, Policy, canary_due, decide_pool
 from grayguard.config import ConfigError, load_config
+from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
 DESCRIPTION = """\
@@ -49,8 +50,7 @@ examples:
 """
 REQUIRED = ("t", "pool", "node", "normalized_latency")
 FLAGS = ("gpu_throttled", "pcie_degraded", "gpu_ecc_uncorrectable", "gpu_xid")
-PROBE_CLASSES = frozenset({"ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
-                           "starting"})
+PROBE_CLASSES = frozenset(PROBE_RESULTS)
 
 
 class TraceError(ValueError):
@@ -100,7 +100,8 @@ def read_trace(f: IO[str]) -> list[Row]:
             raise TraceError(f"line {line}: pool and node must not be empty")
         probe = (rec.get("probe_result") or "").strip() or None
         if probe is not None and probe not in PROBE_CLASSES:
-            raise TraceError(f"line {line}: column probe_result: {probe!r} is not one of {sorted(PROBE_CLASSES)}")
+            known = sorted(map(str, PROBE_CLASSES))  # plain strings: the message lists 'ok', not ProbeResult.OK
+            raise TraceError(f"line {line}: column probe_result: {probe!r} is not one of {known}")
         flags = {}
         for col in FLAGS:
             v = _num(rec.get(col) or "", line, col)
@@ -119,7 +120,7 @@ def _canary(r: Row | None) -> float | None:
     """What a canary to a drained node measures in the trace: failed (inf), an estimate, or nothing."""
     if r is None:
         return None
-    if r.probe_result in ("timeout", "connect_error", "http_error", "cuda_error", "bad_response"):
+    if r.probe_result in PROBE_FAULTS:
         return math.inf
     return r.latency
 

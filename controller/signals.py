@@ -7,13 +7,13 @@ docs/architecture.md) and owns the state machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from grayguard.config import ThresholdsConfig
+from grayguard.vocab import PROBE_ANSWERED as PROBE_ANSWERED  # re-exported: the old name
+from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, ProbeResult
 
-PROBE_FAILURES = frozenset({"timeout", "connect_error", "http_error", "bad_response"})
-PROBE_CUDA = "cuda_error"
-PROBE_ANSWERED = frozenset({"ok", "slow"})
+PROBE_CUDA = ProbeResult.CUDA_ERROR  # quarantines at once
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,6 @@ class SignalMemory:
     kv_saturated: bool = False
 
 
-@dataclass(frozen=True)
-class Verdict:
-    memory: SignalMemory
-    factors: tuple[tuple[str, float, str], ...]  # (signal, factor, reason) for factors < 1
-    quarantine: str | None  # reason to quarantine now, if any
-    evidence: tuple[str, ...]  # hardware evidence names
-
-
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
           corroborated: bool = False) -> tuple[SignalMemory, float, str, str | None]:
@@ -44,14 +36,14 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
 
     corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise.
     """
-    if result is None or result == "starting":  # no data, or a cold start: hold what we knew
+    if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
-    bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAILURES | {PROBE_CUDA} else 0)
+    bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
-        return SignalMemory(**{**m.__dict__, "probe_bad": bad, "probe_good": 0}), 1.0, "", \
+        return replace(m, probe_bad=bad, probe_good=0), 1.0, "", \
             "probe: CUDA error (the engine answers with a GPU fault)"
     if result in PROBE_FAILURES:
-        m = SignalMemory(**{**m.__dict__, "probe_bad": bad, "probe_good": 0})
+        m = replace(m, probe_bad=bad, probe_good=0)
         if bad >= t.probe_failures_to_quarantine:
             return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
         return m, 1.0, "", None
@@ -59,16 +51,16 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if (result == "slow" and slower) or far:
+    if (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": run,
-                            "probe_slow": m.probe_slow or run >= (1 if corroborated else t.probe_slow_consecutive)})
+        m = replace(m, probe_bad=0, probe_good=0, probe_slow_run=run,
+                    probe_slow=m.probe_slow or run >= (1 if corroborated else t.probe_slow_consecutive))
     elif slower and m.probe_slow:  # still slower than the peers: not a good probe
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": 0, "probe_slow_run": 0})
+        m = replace(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     else:
         good = m.probe_good + 1
-        m = SignalMemory(**{**m.__dict__, "probe_bad": 0, "probe_good": good, "probe_slow_run": 0,
-                            "probe_slow": m.probe_slow and good < t.probe_ok_to_clear})
+        m = replace(m, probe_bad=0, probe_good=good, probe_slow_run=0,
+                    probe_slow=m.probe_slow and good < t.probe_ok_to_clear)
     if m.probe_slow:
         what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
         peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
@@ -83,7 +75,7 @@ def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[S
             ("errors (held)" if m.error_ticks >= t.error_ticks else ""), None
     et = m.error_ticks + 1 if ratio > t.error_ratio else 0
     ct = m.circuit_ticks + 1 if ratio >= t.circuit_error_ratio else 0
-    m = SignalMemory(**{**m.__dict__, "error_ticks": et, "circuit_ticks": ct})
+    m = replace(m, error_ticks=et, circuit_ticks=ct)
     if ct >= t.circuit_ticks:
         return m, 1.0, "", f"errors: {ratio:.0%} of requests failed for {ct} ticks (circuit open)"
     if et >= t.error_ticks:
@@ -96,7 +88,7 @@ def kv_cache(m: SignalMemory, usage: float | None, t: ThresholdsConfig) -> tuple
     if usage is None:
         return m, m.kv_saturated
     sat = usage >= t.kv_saturated or (m.kv_saturated and usage > t.kv_drained)
-    return SignalMemory(**{**m.__dict__, "kv_saturated": sat}), sat
+    return replace(m, kv_saturated=sat), sat
 
 
 def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool | None,

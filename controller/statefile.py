@@ -11,6 +11,7 @@ from pathlib import Path
 
 from controller.policy import NodeState
 from controller.signals import SignalMemory
+from grayguard.vocab import DrainCause, State
 
 log = logging.getLogger("grayguard.state")
 VERSION = 1
@@ -38,7 +39,18 @@ def _node_state(d: dict) -> NodeState:
     mem_names = {f.name for f in dataclasses.fields(SignalMemory)}
     kw["signals"] = SignalMemory(**{k: v for k, v in (kw.get("signals") or {}).items() if k in mem_names})
     kw["factors"] = tuple(tuple(f) for f in kw.get("factors") or ())
+    for key, kind in (("state", State), ("cause", DrainCause)):
+        if key in kw:
+            kw[key] = _member(kind, kw[key])
     return NodeState(**kw)
+
+
+def _member(kind: type[State] | type[DrainCause], value: object) -> object:
+    """The vocabulary member a stored value names; any other value (unknown, empty, not a string) as it was."""
+    try:
+        return kind(value)
+    except ValueError:
+        return value
 
 
 class StateFile:

@@ -18,13 +18,14 @@ from dashboards.panels import (
 )
 from dashboards.promql import matchers, quantile, vllm, zero_fill
 from dashboards.promql import series as s
+from grayguard.vocab import State
 
 UID = "grayguard-pool-overview"
 TITLE = "grayguard / Pool overview"
 
-# grayguard_node_state as one number per node: the state timeline shows one row per node.
-STATE_CODES = (("0", "healthy", "green"), ("1", "slow_start", "blue"), ("2", "degraded", "orange"),
-               ("3", "canary", "purple"), ("4", "quarantined", "red"))
+# grayguard_node_state as one number per node, (code, state, color): the state timeline shows one row per node.
+STATE_CODES = (("0", State.HEALTHY, "green"), ("1", State.SLOW_START, "blue"), ("2", State.DEGRADED, "orange"),
+               ("3", State.CANARY, "purple"), ("4", State.QUARANTINED, "red"))
 
 P = matchers(pool="$pool")  # pool-level series (controller, recording rules)
 C = matchers(pool="$pool", node="~$node")  # the controller's per-node series (node = HAProxy server)
@@ -74,7 +75,8 @@ def build(cfg: DashboardConfig) -> dict:
     for p in (
         single("Nodes", "Servers in the pool's HAProxy backend.", [Q(s("grayguard_pool_nodes", P), "nodes")]),
         single("Not healthy", "Nodes in any state but healthy (degraded, quarantined, canary, slow start).",
-               [Q(f'sum(grayguard_node_state{{{P}, state!="healthy"}})', "not healthy")], steps=[(1, "orange")]),
+               [Q(f'sum(grayguard_node_state{{{P}, state!="{State.HEALTHY}"}})', "not healthy")],
+               steps=[(1, "orange")]),
         single("Drained / cap", "Nodes drained (quarantined or canary) and the most the safeguard allows.",
                [Q(s("grayguard_pool_ejected_nodes", P), "drained"),
                 Q(s("grayguard_pool_max_ejected_nodes", P), "cap")], base="blue"),

@@ -8,9 +8,11 @@ import unicodedata
 from dataclasses import dataclass, replace
 from typing import Any
 
-RESULTS = ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response", "starting")
-FAILURES = frozenset({"timeout", "connect_error", "http_error", "cuda_error", "bad_response"})
-ANSWERED = frozenset({"ok", "slow"})
+from grayguard.vocab import PROBE_ANSWERED, PROBE_FAULTS, PROBE_RESULTS, ProbeResult
+
+RESULTS = PROBE_RESULTS  # every result, in the order the metrics list them
+FAILURES = PROBE_FAULTS  # what the consecutive-failure streak counts (a CUDA error too)
+ANSWERED = PROBE_ANSWERED
 
 # Text that means the GPU, not the request, is broken: CUDA errors, OOM, illegal access, XIDs.
 _CUDA = re.compile(r"cuda|out of memory|illegal memory access|\bxid\b|cublas|cudnn|nccl error|ecc error",
@@ -51,34 +53,35 @@ def _reject_constant(name: str) -> Any:
 def judge_event(payload: str) -> str:
     """Result for the first stream event: ok, cuda_error (an error event about the GPU) or bad_response."""
     if payload.strip() == "[DONE]":
-        return "bad_response"  # the stream ended without producing any text
+        return ProbeResult.BAD_RESPONSE  # the stream ended without producing any text
     try:
         obj = json.loads(payload, parse_constant=_reject_constant)
     except ValueError:
-        return "bad_response"
+        return ProbeResult.BAD_RESPONSE
     if not isinstance(obj, dict):
-        return "bad_response"
+        return ProbeResult.BAD_RESPONSE
     if "error" in obj or obj.get("object") == "error":  # vLLM: {"error": {...}}; older: a bare ErrorResponse
         err = obj.get("error", obj)
-        return "cuda_error" if mentions_cuda(err if isinstance(err, str) else json.dumps(err)) else "bad_response"
+        gpu = mentions_cuda(err if isinstance(err, str) else json.dumps(err))
+        return ProbeResult.CUDA_ERROR if gpu else ProbeResult.BAD_RESPONSE
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return "bad_response"
-    return "ok" if sane_text(choices[0].get("text")) else "bad_response"
+        return ProbeResult.BAD_RESPONSE
+    return ProbeResult.OK if sane_text(choices[0].get("text")) else ProbeResult.BAD_RESPONSE
 
 
 def classify(obs: Observation, slow_threshold: float) -> str:
     """Classify one probe; never returns `starting` (see settle())."""
     if obs.connect_error is not None:
-        return "connect_error"
+        return ProbeResult.CONNECT_ERROR
     if obs.status is not None and not 200 <= obs.status < 300:
-        return "cuda_error" if mentions_cuda(obs.body) else "http_error"
-    if obs.first_event is None:
-        return "timeout" if obs.timed_out else "bad_response"  # a stream that ended without data
+        return ProbeResult.CUDA_ERROR if mentions_cuda(obs.body) else ProbeResult.HTTP_ERROR
+    if obs.first_event is None:  # a stream that ended without data
+        return ProbeResult.TIMEOUT if obs.timed_out else ProbeResult.BAD_RESPONSE
     verdict = judge_event(obs.first_event)
-    if verdict != "ok":
+    if verdict != ProbeResult.OK:
         return verdict
-    return "slow" if obs.ttft is None or obs.ttft > slow_threshold else "ok"
+    return ProbeResult.SLOW if obs.ttft is None or obs.ttft > slow_threshold else ProbeResult.OK
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,11 @@ def settle(result: str, state: ProbeState, *, since_start: float, startup_grace:
     A CUDA error stays a CUDA error: a GPU that breaks while loading is a fault, not a cold start.
     startup_grace (s) bounds the cold start; None waits forever.
     """
-    if result not in FAILURES or result == "cuda_error" or state.ever_answered:
+    if result not in FAILURES or result == ProbeResult.CUDA_ERROR or state.ever_answered:
         return result
     if startup_grace is not None and since_start >= startup_grace:
         return result
-    return "starting"
+    return ProbeResult.STARTING
 
 
 def advance(state: ProbeState, result: str, ttft: float | None) -> ProbeState:

@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporters.probe import ANSWERED, RESULTS, Observation, ProbeState, advance, classify, settle
 from exporters.probehttp import VllmClient
+from grayguard.vocab import ProbeResult
 
 log = logging.getLogger(__name__)
 # 10 ms to 10 s, with the default slow threshold (0.3 s) and deadline (2 s) as bucket bounds.
@@ -170,7 +171,7 @@ class Prober:
                 self.ttft.observe(obs.ttft)
             self._cond.notify_all()
         if result != previous.last_result:
-            level = logging.WARNING if result not in ANSWERED and result != "starting" else logging.INFO
+            level = logging.WARNING if result not in ANSWERED and result != ProbeResult.STARTING else logging.INFO
             log.log(level, "probe %s: %s (was %s)%s", self.base_url, result, previous.last_result,
                     f": {obs.connect_error or obs.body[:200]}" if obs.connect_error or obs.body else "")
         return result

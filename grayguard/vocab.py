@@ -47,6 +47,8 @@ PROBE_ANSWERED = frozenset({ProbeResult.OK, ProbeResult.SLOW})
 #: failures that count towards quarantine (a CUDA error quarantines at once; `starting` is no fault)
 PROBE_FAILURES = frozenset({ProbeResult.TIMEOUT, ProbeResult.CONNECT_ERROR, ProbeResult.HTTP_ERROR,
                             ProbeResult.BAD_RESPONSE})
+#: every failed probe: the failures plus a CUDA error (the exporter's failure streak, a failed canary)
+PROBE_FAULTS = PROBE_FAILURES | {ProbeResult.CUDA_ERROR}
 
 
 class Signal(StrEnum):
