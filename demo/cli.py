@@ -388,7 +388,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localstack.procs import BinaryMissing
+    from grayguard.binaries import BinaryMissing
     try:
         opts = options_from_args(args)
     except ValueError as e:
