@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from bench.lb import make_balancer
 from bench.node import NodeObs, VirtualNode, observe
 from bench.policies import Assign, make_policy
-from bench.spec import Scenario, make_arrivals
+from bench.spec import FaultSpec, Scenario, make_arrivals
 from sim.model import Finished, FirstToken, ModelParams
 
 PENDING, OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER = range(6)
@@ -194,7 +194,7 @@ class Run:
             self.nodes[k].engine.abort(rid)
             self._end(rid, k, TIMEOUT, t)
 
-    def fault(self, t: float, k: int, spec, clear: bool) -> None:
+    def fault(self, t: float, k: int, spec: FaultSpec, clear: bool) -> None:
         node = self.nodes[k]
         self.advance(k, t)
         if clear:
@@ -203,7 +203,7 @@ class Run:
                 node.engine.resume(t)
             return
         was_hang = node.fault_name() == "hang"
-        node.faults.set(spec.fault, spec.param_dict, t)
+        node.faults.set(spec.fault, spec.params, t)
         if spec.fault == "cuda_error":
             node.xid_at = t  # the exporter sees the XID once
         if spec.fault == "hang":

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from bench.spec import NodeSpec, Scenario
 from controller.policy import NodeInput
-from sim.faults import FaultState
-from sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown
+from sim.faults import THERMAL_FAULTS, FaultState
+from sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown, Stallable
 
 
-class FixedBackend:
+class FixedBackend(Stallable):
     """A plain HTTP server with a constant service time and unbounded concurrency (EngineModel's interface).
 
     Unlike vLLM it does not notice a client hanging up: an aborted request still completes and is
@@ -34,7 +34,6 @@ class FixedBackend:
         self.slowdown = slowdown
         self._heap: list[tuple[float, int, object, float, int, int]] = []
         self._n = 0
-        self._stalled_at: float | None = None
 
     def submit(self, req_id, prompt_tokens: int, max_tokens: int, now: float) -> None:
         self._n += 1
@@ -60,17 +59,10 @@ class FixedBackend:
     def abort(self, req_id) -> bool:
         return False  # the server finishes the work anyway
 
-    def stall(self, now: float) -> None:
-        if self._stalled_at is None:
-            self._stalled_at = now
-
-    def resume(self, now: float) -> None:
-        if self._stalled_at is None:
-            return
-        shift = now - self._stalled_at
-        self._heap = [(max(t, self._stalled_at) + shift, *rest) for t, *rest in self._heap]
+    def _thaw(self, since: float, now: float) -> None:
+        shift = now - since
+        self._heap = [(max(t, since) + shift, *rest) for t, *rest in self._heap]
         heapq.heapify(self._heap)
-        self._stalled_at = None
 
     def kv_usage(self) -> float:
         return 0.0
@@ -197,7 +189,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario) -> NodeObs:
         request_rate=n / scn.window_s,
         error_ratio=errors / (n + errors) if n + errors else None,
         kv_cache_usage=node.engine.kv_usage() if node.spec.backend == "vllm" else None,
-        gpu_throttled=name in ("thermal", "slow_recovery") and busy,
+        gpu_throttled=name in THERMAL_FAULTS and busy,
         pcie_degraded=name == "pcie" and busy,
         gpu_xid=node.xid_at is not None and now - node.xid_at < 300.0,
         probe_result=probe[0] if probe else None,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 
+from sim.faults import LATENCY_FAULTS
+
 POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "grayguard")
 FAULTED = ("fault", "sensitivity", "double", "linkerd")
 RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
-LATENCY_FAULTS = ("thermal", "pcie", "kv_thrash", "slow_recovery")  # the others give errors, silence or garbage
 GG = "grayguard"
 
 

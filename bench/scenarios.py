@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
-from sim.faults import FaultError, make_fault
+from sim.faults import FaultError, nominal_slowdown
 from sim.loadgen import LengthDist
 
 SCENARIO_DIR = Path(__file__).parent / "suites"
@@ -78,16 +78,6 @@ def _nodes(composition: list, node_spec: dict) -> tuple[NodeSpec, ...]:
     return tuple(out)
 
 
-def _nominal_slowdown(fault: str, params: dict) -> float | None:
-    """The injected multiplier a fault stands for (None: not a slowdown, or not a fixed one)."""
-    p = make_fault(fault, params).params
-    if fault in ("thermal", "slow_recovery"):
-        return float(p["k"])
-    if fault == "pcie":
-        return float(min(p["k"], p["prefill_k"]))
-    return None
-
-
 def _faults(entry: str, spec: dict, nodes: tuple[NodeSpec, ...], at: float, where: str
             ) -> tuple[tuple[FaultSpec, ...], float | None]:
     """Faults for `entry` ('thermal', or 'thermal+cuda_error' for two nodes at once) and the nominal slowdown."""
@@ -97,14 +87,14 @@ def _faults(entry: str, spec: dict, nodes: tuple[NodeSpec, ...], at: float, wher
         if f is None:
             raise SuiteError(f"{where}: fault {name!r} is not declared under faults")
         params = dict(f.get("params") or {})
-        try:
-            slow.append(_nominal_slowdown(f["fault"], params))
-        except FaultError as e:
-            raise SuiteError(f"{where}: {e}") from None
         node = nodes[int(f.get("node", j))].name
         until = f.get("until_s")
-        out.append(FaultSpec(node, f["fault"], float(f.get("at_s", at)), None if until is None else float(until),
-                             tuple(sorted(params.items()))))
+        try:
+            slow.append(nominal_slowdown(f["fault"], params))
+            out.append(FaultSpec(node, f["fault"], float(f.get("at_s", at)),
+                                 None if until is None else float(until), params))
+        except FaultError as e:
+            raise SuiteError(f"{where}: {e}") from None
     known = [s for s in slow if s is not None]
     return tuple(out), (min(known) if known and len(known) == len(slow) else None)
 

@@ -12,6 +12,7 @@ import math
 import random
 from dataclasses import asdict, dataclass, field, replace
 
+from sim.faults import ScheduledFault
 from sim.loadgen import LengthDist
 from sim.model import SPEED_CLASSES
 
@@ -41,19 +42,8 @@ class NodeSpec:
         return H100_CAPACITY_RPS / self.speed
 
 
-@dataclass(frozen=True)
-class FaultSpec:
-    """Set `fault` (sim.faults catalogue) on `node` at at_s; clear it at until_s (None: never)."""
-
-    node: str
-    fault: str
-    at_s: float
-    until_s: float | None = None
-    params: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs: hashable, stable JSON
-
-    @property
-    def param_dict(self) -> dict[str, object]:
-        return dict(self.params)
+# A scheduled fault: (node, fault, at_s, until_s, params), validated against the sim.faults catalogue.
+FaultSpec = ScheduledFault
 
 
 @dataclass(frozen=True)

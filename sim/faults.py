@@ -29,6 +29,9 @@ FAULTS: dict[str, dict[str, Any]] = {
     "garbage": {"rate": 1.0, "style": "nan"},  # style: nan | bang | mojibake
     "slow_recovery": {"k": 6.0, "recovery_s": 30.0},  # x k; after clearing decays with time constant recovery_s
 }
+# Faults whose effect is a slowdown of the engine's phases (the others give errors, silence or garbage).
+LATENCY_FAULTS = ("thermal", "pcie", "kv_thrash", "slow_recovery")
+THERMAL_FAULTS = ("thermal", "slow_recovery")  # every phase x k; the fake GPU shows thermal throttling
 GARBAGE_STYLES = ("nan", "bang", "mojibake")
 CUDA_MODES = ("http", "midstream")
 _STR_PARAMS = {"mode", "style"}
@@ -92,7 +95,7 @@ def fault_slowdown(fault: Fault | None, now: float) -> Slowdown:
     if fault is None:
         return NO_SLOWDOWN
     p = fault.params
-    if fault.name in ("thermal", "slow_recovery"):
+    if fault.name in THERMAL_FAULTS:
         return Slowdown(prefill=p["k"], decode=p["k"])
     if fault.name == "pcie":
         return Slowdown(prefill=p["prefill_k"], decode=p["k"])
@@ -101,6 +104,19 @@ def fault_slowdown(fault: Fault | None, now: float) -> Slowdown:
         k = p["spike_k"] if in_spike else 1.0
         return Slowdown(prefill=k, decode=k, kv_fraction=p["kv_fraction"])
     return NO_SLOWDOWN
+
+
+def nominal_slowdown(name: str, params: Mapping[str, Any] | None = None) -> float | None:
+    """The fixed multiplier a fault stands for: the smaller of its phase multipliers.
+
+    None when the fault is not a slowdown (hang, cuda_error, garbage) or not a fixed one (kv_thrash spikes).
+    Raises FaultError for an unknown fault or a bad parameter.
+    """
+    fault = make_fault(name, params)
+    if name not in LATENCY_FAULTS or name == "kv_thrash":  # kv_thrash: periodic spikes, no fixed multiplier
+        return None
+    sd = fault_slowdown(fault, 0.0)
+    return float(min(sd.prefill, sd.decode))
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,7 @@ def gpu_effects(fault: str, params: Mapping[str, Any] | None = None,
     full = make_fault(fault, params).params
     ref = {**_H100, **(base or {})}
     sm_max, power_limit = int(ref["sm_clock_max_mhz"]), int(ref["power_limit_mw"])
-    if fault in ("thermal", "slow_recovery"):
+    if fault in THERMAL_FAULTS:
         k = full["k"]
         return {
             "temperature_c": 90 if k >= 2 else 84,
@@ -187,7 +203,12 @@ def gpu_effects(fault: str, params: Mapping[str, Any] | None = None,
 
 @dataclass(frozen=True)
 class ScheduledFault:
-    """Set `fault` on `node` at `at_s` seconds after fleet start; clear it at `until_s` (None: never)."""
+    """Set `fault` on `node` at `at_s` seconds after start; clear it at `until_s` (None: never).
+
+    The one fault schedule entry: the fleet (sim/fleet.py) arms it on the loop clock, the benchmark
+    (bench.spec.FaultSpec) in virtual time. `params` are as given (validated, defaults not filled in);
+    the entry is hashable.
+    """
 
     node: str
     fault: str
@@ -196,9 +217,13 @@ class ScheduledFault:
     params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "params", dict(self.params))  # an own copy: the caller's dict may change
         make_fault(self.fault, self.params)
         if self.at_s < 0 or (self.until_s is not None and self.until_s <= self.at_s):
             raise FaultError(f"{self.node}:{self.fault}: need 0 <= at_s < until_s")
+
+    def __hash__(self) -> int:
+        return hash((self.node, self.fault, self.at_s, self.until_s, tuple(sorted(self.params.items()))))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ScheduledFault:

@@ -173,7 +173,35 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class EngineModel:
+class Stallable:
+    """A backend a hung GPU can freeze: `stall(now)` until `resume(now)`; `_stalled_at` is when it froze.
+
+    Subclasses shift their pending work by the stall in `_thaw(since, now)`.
+    """
+
+    _stalled_at: float | None = None
+
+    def stall(self, now: float) -> None:
+        """Freeze (a hung GPU): work in progress does not finish until `resume`."""
+        if self._stalled_at is None:
+            self._stalled_at = now
+
+    def resume(self, now: float) -> None:
+        """Unfreeze; work frozen in progress ends as late as the stall lasted."""
+        if self._stalled_at is None:
+            return
+        self._thaw(self._stalled_at, now)
+        self._stalled_at = None
+
+    def _thaw(self, since: float, now: float) -> None:
+        raise NotImplementedError
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled_at is not None
+
+
+class EngineModel(Stallable):
     """One vLLM engine core: `submit`, then `advance(now)` to collect events; `next_event_time()`."""
 
     def __init__(self, params: ModelParams | None = None, *, speed: float = 1.0, seed: int = 0,
@@ -215,24 +243,12 @@ class EngineModel:
             self._step.members = [m for m in self._step.members if m[0] is not seq]
         return True
 
-    def stall(self, now: float) -> None:
-        """Freeze the engine (a hung GPU): the step in progress never ends until `resume`."""
-        if self._stalled_at is None:
-            self._stalled_at = now
-
-    def resume(self, now: float) -> None:
-        """Unfreeze; the frozen step ends as late as the stall lasted."""
-        if self._stalled_at is None:
-            return
-        if self._step is not None and self._step.end > self._stalled_at:
-            self._step.end += max(0.0, now - self._stalled_at)
-        self._stalled_at = None
+    def _thaw(self, since: float, now: float) -> None:
+        """The step frozen in progress ends as late as the stall lasted."""
+        if self._step is not None and self._step.end > since:
+            self._step.end += max(0.0, now - since)
 
     # -- state --------------------------------------------------------------------------------
-    @property
-    def stalled(self) -> bool:
-        return self._stalled_at is not None
-
     @property
     def num_running(self) -> int:
         return len(self._running)

@@ -84,6 +84,20 @@ def test_bad_suites_name_the_problem():
         load_suite("does-not-exist")
 
 
+def test_suite_faults_are_the_sim_schedule_entries():
+    from bench.spec import FaultSpec
+    from sim.faults import ScheduledFault
+    assert FaultSpec is ScheduledFault
+    scenarios, _ = load_suite("smoke")
+    slow = next(s for s in scenarios if s.group == "linkerd")
+    assert slow.faults == (ScheduledFault("node0", "thermal", 10.0, 25.0, {"k": 200}),)
+    assert slow.tag["slowdown"] == 200.0
+    pools = {"homogeneous": {4: [[4, "h100"]]}}
+    with pytest.raises(SuiteError, match="at_s < until_s"):
+        expand({"pools": pools, "loads": {"steady": {}}, "faults": {"t": {"fault": "thermal", "until_s": 5}},
+                "groups": [{"group": "fault", "matrix": {"fault": ["t"], "size": [4]}}]})
+
+
 def test_bench_is_a_grayguard_subcommand():
     from grayguard.cli import build_parser
     args = build_parser().parse_args(["bench", "--suite", "smoke", "--report-dir", "/tmp/x"])

@@ -15,6 +15,7 @@ from sim.faults import (
     fault_slowdown,
     gpu_effects,
     make_fault,
+    nominal_slowdown,
 )
 from sim.model import NO_SLOWDOWN
 
@@ -145,3 +146,32 @@ def test_scheduled_fault_from_dict():
     sf = ScheduledFault.from_dict({"node": "node2", "fault": "thermal", "at_s": 3, "until_s": 9,
                                    "params": {"k": 4}})
     assert sf == ScheduledFault("node2", "thermal", 3.0, 9.0, {"k": 4})
+
+
+def test_scheduled_fault_owns_its_params_and_is_hashable():
+    params = {"k": 4}
+    sf = ScheduledFault("node1", "thermal", 1.0, None, params)
+    params["k"] = 9  # the caller's dict changing does not change the schedule
+    assert sf.params == {"k": 4}
+    assert hash(sf) == hash(ScheduledFault("node1", "thermal", 1.0, None, {"k": 4}))
+    assert len({sf, ScheduledFault("node1", "thermal", 1.0, None, {"k": 4})}) == 1
+
+
+@pytest.mark.parametrize("name,params,expected", [
+    ("thermal", {}, 6.0),
+    ("thermal", {"k": "3"}, 3.0),
+    ("slow_recovery", {"k": 5}, 5.0),
+    ("pcie", {}, 2.0),  # the smaller of decode x3 and prefill x2
+    ("pcie", {"k": 1.5, "prefill_k": 4}, 1.5),
+    ("kv_thrash", {}, None),  # spikes: no fixed multiplier
+    ("hang", {}, None),
+    ("cuda_error", {"rate": 0.5}, None),
+    ("garbage", {}, None),
+])
+def test_nominal_slowdown_is_the_smaller_phase_multiplier(name, params, expected):
+    assert nominal_slowdown(name, params) == expected
+
+
+def test_nominal_slowdown_validates():
+    with pytest.raises(FaultError, match="no parameter"):
+        nominal_slowdown("hang", {"k": 2})
