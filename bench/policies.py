@@ -15,14 +15,8 @@ from dataclasses import dataclass
 
 from bench.node import NodeObs, node_input
 from bench.spec import NodeSpec, Scenario
-from controller.policy import (
-    EJECTED,
-    IN_ROTATION,
-    NodeState,
-    Policy,
-    canary_due,
-    decide_pool,
-)
+from controller import canary
+from controller.policy import EJECTED, NodeState, Policy, decide_pool
 from controller.scoring import ema
 
 
@@ -171,7 +165,7 @@ class Envoy(Detector):
 
 
 class Grayguard(Detector):
-    """grayguard's controller: decide_pool with the given Policy (default Policy()), canaries as loop.py."""
+    """grayguard's controller: decide_pool with the given Policy (default Policy()), the loop's canaries."""
 
     def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, policy: Policy | None = None) -> None:
         super().__init__(nodes, scn)
@@ -180,28 +174,18 @@ class Grayguard(Detector):
         self.states: dict[str, NodeState] = {}
 
     def canaries(self, now):
-        prev, group = self.states, {n.name: n.peer_group for n in self.nodes}
-        rounds = []
-        for n in self.names:
-            if n in prev and canary_due(prev[n], now, self.policy.recovery):
-                peers = sorted((m for m in self.names if m != n and m in prev and prev[m].state in IN_ROTATION
-                                and prev[m].ema is not None and group[m] == group[n]),
-                               key=lambda m: (prev[m].score or 0.0, m))[:2]
-                rounds.append((n, [n, *peers]))
-        return rounds
+        groups = {n.name: n.peer_group for n in self.nodes}
+        return canary.canary_rounds(self.names, self.states, groups, now, self.policy.recovery)
 
     def canary_estimates(self, now: float, canary_ttft: Mapping[str, float | None]) -> dict[str, float]:
-        """controller/loop.py run_canaries: median(peer EMA) * node TTFT / median(peer TTFT); failed: inf."""
+        """The live loop's estimate (controller.canary.canary_estimate) for every round due now."""
         out = {}
         for n, targets in self.canaries(now):
             peers = targets[1:]
-            node_ttft = canary_ttft.get(n)
-            ref = [canary_ttft[m] for m in peers if canary_ttft.get(m) is not None and canary_ttft[m] > 0]
-            if node_ttft is None:
-                out[n] = math.inf
-            elif ref:
-                scale = statistics.median(self.states[m].ema for m in peers)  # type: ignore[misc]
-                out[n] = scale * node_ttft / statistics.median(ref)
+            est = canary.canary_estimate(canary_ttft.get(n), [canary_ttft.get(m) for m in peers],
+                                         [self.states[m].ema for m in peers])  # type: ignore[misc]
+            if est is not None:
+                out[n] = est
         return out
 
     def tick(self, now, obs, canary_ttft):

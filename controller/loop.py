@@ -1,4 +1,5 @@
-"""The control tick: observe (HAProxy, Prometheus, canaries) -> decide (pure) -> plan -> act.
+"""The control tick: observe every pool (HAProxy, Prometheus, canaries) -> decide (pure, controller/decide.py)
+-> plan and act (HAProxy writes, metrics, state file).
 
 Level-triggered: every tick re-reads HAProxy and Prometheus and writes only differences, so a
 restarted HAProxy or a lost write is repaired on the next tick. When the data cannot be trusted
@@ -9,28 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from controller import canary, decide
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
-from controller.metrics import STATES, ControllerMetrics
+from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend
-from controller.policy import (
-    IN_ROTATION,
-    NodeInput,
-    NodeState,
-    Policy,
-    PoolDecision,
-    canary_due,
-    decide_pool,
-)
+from controller.policy import NodeState, Policy, PoolDecision
 from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
-from grayguard.promclient import PromError, PrometheusClient, Sample, finite
+from grayguard.promclient import PromError, PrometheusClient, Sample
+from grayguard.vocab import EJECTED, STATES, Signal, State
 
 log = logging.getLogger("grayguard.controller")
 
@@ -122,8 +115,7 @@ class Controller:
                                 f"(stale_after_s={self.cfg.stale_after_s:g})")
         return got, None  # type: ignore[return-value]
 
-    OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
-                "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group")
+    OPTIONAL = decide.OPTIONAL
 
     def read_optional(self) -> dict[str, list[Sample]]:
         """The optional signals; a failing query is counted, logged once, and treated as absent."""
@@ -142,46 +134,29 @@ class Controller:
 
     @staticmethod
     def series_key(pool: PoolConfig, server: ServerState) -> str:
-        o = pool.servers.get(server.name)
-        return o.series if o and o.series else server.address
+        return decide.series_key(pool, server)
 
     def canary_url(self, pool: PoolConfig, server: ServerState) -> str:
         o = pool.servers.get(server.name)
         return o.canary_url if o and o.canary_url else f"http://{server.address}"
 
-    def run_canaries(self, pool: PoolConfig, servers: dict[str, ServerState], prev: dict[str, NodeState],
-                     now: float) -> dict[str, float]:
-        """Latency estimates for the nodes due a canary, in normalized-latency units.
+    def send_canaries(self, pool: PoolConfig, servers: dict[str, ServerState], prev: dict[str, NodeState],
+                      now: float) -> list[decide.CanaryRound]:
+        """Send the canary rounds due now: each to the node and its reference peers at the same moment.
 
-        A 1-token request measures time to first token, not latency per token; so the same request
-        also goes to up to two in-rotation peers, and the node's estimate is the peers' median EMA
-        scaled by node TTFT / peer TTFT. A failed canary is +inf; no usable reference is no estimate.
+        Which peers, and what the answers mean, is controller/canary.py's (shared with the benchmark);
+        this only sends the requests and records each target's TTFT (None: failed).
         """
-        due = [n for n in sorted(servers) if n in prev and canary_due(prev[n], now, self.policy.recovery)]
-        if not due or self.canary is None:
-            return {}
-        group = {n: (pool.servers[n].peer_group if n in pool.servers else None) for n in servers}
-        out = {}
-        for n in due:
-            peers = sorted((m for m in servers if m != n and m in prev and prev[m].state in IN_ROTATION
-                            and prev[m].ema is not None and group.get(m) == group.get(n)),
-                           key=lambda m: (prev[m].score or 0.0, m))[:2]
-            targets = [n] + peers
+        if self.canary is None:
+            return []
+        rounds = canary.canary_rounds(sorted(servers), prev, decide.canary_groups(pool, servers), now,
+                                      self.policy.recovery)
+        out = []
+        for n, targets in rounds:
             with ThreadPoolExecutor(max_workers=len(targets)) as ex:
                 ttfts = dict(zip(targets, ex.map(lambda m: self.canary(self.canary_url(pool, servers[m])),
                                                  targets), strict=True))
-            ref = [ttfts[m] for m in peers if ttfts[m] is not None and ttfts[m] > 0]
-            node_ttft = ttfts[n]
-            if node_ttft is None:
-                out[n] = math.inf
-                self.metrics.canaries.labels(pool.name, n, "failed").inc()
-            elif ref:
-                scale = statistics.median(prev[m].ema for m in peers)  # type: ignore[misc]
-                out[n] = scale * node_ttft / statistics.median(ref)
-                self.metrics.canaries.labels(pool.name, n, "measured").inc()
-            else:
-                self.metrics.canaries.labels(pool.name, n, "no_reference").inc()
-                log.warning("pool=%s node=%s canary: no peer answered a reference canary", pool.name, n)
+            out.append(decide.CanaryRound(n, tuple(targets[1:]), ttfts))
         return out
 
     # ---- tick ----------------------------------------------------------------------------------
@@ -198,24 +173,27 @@ class Controller:
         return result
 
     def _tick(self, result: TickResult) -> None:
+        seen = self.observe(result)
+        if seen is None:
+            log.warning("holding every weight: %s", result.held)
+            return
+        obs, hap = seen
+        self.act(obs, decide.decide_tick(obs, self.cfg.pools, self.policies), hap, result)
+
+    def observe(self, result: TickResult) -> tuple[decide.Observation, dict] | None:
+        """Read HAProxy, Prometheus, then send every pool's canaries; None (result.held set) to hold."""
         hap = self.read_haproxy(result)
         if not hap:
             result.held = "no HAProxy endpoint answered"
-            log.warning("holding every weight: %s", result.held)
-            return
+            return None
         samples, why = self.read_prometheus()
         if why:
             result.held = why
-            log.warning("holding every weight: %s", why)
-            return
+            return None
         optional = self.read_optional()
         now = self.clock()
         primary = next(iter(hap.values()))
-        lat = {}
-        rate = {}
-        for pool in self.cfg.pools:
-            lat[pool.name] = {s.labels.get(pool.series_label): s.value for s in samples["latency"]}
-            rate[pool.name] = {s.labels.get(pool.series_label): s.value for s in samples["rate"]}
+        pools = {}
         for pool in self.cfg.pools:
             servers = primary.get(pool.backend)
             if servers is None:
@@ -228,41 +206,40 @@ class Controller:
                     self._warn_once(f"server:{pool.name}:{name}", f"pool={pool.name}: configured server "
                                     f"{name!r} is not in HAProxy backend {pool.backend!r}")
             prev = self.states.get(pool.name, {})
-            canaries = self.run_canaries(pool, servers, prev, now)
-            sig = signal_maps(pool, optional)
-            inputs = {}
-            for n, s in servers.items():
-                key = self.series_key(pool, s)
-                o = pool.servers.get(n)
-                inputs[n] = NodeInput(
-                    base_weight=s.initial_weight, latency=lat[pool.name].get(key),
-                    request_rate=rate[pool.name].get(key),
-                    peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
-                    canary=canaries.get(n), hold=s.maint,
-                    probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
-                    probe_failures=_int(sig["probe_failures"].get(key)),
-                    error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),
-                    gpu_throttled=_flag(sig["gpu_throttled"].get(key)),
-                    pcie_degraded=_flag(sig["pcie_degraded"].get(key)),
-                    gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)))
-            decision = decide_pool(prev, inputs, self.policies[pool.name], now)
+            rounds = self.send_canaries(pool, servers, prev, now)
+            pools[pool.name] = decide.PoolObservation(servers, prev, tuple(rounds))
+        return decide.Observation(now, samples, optional, pools), hap
+
+    def act(self, obs: decide.Observation, outcomes: dict[str, decide.PoolOutcome], hap: dict,
+            result: TickResult) -> None:
+        """Record the decisions, write HAProxy, export metrics, save the states."""
+        for pool in self.cfg.pools:
+            o = outcomes.get(pool.name)
+            if o is None:
+                continue
+            for n, res in o.canaries:
+                self.metrics.canaries.labels(pool.name, n, res).inc()
+                if res == "no_reference":
+                    log.warning("pool=%s node=%s canary: no peer answered a reference canary", pool.name, n)
+            decision = o.decision
             result.decisions[pool.name] = decision
-            self.states[pool.name] = {**decision.retained, **{n: d.state for n, d in decision.nodes.items()}}
+            self.states[pool.name] = o.states
             for n, d in decision.nodes.items():
                 if d.changed:
                     self.metrics.transitions.labels(pool.name, n, d.previous, d.state.state).inc()
                     log.info("pool=%s node=%s %s -> %s: %s", pool.name, n, d.previous, d.state.state,
                              d.state.reason)
-            self._act(pool, decision, hap, result)
-            self._export(pool, decision, servers)
+            self._write(pool, decision, hap, result)
+            self._export(pool, decision, obs.pools[pool.name].servers)
         self.last_decisions = result.decisions
         if self.state_file and not self.dry_run:
             self.state_file.save(self.states)
         if not result.errors:
-            self.metrics.last_success.set(now)
-        self.last_tick = now
+            self.metrics.last_success.set(obs.now)
+        self.last_tick = obs.now
 
-    def _act(self, pool: PoolConfig, decision: PoolDecision, hap: dict, result: TickResult) -> None:
+    def _write(self, pool: PoolConfig, decision: PoolDecision, hap: dict, result: TickResult) -> None:
+        """Plan and apply one pool's writes on every HAProxy endpoint that answered this tick."""
         for hc in self.haproxies:
             actual = hap.get(hc.endpoint, {}).get(pool.backend)
             if actual is None:
@@ -302,9 +279,9 @@ class Controller:
             m.node_info.labels(p, n, pool.backend, self.series_key(pool, servers[n])).set(1)
             active = {k: f for k, f, _ in s.factors}
             kv_zero = d.weight == 0 and not d.drain and servers[n].initial_weight > 0
-            for signal in ("latency", "probe", "errors"):
+            for signal in (Signal.LATENCY, Signal.PROBE, Signal.ERRORS):
                 m.node_factor.labels(p, n, signal).set(active.get(signal, 1.0))
-            m.node_factor.labels(p, n, "kv_cache").set(0.0 if kv_zero else 1.0)
+            m.node_factor.labels(p, n, Signal.KV_CACHE).set(0.0 if kv_zero else 1.0)
             if d.weight is not None:
                 m.node_weight.labels(p, n).set(d.weight)
             for gauge, value in ((m.node_score, s.score), (m.node_latency_ema, s.ema),
@@ -346,36 +323,13 @@ class Controller:
         return {"last_tick": self.last_tick, "dry_run": self.dry_run, "pools": pools}
 
 
-def _flag(v: float | None) -> bool | None:
-    return None if v is None or v != v else v > 0
-
-
-def _int(v: float | None) -> int | None:
-    return None if v is None or not math.isfinite(v) else int(v)
-
-
-def signal_maps(pool: PoolConfig, optional: dict[str, list[Sample]]) -> dict[str, dict]:
-    """Series key -> value for every optional signal (probe_result and peer_group map to label values)."""
-    out: dict[str, dict] = {}
-    for name in Controller.OPTIONAL:
-        samples = optional.get(name, [])
-        if name == "probe_result":
-            out[name] = {s.labels.get(pool.series_label): s.labels.get("result") for s in samples if s.value == 1}
-        elif name == "peer_group":
-            lbl = pool.peer_group_label
-            out[name] = {s.labels.get(pool.series_label): s.labels.get(lbl) for s in samples} if lbl else {}
-        else:
-            out[name] = {s.labels.get(pool.series_label): s.value for s in samples}
-    return out
-
-
 def reason_code(s: NodeState, kv_zero: bool) -> str:
     """A low-cardinality summary of why a node is where it is: the signals in force, or its stage."""
-    if s.state in ("quarantined", "canary"):
+    if s.state in EJECTED:
         return s.cause or "latency"
     parts = [k for k, _, _ in s.factors]
     if kv_zero:
-        parts.append("kv_cache")
-    if s.state == "slow_start":
+        parts.append(Signal.KV_CACHE)
+    if s.state == State.SLOW_START:
         parts.insert(0, "recovery")
     return ",".join(parts) or "none"

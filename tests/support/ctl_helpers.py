@@ -1,14 +1,15 @@
-"""Build a Controller for tests: a real HAProxy endpoint, Prometheus answers from `responses`."""
+"""Build a Controller for tests: a real HAProxy endpoint and Prometheus answers from `responses`, or fake seams."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-from controller.haproxy import RuntimeClient
+from controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
 from controller.loop import Controller
 from controller.metrics import ControllerMetrics
 from grayguard.config import parse_config
-from grayguard.promclient import PrometheusClient
+from grayguard.promclient import PrometheusClient, Sample
 
 PROM = "http://prom.test:9090"
 LAT_Q = "instance:vllm_normalized_latency_seconds_per_token:rate30s"
@@ -50,3 +51,51 @@ def prom_answers(rsps, latencies: dict[str, float | str], rate: float = 5.0, now
              match=[matchers.query_param_matcher({"query": LAT_Q})])
     rsps.get(f"{PROM}/api/v1/query", json=vector({k: rate for k in latencies}, now),
              match=[matchers.query_param_matcher({"query": RATE_Q})])
+
+
+# -- fake seams: no sockets, no HTTP (the Controller takes any object with these methods) --------------------
+class FakeHaproxy:
+    """RuntimeClient's seam over an in-memory table: show_servers_state() and apply(); every call is recorded."""
+
+    def __init__(self, endpoint: str, backends: dict[str, list[tuple[str, str, int]]], events: list):
+        self.endpoint, self.events = endpoint, events
+        self.table = {(b, n): ServerState(b, n, a, w, w, 0, 2) for b, srvs in backends.items() for n, a, w in srvs}
+
+    def show_servers_state(self, backend=None):
+        self.events.append(("show", self.endpoint))
+        return [s for s in self.table.values() if backend in (None, s.backend)]
+
+    def apply(self, commands):
+        self.events.append(("apply", self.endpoint, tuple(c.render() for c in commands)))
+        for c in commands:
+            s = self.table[(c.backend, c.server)]
+            if c.kind == "weight":
+                s = replace(s, weight=c.value)
+            else:
+                s = replace(s, admin_state=(s.admin_state | DRAIN_MASK) if c.value == "drain"
+                            else s.admin_state & ~DRAIN_MASK)
+            self.table[(c.backend, c.server)] = s
+        return [CommandResult(c, True, "") for c in commands]
+
+
+class FakeProm:
+    """PrometheusClient's seam: query(q) -> the samples answers(q) gives (a dict or a function); recorded."""
+
+    def __init__(self, answers, events: list):
+        self.answers, self.events = answers, events
+
+    def query(self, q):
+        self.events.append(("query", q))
+        return self.answers(q) if callable(self.answers) else self.answers.get(q, [])
+
+
+def samples(values: dict[str, float], now: float, pool: str = "chat") -> list[Sample]:
+    return [Sample({"instance": k, "pool": pool}, v, now) for k, v in values.items()]
+
+
+def fake_controller(pools: list[dict], haproxies, prom, canary=None, clock=time.time, extra=None):
+    """A Controller over fake seams; pools as in the config (name, backend, ...)."""
+    doc = {"prometheus": {"url": PROM}, "haproxy": {"endpoints": [h.endpoint for h in haproxies]},
+           "pools": pools, "state_file": None, "signals": {f"{k}_query": "" for k in OPTIONAL}, **(extra or {})}
+    return Controller(parse_config(doc), prom, haproxies, canary=canary, metrics=ControllerMetrics.create(),
+                      clock=clock)
