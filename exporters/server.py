@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pynvml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 
 from exporters.nvml import NvmlCollector
 from exporters.prober import ProbeConfig, Prober
+from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 
 log = logging.getLogger(__name__)
 DEFAULT_PROBE = ProbeConfig()
@@ -81,15 +78,14 @@ class Exporter:
         else:
             self.registry.register(_NvmlDisabled())
         self.prober = Prober(vllm_url, probe, registry=self.registry) if probe is not None else None
-        self._httpd: ThreadingHTTPServer | None = None
-        self._http_thread: threading.Thread | None = None
+        self._httpd: HttpServer | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         """The (host, port) actually bound (port 0 asks the OS for a free one)."""
         if self._httpd is None:
             return self._host, self._port
-        return self._httpd.server_address[:2]
+        return self._httpd.host, self._httpd.port
 
     @property
     def url(self) -> str:
@@ -99,27 +95,30 @@ class Exporter:
 
     def start(self) -> Exporter:
         """Bind the listen address (OSError if taken), init NVML, start probing and serving."""
-        self._httpd = _make_server(self._host, self._port, self.registry, self.vllm_url)
+        # Metrics are collected at scrape time, in the request's thread: NVML reads are bounded by
+        # nvml_read_timeout and probe results are cached, so a hung backend never slows a scrape.
+        routes = {"GET /metrics": metrics_handler(self.registry, negotiate=True), "GET /": self._index}
+        self._httpd = HttpServer((self._host, self._port), routes, name="exporter-http", logger=log)
         if self.nvml is not None:
             self.nvml.start()
         if self.prober is not None:
             self.prober.start()
-        self._http_thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                             name=f"exporter-http-{self.address[1]}", daemon=True)
-        self._http_thread.start()
+        self._httpd.start()
         log.info("exporter for %s serving on %s/metrics", self.vllm_url, self.url)
         return self
 
     def stop(self) -> None:
         """Stop serving, probing and the XID thread; idempotent."""
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            self._httpd.stop()
             self._httpd = None
         if self.prober is not None:
             self.prober.stop()
         if self.nvml is not None:
             self.nvml.stop()
+
+    def _index(self, _req: Request) -> Response:
+        return 200, "text/html; charset=utf-8", INDEX_PAGE.format(vllm=self.vllm_url).encode()
 
     def __enter__(self) -> Exporter:
         return self.start()
@@ -127,36 +126,3 @@ class Exporter:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _make_server(host: str, port: int, registry: CollectorRegistry, vllm_url: str) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                self._send(200, content_type, encoder(registry))
-            elif path == "/":
-                self._send(200, "text/html; charset=utf-8", INDEX_PAGE.format(vllm=vllm_url).encode())
-            else:
-                self._send(404, "text/plain; charset=utf-8", b"not found\n")
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s %s", self.address_string(), fmt % args)
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        allow_reuse_address = True
-        address_family = _family_for(host)
-
-    return Server((host, port), Handler)
-
-
-def _family_for(host: str) -> int:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET

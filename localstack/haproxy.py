@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
-INSTALL_HINT = "haproxy is not installed: run `make deps` or `sudo apt-get install haproxy`"
+from localstack.procs import ManagedProcess, find_binary, start_process
 
 
 def haproxy_config(sock: Path, backends: dict[str, list[tuple[str, str, int]]], balance: str = "leastconn",
@@ -27,56 +25,49 @@ def haproxy_config(sock: Path, backends: dict[str, list[tuple[str, str, int]]], 
 
 
 class HaproxyProc:
-    """haproxy in the foreground (-db) with a config file; start, stop, restart."""
+    """haproxy in the foreground (-db) with a config file in workdir; start, stop, restart.
+
+    Supervised by localstack.procs: output in workdir/haproxy.log, stopped at interpreter exit too.
+    """
 
     def __init__(self, workdir: Path, config_text: str | None = None):
-        if not shutil.which("haproxy"):
-            raise FileNotFoundError(INSTALL_HINT)
+        self.binary = find_binary("haproxy")  # BinaryMissing (a FileNotFoundError) with the apt-get hint
         self.dir = Path(workdir)
         self.sock = self.dir / "admin.sock"
         self.cfg = self.dir / "haproxy.cfg"
+        self.log = self.dir / "haproxy.log"
         if config_text is not None:
             self.cfg.write_text(config_text)
-        self.proc: subprocess.Popen | None = None
+        self.proc: ManagedProcess | None = None
 
     @property
     def endpoint(self) -> str:
+        """The runtime API address, as controller.haproxy.RuntimeClient takes it."""
         return f"unix:{self.sock}"
 
     def start(self, timeout_s: float = 10.0) -> None:
+        """Check the config, start haproxy and wait until its runtime socket answers."""
         self.sock.unlink(missing_ok=True)
-        check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.cfg)], capture_output=True, text=True)
+        check = subprocess.run([self.binary, "-c", "-q", "-f", str(self.cfg)], capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"haproxy rejected {self.cfg}: {check.stdout}{check.stderr}")
-        self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.cfg)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"haproxy exited: {self.proc.stderr.read().decode()}")  # type: ignore[union-attr]
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(self.sock))
-                    s.sendall(b"show info\n")
-                    if s.recv(16):
-                        return
-            except OSError:
-                time.sleep(0.02)  # readiness poll, bounded by the deadline
-        self.stop()
-        raise RuntimeError(f"haproxy did not open its runtime socket within {timeout_s:g} s")
+        self.proc = start_process([self.binary, "-db", "-f", str(self.cfg)], self.log)
+        self.proc.wait_for(self._answers, timeout_s, f"haproxy's runtime socket {self.sock}", interval_s=0.02)
+
+    def _answers(self) -> bool:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(1.0)
+            s.connect(str(self.sock))
+            s.sendall(b"show info\n")
+            return bool(s.recv(16))
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc and self.proc.stderr:
-            self.proc.stderr.close()
+        """Stop haproxy (SIGTERM, then SIGKILL); idempotent."""
+        if self.proc is not None:
+            self.proc.stop()
         self.proc = None
 
     def restart(self) -> None:
+        """Stop and start again: the runtime state (weights, drains) is lost, as in production."""
         self.stop()
         self.start()

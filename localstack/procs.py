@@ -1,4 +1,4 @@
-"""Run local helper binaries (prometheus, alertmanager, promtool): start, wait until ready, always stop.
+"""Run local helper binaries (prometheus, alertmanager, haproxy, promtool): start, wait until ready, always stop.
 
 Used by the tests, the demo and `grayguard rules check`; nothing here knows about grayguard's rules.
 """
@@ -21,14 +21,13 @@ from grayguard.binaries import DEBIAN_PACKAGES, BinaryMissing, find_binary, inst
 
 T = TypeVar("T")
 
+
 class WaitAborted(Exception):
     """Raised by a wait_until predicate to stop waiting at once (the thing waited for cannot happen)."""
 
 
 class ProcessExited(WaitAborted, RuntimeError):
     """The process died before it became ready."""
-
-
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,12 +104,18 @@ class ManagedProcess:
 
     def wait_ready(self, url: str, timeout_s: float = 30.0) -> None:
         """Block until GET url answers 2xx; stop the process and raise if it exits or times out."""
-        def ready() -> bool:
+        self.wait_for(lambda: http_ok(url), timeout_s, f"{Path(self.argv[0]).name} at {url}")
+
+    def wait_for(self, ready: Callable[[], object], timeout_s: float = 30.0, what: str = "readiness",
+                 interval_s: float = 0.05) -> None:
+        """Block until ready() is truthy; stop the process and raise ProcessExited or TimeoutError if it
+        exits first or never gets ready."""
+        def poll() -> object:
             if not self.running():
                 raise ProcessExited(f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            return http_ok(url)
+            return ready()
         try:
-            wait_until(ready, timeout_s, 0.05, f"{Path(self.argv[0]).name} at {url}")
+            wait_until(poll, timeout_s, interval_s, what)
         except ProcessExited:
             self.stop()
             raise

@@ -9,13 +9,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import requests
 import yaml
 
+from grayguard.httpserve import Request, Response, serve
 from localstack.procs import ManagedProcess, find_binary, free_port, start_process, wait_until
 
 HOST = "127.0.0.1"
@@ -164,27 +164,17 @@ class WebhookReceiver:
     def __init__(self, port: int | None = None):
         self.notifications: list[Notification] = []
         self._lock = threading.Lock()
-        receiver = self
+        self._server = serve((HOST, port or 0), {"POST /*": self._record}, name="webhook")
+        self.port = self._server.port
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                try:
-                    payload = json.loads(body or b"{}")
-                except ValueError:
-                    payload = {"raw": body.decode(errors="replace")}
-                with receiver._lock:
-                    receiver.notifications.append(Notification(self.path, payload))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:  # keep test output clean
-                pass
-
-        self._server = ThreadingHTTPServer((HOST, port or 0), Handler)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook", daemon=True)
-        self._thread.start()
+    def _record(self, req: Request) -> Response:
+        try:
+            payload = json.loads(req.body or b"{}")
+        except ValueError:
+            payload = {"raw": req.body.decode(errors="replace")}
+        with self._lock:
+            self.notifications.append(Notification(req.path, payload))
+        return 200, "text/plain; charset=utf-8", b""
 
     def url(self, path: str = "/") -> str:
         """The URL Alertmanager should POST to for path."""
@@ -205,9 +195,8 @@ class WebhookReceiver:
         return wait_until(lambda: predicate(self), timeout_s, 0.1, what)
 
     def stop(self) -> None:
-        """Shut the server down."""
-        self._server.shutdown()
-        self._server.server_close()
+        """Shut the server down and release its port."""
+        self._server.stop()
 
     def __enter__(self) -> WebhookReceiver:
         return self

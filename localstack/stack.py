@@ -265,8 +265,7 @@ class LocalStack:
         if self._ctl_thread:
             self._ctl_thread.join(10)
         if self._http:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
 
     def __enter__(self) -> LocalStack:
         return self.start()

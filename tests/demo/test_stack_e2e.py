@@ -26,6 +26,10 @@ def pages(r, alert):
     return [e for e in r["events"] if e["kind"] == "page" and e.get("alert") == alert and e["status"] == "firing"]
 
 
+def quarantine_reason(r):
+    return next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+
+
 def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
     r, log = scenario(tmp_path, "thermal", "node2", 36, k=8)
     assert r["quarantine_s"] is not None, log
@@ -47,7 +51,7 @@ def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
 def test_a_hung_node_is_quarantined_within_10s_through_the_probes(tmp_path):
     r, log = scenario(tmp_path, "hang", "node4", 28)
     assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
-    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    reason = quarantine_reason(r)
     assert "probe" in reason and "timeout" in reason, reason
     assert r["false_quarantines"] == [], log
 
@@ -55,7 +59,7 @@ def test_a_hung_node_is_quarantined_within_10s_through_the_probes(tmp_path):
 def test_a_cuda_error_is_quarantined_and_pages_naming_cuda(tmp_path):
     r, log = scenario(tmp_path, "cuda_error", "node1", 30)
     assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
-    reason = next(e["text"] for e in r["events"] if e["kind"] == "transition" and "quarantined" in e["text"])
+    reason = quarantine_reason(r)
     assert "CUDA" in reason
     p = pages(r, "GrayguardProbeCudaError")
     assert p and "CUDA" in p[0]["summary"], log

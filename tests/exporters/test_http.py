@@ -136,6 +136,13 @@ def vllm():
     server.close()
 
 
+@pytest.fixture
+def session():
+    with requests.Session() as s:
+        s.trust_env = False  # no proxy from the environment for 127.0.0.1
+        yield s
+
+
 def refused_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -257,11 +264,9 @@ def sample(text: str, series: str) -> float | None:
     return None
 
 
-def test_metrics_answers_fast_while_the_backend_hangs(vllm):
+def test_metrics_answers_fast_while_the_backend_hangs(vllm, session):
     vllm.mode = "hang"
-    with Exporter(vllm.url, port=0, nvml=FakeNvml([healthy_h100(0)]), probe=FAST) as exporter, \
-            requests.Session() as session:
-        session.trust_env = False
+    with Exporter(vllm.url, port=0, nvml=FakeNvml([healthy_h100(0)]), probe=FAST) as exporter:
         assert vllm.got_request.wait(2)  # a probe is now stuck inside the hung backend
         times = [scrape(session, exporter)[0] for _ in range(5)]
         assert max(times) < 0.1, times
@@ -271,10 +276,8 @@ def test_metrics_answers_fast_while_the_backend_hangs(vllm):
         assert sample(text, "grayguard_probe_consecutive_failures") >= 1
 
 
-def test_without_nvml_the_probes_still_work(vllm):
-    with Exporter(vllm.url, port=0, nvml=FakeNvml(available=False), probe=FAST) as exporter, \
-            requests.Session() as session:
-        session.trust_env = False
+def test_without_nvml_the_probes_still_work(vllm, session):
+    with Exporter(vllm.url, port=0, nvml=FakeNvml(available=False), probe=FAST) as exporter:
         assert exporter.prober.wait_for_probes(2, 5)
         _, text = scrape(session, exporter)
     assert sample(text, "grayguard_exporter_nvml_up") == 0
@@ -288,14 +291,12 @@ def test_without_nvml_the_probes_still_work(vllm):
         assert sample(text, f'grayguard_probe_results_total{{result="{result}"}}') == 0
 
 
-def test_several_exporters_in_one_process_each_with_its_own_gpus_and_port(vllm):
+def test_several_exporters_in_one_process_each_with_its_own_gpus_and_port(vllm, session):
     fakes = [FakeNvml([healthy_h100(i)]) for i in range(3)]
     exporters = [Exporter(vllm.url, port=0, nvml=f, probe=None).start() for f in fakes]
     try:
-        with requests.Session() as session:
-            session.trust_env = False
-            fakes[1].gpus[0].temperature_c = 93
-            texts = [scrape(session, e)[1] for e in exporters]
+        fakes[1].gpus[0].temperature_c = 93
+        texts = [scrape(session, e)[1] for e in exporters]
         assert len({e.address[1] for e in exporters}) == 3
         for i, text in enumerate(texts):
             assert healthy_h100(i).uuid in text
@@ -307,9 +308,8 @@ def test_several_exporters_in_one_process_each_with_its_own_gpus_and_port(vllm):
             e.stop()
 
 
-def test_index_page_and_404(vllm):
-    with Exporter(vllm.url, port=0, nvml=None, probe=None) as exporter, requests.Session() as session:
-        session.trust_env = False
+def test_index_page_and_404(vllm, session):
+    with Exporter(vllm.url, port=0, nvml=None, probe=None) as exporter:
         assert "/metrics" in session.get(exporter.url + "/", timeout=5).text
         assert session.get(exporter.url + "/nope", timeout=5).status_code == 404
         assert sample(scrape(session, exporter)[1], "grayguard_exporter_nvml_up") == 0
@@ -323,3 +323,11 @@ def test_stop_ends_the_prober_thread_even_mid_probe(vllm):
     exporter.stop()
     assert time.monotonic() - start < 1
     assert not exporter.prober._thread.is_alive()
+
+
+def test_metrics_format_follows_the_accept_header(vllm, session):
+    with Exporter(vllm.url, port=0, nvml=None, probe=None) as exporter:
+        om = session.get(exporter.url + "/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=5)
+        assert om.headers["Content-Type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+        text = session.get(exporter.url + "/metrics", timeout=5)
+        assert text.headers["Content-Type"].startswith("text/plain") and "# EOF" not in text.text

@@ -13,14 +13,13 @@ Everything binds to 127.0.0.1 on free ports, lives in a temp dir and is stopped 
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
+from grayguard.httpserve import HttpServer, metrics_handler
 from localstack.procs import BinaryMissing, find_binary, free_port, wait_until
 from localstack.services import (
     Alertmanager,
@@ -56,42 +55,21 @@ def require(*binaries: str) -> None:
             pytest.fail(str(e))
 
 
-class MetricsServer:
-    """A prometheus_client registry served on 127.0.0.1 in text format 0.0.4, whatever the Accept header.
+class MetricsServer(HttpServer):
+    """A prometheus_client registry served at /metrics on 127.0.0.1, always in the text format.
 
     Always text: asked for OpenMetrics (as Prometheus 2.x asks), prometheus_client rewrites `vllm:` names
     to `vllm_` (see rules.vllm_prefix), and vLLM-shaped test series must keep their real names.
     """
 
     def __init__(self, registry: CollectorRegistry, port: int = 0):
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                body = generate_latest(registry)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        super().__init__(("127.0.0.1", port), {"GET /metrics": metrics_handler(registry)}, name="metrics")
+        self.start()
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
-        self._thread.start()
-        self.port = self._httpd.server_address[1]
-        self.target = f"127.0.0.1:{self.port}"  # for a Prometheus static_config
-        self.url = f"http://{self.target}/metrics"
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    @property
+    def target(self) -> str:
+        """host:port for a Prometheus static_config."""
+        return self.netloc
 
 
 def serve_registry(registry: CollectorRegistry) -> MetricsServer:
