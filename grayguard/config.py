@@ -1,7 +1,8 @@
 """grayguard configuration: one YAML file, validated into frozen dataclasses.
 
 Every error names the field path (``pools[1].backend``) and the problem; the CLI turns a
-ConfigError into exit code 2. Defaults live here, next to the field they belong to.
+ConfigError into exit code 2. Defaults live here, next to the field they belong to, and so do the
+checks: each section's ``validate(path)`` checks its own fields, Config.validate what spans sections.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import yaml
 HAPROXY_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 PROM_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+_JOB_RE = re.compile(r'^[^"\\\s]+$')  # a Prometheus job name that is safe inside a PromQL string literal
+_ALERT_RE = re.compile(r"^Grayguard[A-Za-z0-9]+$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
@@ -39,6 +42,23 @@ class ConfigError(ValueError):
         self.problem = problem
 
 
+def _check(cond: bool, path: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(path, problem)
+
+
+def _show(value: Any, conv: Any = repr) -> str:
+    """repr (or str) of a YAML value for a message; never raises (a 5000-digit int, a list nested too deep)."""
+    try:
+        return conv(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__} too large to show>"
+
+
+def _is_url(value: str) -> bool:
+    return value.startswith(("http://", "https://"))
+
+
 @dataclass(frozen=True)
 class PrometheusConfig:
     url: str = "http://127.0.0.1:9090"
@@ -50,6 +70,11 @@ class PrometheusConfig:
     headers_env: dict[str, str] = field(default_factory=dict)  # header -> env var, e.g. X-Scope-OrgID
     verify_tls: bool = True
 
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        _check(_is_url(self.url), f"{path}.url", f"must start with http:// or https://, got {self.url!r}")
+        _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+
 
 @dataclass(frozen=True)
 class HaproxyConfig:
@@ -57,6 +82,15 @@ class HaproxyConfig:
     # of a gateway tier gets the same weights.
     endpoints: tuple[str, ...] = ("unix:/run/haproxy/admin.sock",)
     timeout_s: float = 2.0
+
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        _check(len(self.endpoints) > 0, f"{path}.endpoints", "at least one endpoint is needed")
+        for i, ep in enumerate(self.endpoints):
+            is_sock = ep.startswith(("unix:", "/"))
+            host, _, port = ep.rpartition(":")
+            _check(is_sock or bool(host and port.isdigit()), f"{path}.endpoints[{i}]",
+                   f"expected unix:/path, /path or host:port, got {ep!r}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +112,23 @@ class PoolConfig:
     # Speed coefficient per peer group (latency relative to the pool), for groups too small to score
     # on their own; unset groups of 2+ nodes learn theirs from their fastest member.
     group_speed: dict[str, float] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path (uniqueness across pools is Config's)."""
+        _check(bool(HAPROXY_NAME_RE.match(self.name)), f"{path}.name",
+               f"{self.name!r} may only hold letters, digits, '-', '_', '.' and ':'")
+        _check(bool(HAPROXY_NAME_RE.match(self.backend)), f"{path}.backend",
+               f"{self.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
+               "(anything else could inject HAProxy runtime-API commands)")
+        _check(bool(PROM_LABEL_RE.match(self.series_label)), f"{path}.series_label",
+               f"{self.series_label!r} is not a Prometheus label name")
+        for s in self.servers:
+            _check(bool(HAPROXY_NAME_RE.match(s)), f"{path}.servers.{s}",
+                   "server names may only hold letters, digits, '-', '_', '.' and ':'")
+        _check(self.peer_group_label is None or bool(PROM_LABEL_RE.match(self.peer_group_label)),
+               f"{path}.peer_group_label", f"{self.peer_group_label!r} is not a Prometheus label name")
+        for g, c in self.group_speed.items():
+            _check(c > 0, f"{path}.group_speed.{g}", "must be > 0 (latency relative to the pool)")
 
 
 @dataclass(frozen=True)
@@ -104,6 +155,9 @@ class SignalsConfig:
         "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
     gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"
     peer_group_query: str = "max by (pool, instance, name) (grayguard_gpu_info)"
+
+    def validate(self, path: str) -> None:
+        """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +197,35 @@ class ThresholdsConfig:
     new_node_warmup_s: float = 30.0  # a node that joins a running pool holds slow_start_initial this long
     forget_after_s: float = 300.0  # a node gone from HAProxy is forgotten after this (its state is kept)
 
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        p = f"{path}."
+        _check(0 < self.ema_alpha <= 1, p + "ema_alpha", "must be in (0, 1]")
+        _check(self.degrade_score > 0, p + "degrade_score", "must be > 0")
+        _check(self.quarantine_score >= self.degrade_score, p + "quarantine_score", f"must be >= {p}degrade_score")
+        _check(self.sustain_ticks >= 1, p + "sustain_ticks", "must be >= 1")
+        _check(self.recover_ticks >= 1, p + "recover_ticks", "must be >= 1")
+        _check(self.hysteresis >= 0, p + "hysteresis", "must be >= 0")
+        _check(self.min_relative_gap >= 1, p + "min_relative_gap", "must be >= 1 (a multiple of the median)")
+        _check(self.min_spread > 0, p + "min_spread", "must be > 0")
+        _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
+        _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
+        _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
+        _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
+        for name in ("probe_slow_factor", "error_factor"):
+            _check(0 < getattr(self, name) <= 1, p + name, "must be in (0, 1]")
+        _check(self.probe_slow_ratio >= self.min_relative_gap, p + "probe_slow_ratio", "must be >= min_relative_gap")
+        for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "probe_slow_consecutive", "error_ticks",
+                     "circuit_ticks", "evidence_sustain_ticks"):
+            _check(getattr(self, name) >= 1, p + name, "must be >= 1")
+        _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
+               f"must be in ({p}error_ratio, 1]")
+        _check(0 < self.kv_drained < self.kv_saturated <= 1, p + "kv_drained", f"must be in (0, {p}kv_saturated)")
+        _check(self.evidence_sustain_ticks <= self.sustain_ticks, p + "evidence_sustain_ticks",
+               f"must be <= {p}sustain_ticks (evidence shortens, never lengthens)")
+        _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
+        _check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
+
 
 @dataclass(frozen=True)
 class RecoveryConfig:
@@ -154,6 +237,16 @@ class RecoveryConfig:
     canary_api_key_env: str | None = None
     slow_start_initial: float = 0.1  # share of base weight when slow start begins
     slow_start_step_per_min: float = 0.2  # share of base weight added per minute
+
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        p = f"{path}."
+        _check(self.min_quarantine_s >= 0, p + "min_quarantine_s", "must be >= 0")
+        _check(self.canary_interval_s > 0, p + "canary_interval_s", "must be > 0")
+        _check(self.canary_successes >= 1, p + "canary_successes", "must be >= 1")
+        _check(self.canary_timeout_s > 0, p + "canary_timeout_s", "must be > 0")
+        _check(0 < self.slow_start_initial <= 1, p + "slow_start_initial", "must be in (0, 1]")
+        _check(self.slow_start_step_per_min > 0, p + "slow_start_step_per_min", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -183,6 +276,38 @@ class RulesConfig:
     # from a prometheus_client that escapes ':', e.g. by Prometheus < 2.49), or "any" (matches both).
     vllm_prefix: str = "vllm:"
 
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        p = f"{path}."
+        _check(0 < self.omega <= 1, p + "omega", "must be in (0, 1]")
+        for name in ("control_window", "human_window", "baseline_window"):
+            _check(bool(DURATION_RE.match(getattr(self, name))), p + name,
+                   "must be a Prometheus duration such as 30s, 5m or 1d")
+        _check(self.regression_factor > 1, p + "regression_factor", "must be > 1")
+        _check(0 < self.kv_saturation_ratio <= 1, p + "kv_saturation_ratio", "must be in (0, 1]")
+        _check(self.rerender_interval_s >= 0, p + "rerender_interval_s", "must be >= 0")
+        _check(self.control_interval is None or bool(DURATION_RE.match(self.control_interval)),
+               p + "control_interval",
+               "must be a Prometheus duration such as 5s, or null for the global evaluation_interval")
+        _check(_is_url(self.runbook_url), p + "runbook_url",
+               f"must start with http:// or https://, got {self.runbook_url!r}")
+        for name in ("controller_job", "exporter_job"):  # pasted into PromQL string literals
+            _check(bool(_JOB_RE.match(getattr(self, name))), p + name,
+                   "must be a non-empty job name without quotes, backslashes or spaces")
+        _check(self.controller_stale_s > 0, p + "controller_stale_s", "must be > 0")
+        _check(self.probe_failures >= 1, p + "probe_failures", "must be >= 1")
+        _check(0 < self.load_gpu_utilization <= 1, p + "load_gpu_utilization", "must be in (0, 1]")
+        _check(self.reload_url is None or _is_url(self.reload_url), p + "reload_url",
+               "must start with http:// or https://, or be null")
+        for alert, dur in self.alert_for.items():
+            _check(bool(_ALERT_RE.match(alert)), f"{p}alert_for.{alert}", "not an alert name")
+            _check(bool(DURATION_RE.match(dur)), f"{p}alert_for.{alert}", "must be a duration such as 0s or 10m")
+        for alert, sev in self.alert_severity.items():
+            _check(bool(_ALERT_RE.match(alert)), f"{p}alert_severity.{alert}", "not an alert name")
+            _check(sev in ("page", "ticket"), f"{p}alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
+        _check(self.vllm_prefix in ("vllm:", "vllm_", "any"), p + "vllm_prefix",
+               f"must be 'vllm:', 'vllm_' or 'any', got {self.vllm_prefix!r}")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -204,6 +329,31 @@ class Config:
             if p.name == name:
                 return p
         raise KeyError(name)
+
+    def validate(self) -> None:
+        """Validate every section, then this level's fields and what spans pools; raise the first ConfigError."""
+        # Sections first, in this order, then the top level: which error a config with several gets is stable.
+        self.prometheus.validate("prometheus")
+        self.haproxy.validate("haproxy")
+        self.signals.validate("signals")
+        self.thresholds.validate("thresholds")
+        self.recovery.validate("recovery")
+        self.rules.validate("rules")
+        _check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
+        _check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
+        host, _, port = self.listen_address.rpartition(":")
+        _check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {self.listen_address!r}")
+        _check(len(self.pools) > 0, "pools", "at least one pool is needed")
+        seen_names: set[str] = set()
+        seen_backends: set[str] = set()
+        for i, p in enumerate(self.pools):
+            p.validate(f"pools[{i}]")
+            # Each pool owns a backend: two pools writing one backend's weights would fight every tick.
+            _check(p.name not in seen_names, f"pools[{i}].name", f"duplicate pool name {p.name!r}")
+            _check(p.backend not in seen_backends, f"pools[{i}].backend",
+                   f"backend {p.backend!r} is already driven by another pool")
+            seen_names.add(p.name)
+            seen_backends.add(p.backend)
 
 
 def _type_name(tp: Any) -> str:
@@ -231,25 +381,28 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ConfigError(path, f"keys must be strings, got {k!r}")
+                raise ConfigError(path, f"keys must be strings, got {_show(k)}")
             out[k] = _convert(args[1], {} if v is None and dataclasses.is_dataclass(args[1]) else v,
                               f"{path}.{k}")
         return out
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r}")
+            raise ConfigError(path, f"expected true or false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r}")
+            raise ConfigError(path, f"expected an integer, got {_show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+            raise ConfigError(path, f"expected a number, got {_show(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond ~1.8e308 (YAML's own floats overflow to .inf instead)
+            raise ConfigError(path, "number out of range (beyond 1.8e308)") from None
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
+            raise ConfigError(path, f"expected a string, got {_show(value)}")
         return value
     raise ConfigError(path, f"unsupported type {_type_name(tp)}")  # pragma: no cover
 
@@ -261,9 +414,14 @@ def _build(cls: Any, data: Any, path: str) -> Any:
         raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = set(data) - set(fields)
+    try:
+        unknown = sorted(unknown)
+    except TypeError:  # YAML keys of mixed types (1, null, "x"): strings first, the others by their text
+        unknown = sorted(unknown, key=lambda k: (not isinstance(k, str), _show(k, str)))
     if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        key = _show(unknown[0], str)
+        where = f"{path}.{key}" if path else key
         raise ConfigError(where, f"unknown field (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, f in fields.items():
@@ -275,116 +433,10 @@ def _build(cls: Any, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
-def _check(cond: bool, path: str, problem: str) -> None:
-    if not cond:
-        raise ConfigError(path, problem)
-
-
-def _validate(cfg: Config) -> None:
-    t, r = cfg.thresholds, cfg.recovery
-    _check(cfg.prometheus.url.startswith(("http://", "https://")), "prometheus.url",
-           f"must start with http:// or https://, got {cfg.prometheus.url!r}")
-    _check(cfg.prometheus.timeout_s > 0, "prometheus.timeout_s", "must be > 0")
-    _check(len(cfg.haproxy.endpoints) > 0, "haproxy.endpoints", "at least one endpoint is needed")
-    for i, ep in enumerate(cfg.haproxy.endpoints):
-        is_sock = ep.startswith(("unix:", "/"))
-        host, _, port = ep.rpartition(":")
-        _check(is_sock or (host and port.isdigit()), f"haproxy.endpoints[{i}]",
-               f"expected unix:/path, /path or host:port, got {ep!r}")
-    _check(0 < t.ema_alpha <= 1, "thresholds.ema_alpha", "must be in (0, 1]")
-    _check(t.degrade_score > 0, "thresholds.degrade_score", "must be > 0")
-    _check(t.quarantine_score >= t.degrade_score, "thresholds.quarantine_score",
-           "must be >= thresholds.degrade_score")
-    _check(t.sustain_ticks >= 1, "thresholds.sustain_ticks", "must be >= 1")
-    _check(t.recover_ticks >= 1, "thresholds.recover_ticks", "must be >= 1")
-    _check(t.hysteresis >= 0, "thresholds.hysteresis", "must be >= 0")
-    _check(t.min_relative_gap >= 1, "thresholds.min_relative_gap", "must be >= 1 (a multiple of the median)")
-    _check(t.min_spread > 0, "thresholds.min_spread", "must be > 0")
-    _check(0 <= t.max_ejected_fraction <= 1, "thresholds.max_ejected_fraction", "must be in [0, 1]")
-    _check(t.min_peers >= 3, "thresholds.min_peers", "must be >= 3 (no median of two means anything)")
-    _check(t.min_request_rate >= 0, "thresholds.min_request_rate", "must be >= 0")
-    _check(0 <= t.min_degraded_weight <= 256, "thresholds.min_degraded_weight", "must be in 0..256")
-    for name in ("probe_slow_factor", "error_factor"):
-        _check(0 < getattr(t, name) <= 1, f"thresholds.{name}", "must be in (0, 1]")
-    _check(t.probe_slow_ratio >= t.min_relative_gap, "thresholds.probe_slow_ratio", "must be >= min_relative_gap")
-    for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "probe_slow_consecutive", "error_ticks",
-                 "circuit_ticks",
-                 "evidence_sustain_ticks"):
-        _check(getattr(t, name) >= 1, f"thresholds.{name}", "must be >= 1")
-    _check(0 < t.error_ratio < t.circuit_error_ratio <= 1, "thresholds.circuit_error_ratio",
-           "must be in (thresholds.error_ratio, 1]")
-    _check(0 < t.kv_drained < t.kv_saturated <= 1, "thresholds.kv_drained", "must be in (0, thresholds.kv_saturated)")
-    _check(t.evidence_sustain_ticks <= t.sustain_ticks, "thresholds.evidence_sustain_ticks",
-           "must be <= thresholds.sustain_ticks (evidence shortens, never lengthens)")
-    _check(t.new_node_warmup_s >= 0, "thresholds.new_node_warmup_s", "must be >= 0")
-    _check(t.forget_after_s >= 0, "thresholds.forget_after_s", "must be >= 0")
-    _check(r.min_quarantine_s >= 0, "recovery.min_quarantine_s", "must be >= 0")
-    _check(r.canary_interval_s > 0, "recovery.canary_interval_s", "must be > 0")
-    _check(r.canary_successes >= 1, "recovery.canary_successes", "must be >= 1")
-    _check(r.canary_timeout_s > 0, "recovery.canary_timeout_s", "must be > 0")
-    _check(0 < r.slow_start_initial <= 1, "recovery.slow_start_initial", "must be in (0, 1]")
-    _check(r.slow_start_step_per_min > 0, "recovery.slow_start_step_per_min", "must be > 0")
-    _check(0 < cfg.rules.omega <= 1, "rules.omega", "must be in (0, 1]")
-    for name in ("control_window", "human_window", "baseline_window"):
-        _check(bool(DURATION_RE.match(getattr(cfg.rules, name))), f"rules.{name}",
-               "must be a Prometheus duration such as 30s, 5m or 1d")
-    _check(cfg.rules.regression_factor > 1, "rules.regression_factor", "must be > 1")
-    _check(0 < cfg.rules.kv_saturation_ratio <= 1, "rules.kv_saturation_ratio", "must be in (0, 1]")
-    _check(cfg.rules.rerender_interval_s >= 0, "rules.rerender_interval_s", "must be >= 0")
-    ru = cfg.rules
-    _check(ru.control_interval is None or bool(DURATION_RE.match(ru.control_interval)), "rules.control_interval",
-           "must be a Prometheus duration such as 5s, or null for the global evaluation_interval")
-    _check(ru.runbook_url.startswith(("http://", "https://")), "rules.runbook_url",
-           f"must start with http:// or https://, got {ru.runbook_url!r}")
-    for name in ("controller_job", "exporter_job"):  # pasted into PromQL string literals
-        _check(bool(re.match(r'^[^"\\\s]+$', getattr(ru, name))), f"rules.{name}",
-               "must be a non-empty job name without quotes, backslashes or spaces")
-    _check(ru.controller_stale_s > 0, "rules.controller_stale_s", "must be > 0")
-    _check(ru.probe_failures >= 1, "rules.probe_failures", "must be >= 1")
-    _check(0 < ru.load_gpu_utilization <= 1, "rules.load_gpu_utilization", "must be in (0, 1]")
-    _check(ru.reload_url is None or ru.reload_url.startswith(("http://", "https://")), "rules.reload_url",
-           "must start with http:// or https://, or be null")
-    for alert, dur in ru.alert_for.items():
-        _check(bool(re.match(r"^Grayguard[A-Za-z0-9]+$", alert)), f"rules.alert_for.{alert}", "not an alert name")
-        _check(bool(DURATION_RE.match(dur)), f"rules.alert_for.{alert}", "must be a duration such as 0s or 10m")
-    for alert, sev in ru.alert_severity.items():
-        _check(bool(re.match(r"^Grayguard[A-Za-z0-9]+$", alert)), f"rules.alert_severity.{alert}",
-               "not an alert name")
-        _check(sev in ("page", "ticket"), f"rules.alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
-    _check(ru.vllm_prefix in ("vllm:", "vllm_", "any"), "rules.vllm_prefix",
-           f"must be 'vllm:', 'vllm_' or 'any', got {ru.vllm_prefix!r}")
-    _check(cfg.tick_interval_s > 0, "tick_interval_s", "must be > 0")
-    _check(cfg.stale_after_s > 0, "stale_after_s", "must be > 0")
-    host, _, port = cfg.listen_address.rpartition(":")
-    _check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {cfg.listen_address!r}")
-    _check(len(cfg.pools) > 0, "pools", "at least one pool is needed")
-    seen_names, seen_backends = set(), set()
-    for i, p in enumerate(cfg.pools):
-        _check(bool(HAPROXY_NAME_RE.match(p.name)), f"pools[{i}].name",
-               f"{p.name!r} may only hold letters, digits, '-', '_', '.' and ':'")
-        _check(bool(HAPROXY_NAME_RE.match(p.backend)), f"pools[{i}].backend",
-               f"{p.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
-               "(anything else could inject HAProxy runtime-API commands)")
-        _check(p.name not in seen_names, f"pools[{i}].name", f"duplicate pool name {p.name!r}")
-        _check(p.backend not in seen_backends, f"pools[{i}].backend",
-               f"backend {p.backend!r} is already driven by another pool")
-        seen_names.add(p.name)
-        seen_backends.add(p.backend)
-        _check(bool(PROM_LABEL_RE.match(p.series_label)), f"pools[{i}].series_label",
-               f"{p.series_label!r} is not a Prometheus label name")
-        for s in p.servers:
-            _check(bool(HAPROXY_NAME_RE.match(s)), f"pools[{i}].servers.{s}",
-                   "server names may only hold letters, digits, '-', '_', '.' and ':'")
-        _check(p.peer_group_label is None or bool(PROM_LABEL_RE.match(p.peer_group_label)),
-               f"pools[{i}].peer_group_label", f"{p.peer_group_label!r} is not a Prometheus label name")
-        for g, c in p.group_speed.items():
-            _check(c > 0, f"pools[{i}].group_speed.{g}", "must be > 0 (latency relative to the pool)")
-
-
 def parse_config(data: Any) -> Config:
     """Validate a parsed YAML document into a Config."""
     cfg = _build(Config, data, "")
-    _validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -395,8 +447,14 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         text = p.read_text()
     except OSError as e:
         raise ConfigError("", f"cannot read config {p}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"cannot read config {p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("", f"{p} is not valid YAML: {e}") from e
+    except ValueError as e:  # a scalar PyYAML cannot construct: an int of 4300+ digits, a date like 2024-02-30
+        raise ConfigError("", f"{p} is not valid YAML: {e}") from e
+    except RecursionError as e:
+        raise ConfigError("", f"{p} is not valid YAML: nested too deeply") from e
     return parse_config(data)
