@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe.api-key-file", dest="probe_key_file", metavar="PATH",
                    help="file with that key, re-read at every probe (wins over --probe.api-key-env)")
     g.add_argument("--probe.startup-grace", dest="probe_grace", type=parse_duration, default="30m",
-                   metavar="DURATION", help="failures of a backend that never answered yet count as "
-                   "'starting' this long (model loading; default %(default)s)")
+                   metavar="DURATION", help="until vLLM is first ready (it refuses connections, /health is "
+                   "not 200 or /v1/models lacks the model: a model loading), failures count as 'starting', "
+                   "at most this long (default %(default)s; 0: never)")
     g.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe vLLM")
     n = p.add_argument_group("NVML collector")
     n.add_argument("--no-collector.nvml", dest="nvml", action="store_false", help="do not read GPUs via NVML")

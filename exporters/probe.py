@@ -88,31 +88,73 @@ def classify(obs: Observation, slow_threshold: float) -> str:
 class ProbeState:
     """What the prober remembers between probes."""
 
-    ever_answered: bool = False  # has the backend ever answered ok or slow
+    ever_ready: bool = False  # has the backend said it is ready, or answered ok or slow, since the start
     consecutive_failures: int = 0
     last_result: str | None = None
     last_ttft: float | None = None  # TTFT of the last ok/slow probe
 
 
-def settle(result: str, state: ProbeState, *, since_start: float, startup_grace: float | None) -> str:
-    """Turn a failure into `starting` while the backend has never answered (a model still loading).
+@dataclass(frozen=True)
+class ReadinessCheck:
+    """What asking the backend whether it is ready saw (no interpretation)."""
 
-    A CUDA error stays a CUDA error: a GPU that breaks while loading is a fault, not a cold start.
-    startup_grace (s) bounds the cold start; None waits forever.
+    error: str | None = None  # no connection, no answer within the deadline, or a broken answer
+    health_status: int | None = None  # status of GET /health
+    models_status: int | None = None  # status of GET /v1/models; None: not asked (/health was not 200)
+    models: Any = None  # the JSON body of a 2xx /v1/models answer
+
+
+def not_ready_reason(check: ReadinessCheck, model: str | None) -> str | None:
+    """Why the backend is not ready yet (a model still loading), or None when it says it is ready.
+
+    Ready, as vLLM says it: /health answers 200 and /v1/models lists the model (any model when none is
+    configured). A 401/403 from /v1/models is a server that is up and refuses our key: ready, so the
+    probe's failure counts.
     """
-    if result not in FAILURES or result == ProbeResult.CUDA_ERROR or state.ever_answered:
-        return result
-    if startup_grace is not None and since_start >= startup_grace:
-        return result
-    return ProbeResult.STARTING
+    if check.error is not None:
+        return check.error
+    if check.health_status != 200:
+        return f"/health answered {check.health_status}"
+    if check.models_status in (401, 403):
+        return None
+    if check.models_status is None or not 200 <= check.models_status < 300:
+        return f"/v1/models answered {check.models_status}"
+    ids = model_ids(check.models)
+    if model is None:
+        return None if ids else "/v1/models lists no model"
+    return None if model in ids else f"/v1/models does not list {model}"
 
 
-def advance(state: ProbeState, result: str, ttft: float | None) -> ProbeState:
-    """The state after a probe with this (settled) result."""
+def may_be_starting(state: ProbeState, *, since_start: float, startup_grace: float | None) -> bool:
+    """True while a failure may still be a cold start: the shell then asks the backend whether it is ready.
+
+    False once the backend was seen ready (or answered) since the start, and after startup_grace
+    (s; None: no bound; 0: never, failures count at once).
+    """
+    return not state.ever_ready and (startup_grace is None or since_start < startup_grace)
+
+
+def settle(result: str, state: ProbeState, *, not_ready: str | None, since_start: float,
+           startup_grace: float | None) -> str:
+    """`starting` for a failure while the backend says it is not ready (not_ready: why); else the result.
+
+    Once the backend is ready, a timeout is a timeout and garbage is garbage, answered before or not.
+    A CUDA error stays a CUDA error: a GPU that breaks while loading is a fault, not a cold start.
+    """
+    if result not in FAILURES or result == ProbeResult.CUDA_ERROR or not_ready is None:
+        return result
+    if may_be_starting(state, since_start=since_start, startup_grace=startup_grace):
+        return ProbeResult.STARTING
+    return result
+
+
+def advance(state: ProbeState, result: str, ttft: float | None, *, ready: bool = False) -> ProbeState:
+    """The state after a probe with this (settled) result; ready: the backend said it is ready."""
     if result in ANSWERED:
-        return ProbeState(ever_answered=True, consecutive_failures=0, last_result=result, last_ttft=ttft)
+        return ProbeState(ever_ready=True, consecutive_failures=0, last_result=result, last_ttft=ttft)
     failures = state.consecutive_failures + 1 if result in FAILURES else state.consecutive_failures
-    return replace(state, consecutive_failures=failures, last_result=result)
+    return replace(state, ever_ready=state.ever_ready or ready, consecutive_failures=failures,
+                   last_result=result)
 
 
 def completion_request(model: str, prompt: str, prefix: str) -> dict[str, Any]:
@@ -131,6 +173,14 @@ def sse_payload(line: bytes) -> str | None:
     if text == "" or text.startswith(":") or text.split(":", 1)[0] in ("event", "id", "retry"):
         return None
     return text
+
+
+def model_ids(models: Any) -> list[str]:
+    """Every model id a `/v1/models` answer lists."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 def pick_model(models: Any) -> str | None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from exporters.probe import Observation, completion_request, pick_model, sse_payload
+from exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,30 @@ class VllmClient:
             self.model = model
             log.info("probing model %s at %s", model, self.base_url)
             return None
+
+    async def readiness(self, session: aiohttp.ClientSession, headers: dict[str, str],
+                        deadline: float) -> ReadinessCheck:
+        """Ask the backend whether it is ready within deadline seconds: GET /health, then GET /v1/models."""
+        health: int | None = None
+        try:
+            async with asyncio.timeout(deadline):
+                async with session.get(f"{self.base_url}/health", headers=headers) as resp:
+                    health = resp.status
+                if health != 200:
+                    return ReadinessCheck(health_status=health)
+                async with session.get(f"{self.base_url}/v1/models", headers=headers) as resp:
+                    if not 200 <= resp.status < 300:
+                        return ReadinessCheck(health_status=health, models_status=resp.status)
+                    try:
+                        models = await resp.json(content_type=None)
+                    except ValueError:
+                        models = None
+                    return ReadinessCheck(health_status=health, models_status=resp.status, models=models)
+        except TimeoutError:
+            where = "/health" if health is None else "/v1/models"
+            return ReadinessCheck(error=f"{where}: no answer within {deadline:g}s", health_status=health)
+        except (aiohttp.ClientError, OSError) as e:
+            return ReadinessCheck(error=f"{type(e).__name__}: {e}", health_status=health)
 
 
 async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:

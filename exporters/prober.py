@@ -16,7 +16,17 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporters.probe import ANSWERED, RESULTS, Observation, ProbeState, advance, classify, settle
+from exporters.probe import (
+    ANSWERED,
+    RESULTS,
+    Observation,
+    ProbeState,
+    advance,
+    classify,
+    may_be_starting,
+    not_ready_reason,
+    settle,
+)
 from exporters.probehttp import VllmClient
 from grayguard.vocab import ProbeResult
 
@@ -38,7 +48,9 @@ class ProbeConfig:
     prompt: str = "The capital of France is"
     api_key_env: str | None = "VLLM_API_KEY"  # environment variable holding vLLM's --api-key
     api_key_file: str | None = None  # file holding it (re-read every probe; wins over the variable)
-    startup_grace: float | None = 1800.0  # a never-answering backend counts as starting this long (s)
+    # a backend not ready yet (refused, /health not 200, model not in /v1/models) counts as starting at most
+    # this long (s) after the start; None: no bound; 0: never starting (failures count at once)
+    startup_grace: float | None = 1800.0
 
 
 class Prober:
@@ -154,16 +166,26 @@ class Prober:
                                      timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
 
     async def _probe_and_record(self, session: aiohttp.ClientSession) -> str:
-        obs = await self.observe(session)
-        return self._record(obs)
+        since = self._clock() - self._started
+        # Until the backend is first seen ready, ask it whether it is ready (not whether it ever answered a
+        # probe): a ready vLLM that hangs or answers garbage is a fault from the first probe. Asked before
+        # the probe, so that a backend turning ready in between is probed ready, not reported broken.
+        asked = may_be_starting(self.state, since_start=since, startup_grace=self.config.startup_grace)
+        headers = self._headers()  # the API key is read once per probe
+        not_ready = None
+        if asked:
+            check = await self.client.readiness(session, headers, self.config.deadline)
+            not_ready = not_ready_reason(check, self.client.model)
+        obs = await self.client.observe(session, headers, self.config.deadline)
+        raw = classify(obs, self.config.slow_threshold)
+        return self._record(obs, raw, since, not_ready, ready=asked and not_ready is None)
 
-    def _record(self, obs: Observation) -> str:
+    def _record(self, obs: Observation, raw: str, since: float, not_ready: str | None, *, ready: bool) -> str:
         with self._cond:
             previous = self._state
-            raw = classify(obs, self.config.slow_threshold)
-            result = settle(raw, previous, since_start=self._clock() - self._started,
+            result = settle(raw, previous, not_ready=not_ready, since_start=since,
                             startup_grace=self.config.startup_grace)
-            self._state = advance(previous, result, obs.ttft)
+            self._state = advance(previous, result, obs.ttft, ready=ready)
             self._count += 1
             self._last_ts = self._wall()
             self.results.labels(result).inc()
@@ -172,8 +194,11 @@ class Prober:
             self._cond.notify_all()
         if result != previous.last_result:
             level = logging.WARNING if result not in ANSWERED and result != ProbeResult.STARTING else logging.INFO
-            log.log(level, "probe %s: %s (was %s)%s", self.base_url, result, previous.last_result,
-                    f": {obs.connect_error or obs.body[:200]}" if obs.connect_error or obs.body else "")
+            if result == ProbeResult.STARTING:
+                why = f": not ready ({not_ready})"
+            else:
+                why = f": {obs.connect_error or obs.body[:200]}" if obs.connect_error or obs.body else ""
+            log.log(level, "probe %s: %s (was %s)%s", self.base_url, result, previous.last_result, why)
         return result
 
     def _api_key(self) -> str | None:
@@ -190,11 +215,14 @@ class Prober:
 
     async def observe(self, session: aiohttp.ClientSession) -> Observation:
         """One probe under the deadline (see VllmClient.observe), with the probe headers and API key."""
+        return await self.client.observe(session, self._headers(), self.config.deadline)
+
+    def _headers(self) -> dict[str, str]:
         headers = {"X-LLM-Probe": "true", "Accept": "text/event-stream"}
         key = self._api_key()
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        return await self.client.observe(session, headers, self.config.deadline)
+        return headers
 
 
 class _StateCollector:

@@ -14,11 +14,15 @@ from exporters.probe import (
     RESULTS,
     Observation,
     ProbeState,
+    ReadinessCheck,
     advance,
     classify,
     completion_request,
     judge_event,
+    may_be_starting,
     mentions_cuda,
+    model_ids,
+    not_ready_reason,
     pick_model,
     sane_text,
     settle,
@@ -88,27 +92,65 @@ def test_mentions_cuda(text, cuda):
     assert mentions_cuda(text) is cuda
 
 
-def test_starting_until_the_backend_has_answered_once():
+def test_starting_only_while_the_backend_says_it_is_not_ready():
     state = ProbeState()
     for raw in ("connect_error", "http_error", "timeout", "bad_response"):
-        assert settle(raw, state, since_start=60, startup_grace=None) == "starting"
-    assert settle("cuda_error", state, since_start=60, startup_grace=None) == "cuda_error"
+        assert settle(raw, state, not_ready="/health answered 503", since_start=60, startup_grace=None) == "starting"
+        assert settle(raw, state, not_ready=None, since_start=60, startup_grace=None) == raw  # ready: a fault
+    assert settle("cuda_error", state, not_ready="/health answered 503", since_start=60,
+                  startup_grace=None) == "cuda_error"
     state = advance(state, "starting", None)
-    assert state.consecutive_failures == 0 and not state.ever_answered
+    assert state.consecutive_failures == 0 and not state.ever_ready
+    ready = advance(state, "timeout", None, ready=True)  # it said it is ready, then hung: a fault, and sticky
+    assert ready.ever_ready and ready.consecutive_failures == 1
+    assert not may_be_starting(ready, since_start=61, startup_grace=None)
     state = advance(state, "ok", 0.05)
-    assert state.ever_answered and state.last_ttft == 0.05
-    assert settle("connect_error", state, since_start=61, startup_grace=None) == "connect_error"
+    assert state.ever_ready and state.last_ttft == 0.05
+    assert settle("connect_error", state, not_ready="ConnectionRefusedError", since_start=61,
+                  startup_grace=None) == "connect_error"
 
 
 def test_startup_grace_ends_the_cold_start():
     state = ProbeState()
-    assert settle("timeout", state, since_start=10, startup_grace=30) == "starting"
-    assert settle("timeout", state, since_start=30, startup_grace=30) == "timeout"
-    assert settle("slow", state, since_start=0, startup_grace=30) == "slow"
+    why = "ClientConnectorError: refused"
+    assert settle("timeout", state, not_ready=why, since_start=10, startup_grace=30) == "starting"
+    assert settle("timeout", state, not_ready=why, since_start=30, startup_grace=30) == "timeout"
+    assert settle("slow", state, not_ready=why, since_start=0, startup_grace=30) == "slow"
+    assert not may_be_starting(state, since_start=0, startup_grace=0)  # 0: never starting (canaries), never asked
+    assert may_be_starting(state, since_start=10, startup_grace=30)
+    assert not may_be_starting(state, since_start=30, startup_grace=30)
+    assert may_be_starting(state, since_start=1e9, startup_grace=None)
+
+
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model"}, {"id": "lora-a", "object": "model"}]}
+
+
+@pytest.mark.parametrize("check,model,reason", [
+    (ReadinessCheck(health_status=200, models_status=200, models=MODELS), None, None),
+    (ReadinessCheck(health_status=200, models_status=200, models=MODELS), "lora-a", None),
+    (ReadinessCheck(health_status=200, models_status=200, models=MODELS), "other", "/v1/models does not list other"),
+    (ReadinessCheck(health_status=200, models_status=200, models={"object": "list", "data": []}), None,
+     "/v1/models lists no model"),
+    (ReadinessCheck(health_status=200, models_status=200, models=None), None, "/v1/models lists no model"),
+    (ReadinessCheck(health_status=503), None, "/health answered 503"),
+    (ReadinessCheck(health_status=200, models_status=503), None, "/v1/models answered 503"),
+    (ReadinessCheck(health_status=200, models_status=401), "m", None),  # up, refuses the key: ready
+    (ReadinessCheck(error="ClientConnectorError: refused"), None, "ClientConnectorError: refused"),
+    (ReadinessCheck(error="/v1/models: no answer within 2s", health_status=200), None,
+     "/v1/models: no answer within 2s"),
+])
+def test_not_ready_reason(check, model, reason):
+    assert not_ready_reason(check, model) == reason
+
+
+def test_model_ids():
+    assert model_ids(MODELS) == ["m", "lora-a"]
+    assert model_ids({"data": [{"name": "x"}, 3, {"id": "y"}]}) == ["y"]
+    assert model_ids([]) == [] and model_ids({"data": None}) == []
 
 
 def test_consecutive_failures_count_failures_only_and_reset_on_answers():
-    state = ProbeState(ever_answered=True)
+    state = ProbeState(ever_ready=True)
     for result, expected in [("timeout", 1), ("cuda_error", 2), ("http_error", 3), ("slow", 0),
                              ("bad_response", 1), ("connect_error", 2), ("ok", 0)]:
         state = advance(state, result, 0.5 if result in ANSWERED else None)
