@@ -1,10 +1,11 @@
 # `make test` and `make demo` work from a fresh clone: they create .venv and install the Debian
-# packages the tests drive for real (haproxy, prometheus + promtool, alertmanager + amtool).
+# packages the tests drive for real (haproxy, prometheus + promtool, alertmanager + amtool, victoria-metrics:
+# victoria-metrics, vmagent, vmalert, vmauth).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEBS := haproxy prometheus prometheus-alertmanager
+DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics
 
 .PHONY: test demo lint unit deps venv bench clean
 
@@ -22,6 +23,7 @@ deps:
 	command -v haproxy >/dev/null 2>&1 || missing="$$missing haproxy"; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v amtool >/dev/null 2>&1 || missing="$$missing prometheus-alertmanager"; \
+	command -v vmalert >/dev/null 2>&1 || missing="$$missing victoria-metrics"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \

@@ -14,6 +14,10 @@ DEBIAN_PACKAGES = {
     "prometheus-alertmanager": "prometheus-alertmanager",
     "amtool": "prometheus-alertmanager",
     "haproxy": "haproxy",
+    "victoria-metrics": "victoria-metrics",
+    "vmagent": "victoria-metrics",
+    "vmalert": "victoria-metrics",
+    "vmauth": "victoria-metrics",
 }
 
 
