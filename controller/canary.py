@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from controller.policy import NodeState, canary_due
 from grayguard.config import RecoveryConfig
+from grayguard.redact import redact_url
 from grayguard.vocab import IN_ROTATION
 
 log = logging.getLogger("grayguard.canary")
@@ -51,6 +52,22 @@ def canary_estimate(node_ttft: float | None, peer_ttfts: Sequence[float | None],
     return statistics.median(peer_emas) * node_ttft / statistics.median(ref)
 
 
+def node_url(address: str) -> str:
+    """The base URL of a server address "host:port": an IPv6 host is bracketed, with or without brackets given.
+
+    "10.0.0.1:8000" -> http://10.0.0.1:8000; "::1:8000" and "[::1]:8000" -> http://[::1]:8000;
+    "fe80::1%eth0:8000" -> http://[fe80::1%25eth0]:8000 (RFC 6874 zone); "node1:8000" -> http://node1:8000.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():  # no port at all: the address is the host
+        host, port = address, ""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if ":" in host:  # IPv6: the last colon separates the port, the others belong to the address
+        host = "[" + host.replace("%25", "%").replace("%", "%25") + "]"
+    return f"http://{host}:{port}" if port else f"http://{host}"
+
+
 def make_canary(r: RecoveryConfig):
     """A canary function: base URL -> time to first token (s) of an ok/slow answer, or None on any failure.
 
@@ -63,16 +80,25 @@ def make_canary(r: RecoveryConfig):
 
     cfg = ProbeConfig(deadline=r.canary_timeout_s, slow_threshold=r.canary_timeout_s, model=r.canary_model,
                       api_key_env=r.canary_api_key_env, startup_grace=0.0)
-    probers: dict[str, Prober] = {}  # one per URL: the discovered model is reused
+    probers: dict[str, tuple[Prober, threading.Lock]] = {}  # one per URL: the discovered model is reused
     lock = threading.Lock()
 
     def canary(base_url: str) -> float | None:
         with lock:
-            p = probers.get(base_url) or probers.setdefault(base_url, Prober(base_url, cfg))
-        result = p.run_once()
+            p, busy = probers.get(base_url) or probers.setdefault(base_url, (Prober(base_url, cfg), threading.Lock()))
+        if not busy.acquire(blocking=False):
+            # an earlier canary to this URL still runs (the tick stopped waiting for it): a prober of its own,
+            # so that neither reads the other's TTFT, and this one is not queued behind a hung request
+            p, busy = Prober(base_url, cfg), threading.Lock()
+            busy.acquire()
+        try:
+            result = p.run_once()  # bounded: the prober's deadline is canary_timeout_s
+            ttft = p.state.last_ttft
+        finally:
+            busy.release()
         if result not in ANSWERED:
-            log.info("canary %s: %s", base_url, result)
+            log.info("canary %s: %s", redact_url(base_url), result)
             return None
-        return p.state.last_ttft
+        return ttft
 
     return canary

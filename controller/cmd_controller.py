@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 
 from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from controller.loop import Controller, TickResult
 from controller.metrics import ControllerMetrics
-from controller.statefile import StateFile
+from controller.statefile import StateFile, StateLock, StateLockError
 from grayguard.config import Config, ConfigError, load_config
-from grayguard.promclient import PrometheusClient
+from grayguard.httpserve import parse_address
+from grayguard.promclient import PrometheusClient, build_session_headers, tls_settings
+from grayguard.redact import redact_url
 
 HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
 DESCRIPTION = """\
@@ -22,7 +27,8 @@ Every tick (tick_interval_s) the controller reads each HAProxy's `show servers s
 per-node normalized latency from Prometheus, scores each node against its peers, moves it through
 healthy -> degraded -> quarantined -> canary -> slow_start -> healthy, and writes only the weight and
 state differences to every configured HAProxy. When Prometheus is unreachable or its data is stale
-it holds every weight. Serves /metrics and /status on listen_address.
+it holds every weight. Serves /metrics and /status on listen_address. Alert rules are re-rendered by
+a job of their own, off the tick. One controller per state file: a second one exits 2 (state_file.lock).
 
 examples:
   grayguard controller --config grayguard.yaml --check          # validate the config and exit
@@ -45,15 +51,30 @@ def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetr
     """A Controller wired to the real Prometheus, HAProxy and canary adapters."""
     from controller.canary import make_canary  # local: pulls in the exporter's probe code
 
+    metrics = metrics or ControllerMetrics.create()
     return Controller(
         cfg,
         PrometheusClient(cfg.prometheus),
         [RuntimeClient(ep, cfg.haproxy.timeout_s) for ep in cfg.haproxy.endpoints],
         canary=make_canary(cfg.recovery),
         metrics=metrics,
-        state_file=StateFile(cfg.state_file) if cfg.state_file else None,
+        state_file=StateFile(cfg.state_file, save_errors=metrics.state_save_errors) if cfg.state_file else None,
         dry_run=dry_run,
     )
+
+
+def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
+    """What the config file alone cannot show, checked by --check and at startup: the environment variables
+    and files it names exist and load, and the state file's directory can exist. ConfigError names the field."""
+    build_session_headers(cfg.prometheus, os.environ if environ is None else environ)  # headers_env, *_env, token
+    tls_settings(cfg.prometheus)  # ca_file, cert_file, key_file
+    if cfg.state_file:
+        path = Path(cfg.state_file)
+        if path.is_dir():
+            raise ConfigError("state_file", f"{path} is a directory")
+        parent = next((a for a in path.parents if a.exists()), None)  # the first ancestor that exists
+        if parent is not None and not parent.is_dir():
+            raise ConfigError("state_file", f"{parent} is not a directory, so {path} cannot be written")
 
 
 def startup_checks(ctl: Controller) -> list[str]:
@@ -97,9 +118,40 @@ def print_plan(result: TickResult, out=sys.stdout) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
+        if args.listen_address:
+            try:
+                parse_address(args.listen_address)
+            except ValueError as e:
+                raise ConfigError("--listen-address", str(e)) from None
+        preflight(cfg)
         if args.check:
             print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")
             return 0
+    except ConfigError as e:
+        print(f"grayguard: config error: {e}", file=sys.stderr)
+        return 2
+    lock = None
+    if cfg.state_file and not args.dry_run:  # a dry run writes nothing: it needs no lock
+        try:
+            lock = StateLock(cfg.state_file).acquire()
+        except StateLockError as e:
+            print(f"grayguard: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"grayguard: state_file: cannot lock {cfg.state_file}.lock: {e.strerror or e}", file=sys.stderr)
+            return 2
+    elif not cfg.state_file and not args.dry_run:
+        log.warning("state_file is null: nothing stops a second controller on this host from driving the same "
+                    "backends")
+    try:
+        return _run_locked(args, cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
+    try:
         ctl = build_controller(cfg, dry_run=args.dry_run)
     except ConfigError as e:
         print(f"grayguard: config error: {e}", file=sys.stderr)
@@ -116,49 +168,68 @@ def run(args: argparse.Namespace) -> int:
         srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status)
         log.info("serving /metrics and /status on %s", args.listen_address or cfg.listen_address)
     stop = threading.Event()
-    run_loop(ctl, cfg.tick_interval_s, stop, rerender=make_rerender(cfg))
+    run_loop(ctl, cfg.tick_interval_s, stop, rerender=make_rerender(cfg, ctl.metrics))
     if srv:
         srv.shutdown()
     return 0
 
 
-def make_rerender(cfg: Config):
-    """The periodic alert-rule re-render (every rules.rerender_interval_s), or None when it is off."""
+def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Callable[[], None] | None:
+    """The alert-rule re-render run_loop schedules every rules.rerender_interval_s, or None when it is off."""
     if cfg.rules.rerender_interval_s <= 0:
         return None
     from rules.rerender import RuleRerenderer
     rr = RuleRerenderer(cfg)
-    log.info("re-rendering alert rules into %s every %gs", rr.out_dir, cfg.rules.rerender_interval_s)
+    log.info("re-rendering alert rules into %s every %gs, off the tick; reload: %s", rr.out_dir,
+             cfg.rules.rerender_interval_s, rr.reload_url and "POST " + str(redact_url(rr.reload_url)) or "none")
 
     def rerender() -> None:
-        res = rr.maybe_rerender()
+        res = rr.rerender()  # the scheduler decides when: no due() check that an early wake-up would fail
+        if res.reload_error and metrics is not None:
+            metrics.rules_reload_errors.labels(res.reload_error).inc()
         if res.error:
             log.warning("rules: %s", res.error)
         elif res.changed:
-            log.info("rules: rewrote %s; Prometheus reloaded: %s", ", ".join(res.files), res.reloaded)
+            log.info("rules: rewrote %s; reloaded: %s", ", ".join(res.files), res.reloaded)
 
     return rerender
 
 
-def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender=None) -> None:
-    """Tick on APScheduler until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped."""
+def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender: Callable[[], None] | None = None,
+             rerender_interval_s: float | None = None) -> None:
+    """Tick on APScheduler until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped.
+
+    The alert re-render (promtool may take a minute, a reload may time out) is a job of its own, every
+    rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never overlaps itself.
+    """
     from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
     from apscheduler.schedulers.background import BackgroundScheduler
 
     def job() -> None:
         try:
             ctl.tick()
-            if rerender is not None:
-                rerender()
         except Exception:  # a bug must not kill the loop; it is logged and counted
             ctl.metrics.ticks.labels("error").inc()
             log.exception("tick failed")
 
+    def rerender_job() -> None:
+        try:
+            rerender()  # type: ignore[misc]
+        except Exception:  # a bug in the re-render must not stop the next one (or the ticks)
+            log.exception("alert rule re-render failed")
+
+    def skipped(ev) -> None:
+        if ev.job_id == "tick":  # a skipped re-render is no skipped tick
+            ctl.metrics.ticks.labels("skipped").inc()
+
     sched = BackgroundScheduler(job_defaults={"max_instances": 1, "coalesce": True,
                                               "misfire_grace_time": max(1, int(interval_s / 2))})
-    sched.add_listener(lambda ev: ctl.metrics.ticks.labels("skipped").inc(),
-                       EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
+    sched.add_listener(skipped, EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
     sched.add_job(job, "interval", seconds=interval_s, id="tick", next_run_time=datetime.now(UTC))
+    every = ctl.cfg.rules.rerender_interval_s if rerender_interval_s is None else rerender_interval_s
+    if rerender is not None and every > 0:
+        sched.add_job(rerender_job, "interval", seconds=every, id="rerender", next_run_time=datetime.now(UTC),
+                      misfire_grace_time=max(1, int(every / 2)))
     sched.start()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from controller import canary
 from controller.haproxy import ServerState
 from controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pool
+from controller.scoring import usable
 from grayguard.config import PoolConfig
 from grayguard.promclient import Sample, finite
+
+POOL_LABEL = "pool"  # the target label that names a series' pool (README: Prometheus requirements)
 
 # the optional signals (signals.<name>_query); a failing or empty one is absent, never zero
 OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
@@ -35,7 +38,7 @@ class CanaryRound:
 class PoolObservation:
     """What the shell saw of one pool this tick."""
 
-    servers: Mapping[str, ServerState]  # the first HAProxy endpoint that answered: server -> state
+    servers: Mapping[str, ServerState]  # the tier's view of every HAProxy endpoint that answered (plan.tier_view)
     prev: Mapping[str, NodeState]  # the states after the previous tick
     canaries: Sequence[CanaryRound] = ()
 
@@ -45,9 +48,12 @@ class Observation:
     """Everything one tick decides on; pools without an observation (no backend) are not decided."""
 
     now: float
-    samples: Mapping[str, Sequence[Sample]]  # "latency" and "rate"
+    # "latency" and "rate"; "latency_timestamp" and "rate_timestamp" (optional): `timestamp()` of the same
+    # queries, each sample's value the time of the data and its timestamp Prometheus' evaluation time
+    samples: Mapping[str, Sequence[Sample]]
     optional: Mapping[str, Sequence[Sample]]  # OPTIONAL name -> samples; a missing name is absent
     pools: Mapping[str, PoolObservation]  # pool name -> observation
+    max_age_s: float = math.inf  # stale_after_s: older data is no data
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,99 @@ class PoolOutcome:
     canaries: list[tuple[str, str]] = field(default_factory=list)  # (node, failed|measured|no_reference)
 
 
-def series_key(pool: PoolConfig, server: ServerState) -> str:
-    """The node's value of the pool's series label in Prometheus (pools[].servers.<n>.series, or its address)."""
+def series_keys(pool: PoolConfig, server: ServerState) -> tuple[str, ...]:
+    """The values of the pool's series label that name this node: pools[].servers.<n>.series, else its
+    hostname:port (a server configured by name, srv_fqdn) and its address ([v6]:port for IPv6)."""
     o = pool.servers.get(server.name)
-    return o.series if o and o.series else server.address
+    if o and o.series:
+        return (o.series,)
+    port = server.address.rpartition(":")[2]
+    return (f"{server.fqdn}:{port}", server.address) if server.fqdn else (server.address,)
+
+
+def series_key(pool: PoolConfig, server: ServerState) -> str:
+    """The node's first series key (series_keys): the one its metrics are labelled with."""
+    return series_keys(pool, server)[0]
+
+
+NO_DATA_REASONS = ("conflict", "stale", "unmatched", "idle")  # why a node has no usable data (PoolData.without)
+
+
+@dataclass(frozen=True)
+class PoolData:
+    """The pool's own latency and request-rate samples matched to its servers, and which nodes have no data."""
+
+    latency: dict[str, float]  # node -> value: one series of the pool, fresh
+    rate: dict[str, float]
+    with_data: tuple[str, ...]  # nodes the controller can score (fresh latency, enough requests)
+    # node -> why it has no usable data: conflict (two series for its key), stale (older than stale_after_s,
+    # or of unknown age), unmatched (no series of the pool names it), idle (no latency, or too few requests)
+    without: dict[str, str]
+    held: str | None = None  # why the pool holds every weight (not one node has fresh data), None: decide
+
+
+def _ident(labels: Mapping[str, str]) -> frozenset:
+    return frozenset((k, v) for k, v in labels.items() if k != "__name__")  # timestamp() drops the name
+
+
+def own_series(pool: PoolConfig, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+    """The pool's own samples by series key: a series labelled with another pool is never this pool's (a
+    global view shares `instance` values across pools); one without a `pool` label is matched by key alone."""
+    out: dict[str, list[Sample]] = {}
+    for s in samples:
+        key = s.labels.get(pool.series_label)
+        if key is not None and s.labels.get(POOL_LABEL, pool.name) == pool.name:
+            out.setdefault(key, []).append(s)
+    return out
+
+
+def _matched(by_key: Mapping[str, list[Sample]], keys: Sequence[str]) -> list[Sample]:
+    return [s for k in dict.fromkeys(keys) for s in by_key.get(k, ())]
+
+
+def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
+              max_age_s: float = math.inf, min_request_rate: float = 0.0) -> PoolData:
+    """Match the pool's latency and rate series to its servers; drop what cannot be trusted.
+
+    A node with two series for its key has no data (which one is its own is a guess); a series older than
+    max_age_s (its age: Prometheus' evaluation time minus the data's own timestamp, both Prometheus' clock)
+    is no data; a pool where not one node has a fresh series holds.
+    """
+    vals: dict[str, dict[str, float]] = {"latency": {}, "rate": {}}
+    without: dict[str, str] = {}
+    for name in ("latency", "rate"):
+        by_key = own_series(pool, samples.get(name, ()))
+        ts = samples.get(f"{name}_timestamp")
+        ages = None if ts is None else {_ident(s.labels): s.timestamp - s.value for s in ts}
+        for n, srv in servers.items():
+            got = _matched(by_key, series_keys(pool, srv))
+            if len(got) > 1:
+                without[n] = "conflict"
+            elif got and without.get(n) != "conflict":
+                age = 0.0 if ages is None else ages.get(_ident(got[0].labels))
+                if age is None or not age <= max_age_s:  # unknown (or NaN) age is not trusted either
+                    without[n] = "stale"
+                else:
+                    vals[name][n] = got[0].value
+    with_data = []
+    for n in servers:
+        if n in without:
+            vals["latency"].pop(n, None)
+            vals["rate"].pop(n, None)
+        elif n not in vals["latency"] and n not in vals["rate"]:
+            without[n] = "unmatched"
+        elif usable(vals["latency"].get(n)) and vals["rate"].get(n, math.inf) >= min_request_rate:
+            with_data.append(n)
+        else:
+            without[n] = "idle"
+    fresh = set(vals["latency"]) | set(vals["rate"])
+    held = None
+    if servers and not fresh:
+        what = {"stale": f"stale: data older than {max_age_s:g}s or of unknown age", "conflict": "conflict: two "
+                "series for one node", "unmatched": "unmatched: no series of the pool names the server"}
+        counts = {r: sum(1 for v in without.values() if v == r) for r in what}
+        held = "no node has fresh data (" + "; ".join(f"{c} {what[r]}" for r, c in counts.items() if c) + ")"
+    return PoolData(vals["latency"], vals["rate"], tuple(with_data), dict(sorted(without.items())), held)
 
 
 def canary_groups(pool: PoolConfig, servers: Mapping[str, ServerState]) -> dict[str, str | None]:
@@ -85,35 +180,43 @@ def canary_estimates(rounds: Sequence[CanaryRound], prev: Mapping[str, NodeState
     return est, outcomes
 
 
-def signal_maps(pool: PoolConfig, optional: Mapping[str, Sequence[Sample]]) -> dict[str, dict]:
-    """Series key -> value for every optional signal (probe_result and peer_group map to label values)."""
+def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState],
+                optional: Mapping[str, Sequence[Sample]]) -> dict[str, dict]:
+    """Node -> value for every optional signal (probe_result and peer_group map to label values), from the
+    pool's own series; a node with two series for one signal has none (absent, never a guess)."""
     out: dict[str, dict] = {}
     for name in OPTIONAL:
         samples = optional.get(name, [])
         if name == "probe_result":
-            out[name] = {s.labels.get(pool.series_label): s.labels.get("result") for s in samples if s.value == 1}
-        elif name == "peer_group":
-            lbl = pool.peer_group_label
-            out[name] = {s.labels.get(pool.series_label): s.labels.get(lbl) for s in samples} if lbl else {}
-        else:
-            out[name] = {s.labels.get(pool.series_label): s.value for s in samples}
+            samples = [s for s in samples if s.value == 1]
+        if name == "peer_group" and not pool.peer_group_label:
+            samples = []
+        by_key = own_series(pool, samples)
+        out[name] = {}
+        for n, srv in servers.items():
+            got = _matched(by_key, series_keys(pool, srv))
+            if len(got) == 1:
+                v = got[0]
+                out[name][n] = (v.labels.get("result") if name == "probe_result" else
+                                v.labels.get(pool.peer_group_label or "") if name == "peer_group" else v.value)
     return out
 
 
 def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
-                optional: Mapping[str, Sequence[Sample]], canaries: Mapping[str, float]) -> dict[str, NodeInput]:
-    """The policy's input for every server of the pool, matched to the samples by series key."""
-    lat = {s.labels.get(pool.series_label): s.value for s in samples["latency"]}
-    rate = {s.labels.get(pool.series_label): s.value for s in samples["rate"]}
-    sig = signal_maps(pool, optional)
+                optional: Mapping[str, Sequence[Sample]], canaries: Mapping[str, float],
+                data: PoolData | None = None) -> dict[str, NodeInput]:
+    """The policy's input for every server of the pool, matched to the pool's own samples by series key."""
+    data = data or pool_data(pool, servers, samples)
+    lat, rate = data.latency, data.rate  # by node
+    sig = signal_maps(pool, servers, optional)  # by node
     inputs = {}
     for n, s in servers.items():
-        key = series_key(pool, s)
+        key = n  # every map above is by node name (pool_data and signal_maps match series keys)
         o = pool.servers.get(n)
         inputs[n] = NodeInput(
             base_weight=s.initial_weight, latency=lat.get(key), request_rate=rate.get(key),
             peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
-            canary=canaries.get(n), hold=s.maint,
+            canary=canaries.get(n), hold=s.maint, down=s.down, haproxy_weight=s.weight, haproxy_drain=s.drain,
             probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
             probe_failures=_int(sig["probe_failures"].get(key)),
             error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),
@@ -130,8 +233,12 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
         po = obs.pools.get(pool.name)
         if po is None:
             continue
+        data = pool_data(pool, po.servers, obs.samples, obs.max_age_s,
+                         policies[pool.name].thresholds.min_request_rate)
+        if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
+            continue
         est, outcomes = canary_estimates(po.canaries, po.prev)
-        inputs = node_inputs(pool, po.servers, obs.samples, obs.optional, est)
+        inputs = node_inputs(pool, po.servers, obs.samples, obs.optional, est, data)
         d = decide_pool(po.prev, inputs, policies[pool.name], obs.now)
         out[pool.name] = PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
     return out

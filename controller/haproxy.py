@@ -9,6 +9,7 @@ newline in a backend or server name would inject commands.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 
 from grayguard.config import HAPROXY_NAME_RE
@@ -51,11 +52,12 @@ class ServerState:
 
     backend: str
     name: str
-    address: str  # host:port
+    address: str  # host:port, an IPv6 host in brackets ([::1]:8000), as Prometheus' `instance` writes it
     weight: int  # current (user) weight
     initial_weight: int
     admin_state: int
     op_state: int
+    fqdn: str | None = None  # the hostname the server is configured by (srv_fqdn), None for an address
 
     @property
     def drain(self) -> bool:
@@ -64,6 +66,11 @@ class ServerState:
     @property
     def maint(self) -> bool:
         return bool(self.admin_state & MAINT_MASK)
+
+    @property
+    def down(self) -> bool:
+        """DOWN by its health check: srv_op_state 0 (stopped) while not in MAINT (MAINT stops it too)."""
+        return self.op_state == 0 and not self.maint
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,11 @@ def classify_reply(reply: str) -> tuple[bool, str]:
     return False, "rejected"
 
 
+def host_port(host: str, port: str) -> str:
+    """host:port as a URL or Prometheus' `instance` writes it: an IPv6 host in brackets ([::1]:8000)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_servers_state(text: str) -> list[ServerState]:
     """Parse `show servers state` output (format version 1)."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -124,9 +136,10 @@ def parse_servers_state(text: str) -> list[ServerState]:
         f = dict(zip(header, ln.split(), strict=False))
         try:
             out.append(ServerState(
-                backend=f["be_name"], name=f["srv_name"], address=f"{f['srv_addr']}:{f['srv_port']}",
+                backend=f["be_name"], name=f["srv_name"], address=host_port(f["srv_addr"], f["srv_port"]),
                 weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
-                admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"])))
+                admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"]),
+                fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"]))
         except (KeyError, ValueError) as e:
             raise HaproxyError("bad_reply", f"cannot parse server state line {ln!r}: {e}") from e
     return out
@@ -140,11 +153,13 @@ def parse_backend_algos(csv_text: str) -> dict[str, str]:
     cols = lines[0][2:].split(",")
     if "algo" not in cols:
         return {}
+    if "pxname" not in cols or "svname" not in cols:
+        raise HaproxyError("bad_reply", "`show stat` reply has no pxname/svname column")
     i_px, i_sv, i_algo = cols.index("pxname"), cols.index("svname"), cols.index("algo")
     out = {}
     for ln in lines[1:]:
         f = ln.split(",")
-        if len(f) > i_algo and f[i_sv] == "BACKEND":
+        if len(f) > max(i_px, i_sv, i_algo) and f[i_sv] == "BACKEND":
             out[f[i_px]] = f[i_algo]
     return out
 
@@ -156,36 +171,54 @@ class RuntimeClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
 
-    def _connect(self) -> socket.socket:
+    def _remaining(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HaproxyError("timeout", f"HAProxy at {self.endpoint} did not finish within {self.timeout_s:g}s")
+        return left
+
+    def _connect(self, deadline: float) -> socket.socket:
         ep = self.endpoint
+        s, left = None, self._remaining(deadline)
         try:
             if ep.startswith("unix:") or ep.startswith("/"):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(self.timeout_s)
+                s.settimeout(left)
                 s.connect(ep.removeprefix("unix:"))
             else:
                 host, _, port = ep.rpartition(":")
-                s = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
-                s.settimeout(self.timeout_s)
-        except OSError as e:
+                s = socket.create_connection((host.strip("[]"), int(port)), timeout=left)
+        except (OSError, ValueError, OverflowError) as e:  # a bad port is a ValueError or OverflowError
+            if s is not None:
+                s.close()
             raise HaproxyError("connect", f"cannot connect to HAProxy at {ep}: {e}") from e
         return s
 
     def execute(self, lines: list[str]) -> list[str]:
-        """Send lines over one interactive connection; return one reply per line."""
+        """Send lines over one interactive connection; return one reply per line.
+
+        Connect, send and read share one deadline of timeout_s: a socket timeout bounds each recv, not the
+        call, so an endpoint that trickles a byte at a time would otherwise hold the tick for ever.
+        """
         for ln in lines:
             if "\n" in ln or "\r" in ln or ";" in ln:
                 raise HaproxyError("unsafe_name", f"refusing command with a separator: {ln!r}")
         payload = "prompt\n" + "".join(ln + "\n" for ln in lines) + "quit\n"
-        sock = self._connect()
+        deadline = time.monotonic() + self.timeout_s
+        sock = self._connect(deadline)
         chunks = []
         try:
-            sock.sendall(payload.encode())
+            sock.settimeout(self._remaining(deadline))
+            sock.sendall(payload.encode())  # the timeout bounds sendall as a whole
             while True:
+                sock.settimeout(self._remaining(deadline))
                 data = sock.recv(65536)
                 if not data:
                     break
                 chunks.append(data)
+        except TimeoutError as e:
+            raise HaproxyError("timeout", f"HAProxy at {self.endpoint} did not finish within "
+                               f"{self.timeout_s:g}s") from e
         except OSError as e:
             raise HaproxyError("io", f"HAProxy at {self.endpoint} failed mid-batch: {e}") from e
         finally:

@@ -8,7 +8,9 @@ restarted HAProxy or a lost write is repaired on the next tick. When the data ca
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from controller import canary, decide
+from controller.clock import SteadyClock
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.metrics import ControllerMetrics
-from controller.plan import Change, plan_backend
-from controller.policy import NodeState, Policy, PoolDecision
+from controller.plan import Change, plan_backend, tier_view
+from controller.policy import NodeState, Policy, PoolDecision, pool_policies
 from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
@@ -29,6 +32,7 @@ log = logging.getLogger("grayguard.controller")
 
 # canary(base_url) -> time to first token in seconds, or None when the request failed.
 CanaryFn = Callable[[str], "float | None"]
+CANARY_MARGIN_S = 1.0  # the tick waits for its canaries at most recovery.canary_timeout_s + this
 
 
 @dataclass
@@ -47,23 +51,24 @@ class Controller:
 
     def __init__(self, cfg: Config, prom: PrometheusClient, haproxies: list[RuntimeClient],
                  canary: CanaryFn | None = None, metrics: ControllerMetrics | None = None,
-                 state_file: StateFile | None = None, clock: Callable[[], float] = time.time,
+                 state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
                  dry_run: bool = False):
         self.cfg = cfg
         self.policy = Policy(cfg.thresholds, cfg.recovery)
-        self.policies = {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed)) for p in cfg.pools}
+        self.policies = pool_policies(cfg)  # the same builder as replay
         self.prom = prom
         self.haproxies = haproxies
         self.canary = canary
         self.metrics = metrics or ControllerMetrics.create()
         self.state_file = state_file
-        self.clock = clock
+        self.clock = clock or SteadyClock()  # durations follow the monotonic clock, not wall-clock steps
         self.dry_run = dry_run
         self.states: dict[str, dict[str, NodeState]] = state_file.load() if state_file else {}
         self.last_decisions: dict[str, PoolDecision] = {}
         self.last_tick: float | None = None
         self.warned: set[str] = set()
         self._reason_series: dict[tuple[str, str], tuple[str, str]] = {}
+        self._no_data: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, reason) -> nodes last reported
 
     # ---- observe -------------------------------------------------------------------------------
     def read_haproxy(self, result: TickResult) -> dict[str, dict[str, dict[str, ServerState]]]:
@@ -99,21 +104,65 @@ class Controller:
             return dict(zip(queries, ex.map(one, queries.values()), strict=True))
 
     def read_prometheus(self) -> tuple[dict[str, list[Sample]], str | None]:
-        """Latency and request-rate samples, or the reason to hold."""
-        got = self._query_all({"latency": self.cfg.signals.latency_query,
-                               "rate": self.cfg.signals.request_rate_query})
+        """Latency and request-rate samples and the time of their data, or the reason to hold.
+
+        An instant query stamps every sample with its evaluation time, so the age of the data comes from
+        `timestamp()` of the same query (a recorded series: the time of its last evaluation): Prometheus'
+        evaluation time minus that, both on Prometheus' clock, so the controller's clock does not matter.
+        decide.pool_data drops each node's series older than stale_after_s.
+        """
+        sig = self.cfg.signals
+        got = self._query_all({"latency": sig.latency_query, "rate": sig.request_rate_query,
+                               "latency_timestamp": f"timestamp({sig.latency_query})",
+                               "rate_timestamp": f"timestamp({sig.request_rate_query})"})
         for res in got.values():
             if isinstance(res, PromError):
                 self.metrics.prometheus_errors.labels(res.kind).inc()
                 return {}, f"Prometheus {res.kind}: {res}"
-        now = self.clock()
-        for samples in got.values():
-            for s in samples:  # type: ignore[union-attr]
-                if abs(now - s.timestamp) > self.cfg.stale_after_s:
-                    self.metrics.prometheus_errors.labels("stale").inc()
-                    return {}, (f"Prometheus data is {now - s.timestamp:.0f}s old "
-                                f"(stale_after_s={self.cfg.stale_after_s:g})")
         return got, None  # type: ignore[return-value]
+
+    def check_pool_data(self, pool: PoolConfig, servers: dict[str, ServerState],
+                        samples: dict[str, list[Sample]]) -> str | None:
+        """Export how many of the pool's nodes have usable data, say why the others have none; the reason the
+        pool holds (not one node has fresh data: no canary, no decision, no write, the tick is no success)."""
+        data = decide.pool_data(pool, servers, samples, self.cfg.stale_after_s, self.cfg.thresholds.min_request_rate)
+        m, p = self.metrics, pool.name
+        m.pool_nodes_with_data.labels(p).set(len(data.with_data))
+        for reason in decide.NO_DATA_REASONS:
+            m.pool_nodes_without_data.labels(p, reason).set(sum(1 for r in data.without.values() if r == reason))
+
+        def nodes(reason: str, keys: bool = False) -> tuple[str, ...]:
+            return tuple(f"{n} ({', '.join(decide.series_keys(pool, servers[n]))})" if keys else n
+                         for n, r in data.without.items() if r == reason)
+        lbl, q = pool.series_label, f"{self.cfg.signals.latency_query} / {self.cfg.signals.request_rate_query}"
+        self._report_nodes(p, "unmatched", nodes("unmatched", keys=True),
+                           f"no series of the pool (label {decide.POOL_LABEL}={p!r} or none) in {q} has a {lbl} "
+                           "label naming these servers (the values looked for in brackets); they have no data "
+                           "and are not protected: check that Prometheus scrapes them and how it labels them, "
+                           "pools[].series_label and pools[].servers.<name>.series")
+        self._report_nodes(p, "conflict", nodes("conflict"), f"two or more series of the pool name each of these "
+                           f"nodes in {q}; which one is the node's own is a guess, so they have no data: check the "
+                           f"{lbl} and {decide.POOL_LABEL} labels (a global view merging two Prometheus?)")
+        self._report_nodes(p, "stale", nodes("stale"), f"the data of these nodes is older than stale_after_s="
+                           f"{self.cfg.stale_after_s:g}s (a lagging rule group or remote-write backlog?); they "
+                           "have no data")
+        if data.held:
+            if "stale" in data.without.values():
+                m.prometheus_errors.labels("stale").inc()
+            why = f"pool={p}: {data.held}: holding every weight of the pool"
+            log.warning(why)
+            return why
+        return None
+
+    def _report_nodes(self, pool: str, reason: str, nodes: tuple[str, ...], msg: str) -> None:
+        """Warn when the set of a pool's nodes without data for reason changes (once per set, not every tick)."""
+        if self._no_data.get((pool, reason), ()) == nodes:
+            return
+        self._no_data[(pool, reason)] = nodes
+        if nodes:
+            log.warning("pool=%s: %s: %s", pool, msg, ", ".join(nodes))
+        else:
+            log.info("pool=%s: no node is %s any more", pool, reason)
 
     OPTIONAL = decide.OPTIONAL
 
@@ -137,26 +186,58 @@ class Controller:
         return decide.series_key(pool, server)
 
     def canary_url(self, pool: PoolConfig, server: ServerState) -> str:
+        """The configured canary_url, else http://<server address> (an IPv6 address bracketed)."""
         o = pool.servers.get(server.name)
-        return o.canary_url if o and o.canary_url else f"http://{server.address}"
+        return o.canary_url if o and o.canary_url else canary.node_url(server.address)
 
-    def send_canaries(self, pool: PoolConfig, servers: dict[str, ServerState], prev: dict[str, NodeState],
-                      now: float) -> list[decide.CanaryRound]:
-        """Send the canary rounds due now: each to the node and its reference peers at the same moment.
+    def send_canaries(self, pools: dict[str, decide.PoolObservation],
+                      now: float) -> dict[str, decide.PoolObservation]:
+        """Send every pool's canary rounds due now, all at the same moment; the observations with their rounds.
 
         Which peers, and what the answers mean, is controller/canary.py's (shared with the benchmark);
-        this only sends the requests and records each target's TTFT (None: failed).
+        this only sends the requests and records each target's TTFT (None: failed). Every request of every
+        pool runs concurrently and the tick waits for them at most canary_timeout_s + CANARY_MARGIN_S, so a
+        tick's duration stays bounded however many nodes hang.
         """
         if self.canary is None:
-            return []
-        rounds = canary.canary_rounds(sorted(servers), prev, decide.canary_groups(pool, servers), now,
-                                      self.policy.recovery)
-        out = []
-        for n, targets in rounds:
-            with ThreadPoolExecutor(max_workers=len(targets)) as ex:
-                ttfts = dict(zip(targets, ex.map(lambda m: self.canary(self.canary_url(pool, servers[m])),
-                                                 targets), strict=True))
-            out.append(decide.CanaryRound(n, tuple(targets[1:]), ttfts))
+            return pools
+        by_name = {p.name: p for p in self.cfg.pools}
+        rounds = {name: canary.canary_rounds(sorted(o.servers), o.prev, decide.canary_groups(by_name[name], o.servers),
+                                             now, self.policy.recovery) for name, o in pools.items()}
+        urls = {(name, m): self.canary_url(by_name[name], pools[name].servers[m])
+                for name, rs in rounds.items() for _, targets in rs for m in targets}
+        if not urls:
+            return pools
+        ttft = self._run_canaries(sorted(set(urls.values())))  # a peer shared by two rounds gets one request
+        out = dict(pools)
+        for name, rs in rounds.items():
+            if rs:
+                got = [decide.CanaryRound(n, tuple(targets[1:]), {m: ttft[urls[name, m]] for m in targets})
+                       for n, targets in rs]
+                out[name] = dataclasses.replace(pools[name], canaries=tuple(got))
+        return out
+
+    def _run_canaries(self, urls: list[str]) -> dict[str, float | None]:
+        """url -> TTFT, every canary concurrently under one deadline; not answered by then, or raised: None."""
+        budget = self.policy.recovery.canary_timeout_s + CANARY_MARGIN_S
+        ex = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="canary")
+        try:
+            futures = {u: ex.submit(self.canary, u) for u in urls}  # type: ignore[misc]
+            concurrent.futures.wait(futures.values(), timeout=budget)
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)  # a straggler ends on its own deadline; the tick goes on
+        out: dict[str, float | None] = {}
+        for u, f in futures.items():
+            out[u] = None
+            if not f.done():
+                log.warning("canary %s: no answer within %gs (recovery.canary_timeout_s + %gs): failed", u,
+                            budget, CANARY_MARGIN_S)
+            elif f.exception() is not None:
+                e = f.exception()
+                self._warn_once(f"canary-error:{u}:{type(e).__name__}", f"canary {u} raised "
+                                f"{type(e).__name__}: {e}; counted as a failed canary")
+            else:
+                out[u] = f.result()
         return out
 
     # ---- tick ----------------------------------------------------------------------------------
@@ -192,10 +273,12 @@ class Controller:
             return None
         optional = self.read_optional()
         now = self.clock()
-        primary = next(iter(hap.values()))
+        views = list(hap.values())  # first endpoint first
         pools = {}
+        held: list[str] = []  # pools without fresh data
         for pool in self.cfg.pools:
-            servers = primary.get(pool.backend)
+            # one view across the tier: MAINT or DOWN on one HAProxy holds (or counts) the node only there
+            servers = tier_view([v.get(pool.backend) for v in views])
             if servers is None:
                 self._warn_once(f"backend:{pool.backend}", f"pool={pool.name}: HAProxy has no backend "
                                 f"{pool.backend!r} (pools[].backend)")
@@ -205,10 +288,18 @@ class Controller:
                 if name not in servers:
                     self._warn_once(f"server:{pool.name}:{name}", f"pool={pool.name}: configured server "
                                     f"{name!r} is not in HAProxy backend {pool.backend!r}")
+            why = self.check_pool_data(pool, servers, samples)
+            if why:  # the pool holds: not observed, so not decided, and the tick is no success
+                result.errors.append(why)
+                held.append(why)
+                continue
             prev = self.states.get(pool.name, {})
-            rounds = self.send_canaries(pool, servers, prev, now)
-            pools[pool.name] = decide.PoolObservation(servers, prev, tuple(rounds))
-        return decide.Observation(now, samples, optional, pools), hap
+            pools[pool.name] = decide.PoolObservation(servers, prev)
+        if held and not pools:
+            result.held = "; ".join(held)
+            return None
+        pools = self.send_canaries(pools, now)  # every pool's canaries at once, under one deadline
+        return decide.Observation(now, samples, optional, pools, self.cfg.stale_after_s), hap
 
     def act(self, obs: decide.Observation, outcomes: dict[str, decide.PoolOutcome], hap: dict,
             result: TickResult) -> None:
@@ -298,6 +389,10 @@ class Controller:
                     m.node_reason.remove(p, n, *old)
                 m.node_reason.labels(p, n, *key).set(1)
                 self._reason_series[(p, n)] = key
+        tracked = set(decision.nodes) | set(decision.retained)  # retained: gone from HAProxy < forget_after_s
+        for gone in sorted({n for q, n in self._reason_series if q == p} - tracked):
+            m.forget_node(p, gone)  # its state was dropped: every series goes, so its page resolves
+            del self._reason_series[(p, gone)]
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self.warned:

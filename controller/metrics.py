@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,6 +29,8 @@ class ControllerMetrics:
     pool_ejected: Gauge
     pool_max_ejected: Gauge
     pool_safeguard: Gauge
+    pool_nodes_with_data: Gauge
+    pool_nodes_without_data: Gauge
     tick_duration: Histogram
     ticks: Counter
     last_success: Gauge
@@ -37,6 +40,8 @@ class ControllerMetrics:
     canaries: Counter
     data_stale: Gauge
     static_backend: Gauge
+    state_save_errors: Counter
+    rules_reload_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ControllerMetrics:
@@ -78,6 +83,14 @@ class ControllerMetrics:
             pool_safeguard=Gauge("grayguard_pool_safeguard_engaged",
                                  "1 when an outlier stays degraded only because the ejection cap binds",
                                  ["pool"], registry=r),
+            pool_nodes_with_data=Gauge("grayguard_pool_nodes_with_data",
+                                       "Nodes the controller can score this tick: one fresh latency series of the "
+                                       "pool and enough requests (below thresholds.min_peers: unprotected)",
+                                       ["pool"], registry=r),
+            pool_nodes_without_data=Gauge("grayguard_pool_nodes_without_data",
+                                          "Nodes without usable data by reason: conflict (two series), stale "
+                                          "(older than stale_after_s), unmatched (no series names the server), "
+                                          "idle (no latency or too few requests)", ["pool", "reason"], registry=r),
             tick_duration=Histogram("grayguard_tick_duration_seconds", "Duration of a control tick",
                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                                     registry=r),
@@ -99,4 +112,24 @@ class ControllerMetrics:
             static_backend=Gauge("grayguard_backend_static_algorithm",
                                  "1 when the backend's balance algorithm only takes weights 0 or 100 %",
                                  ["pool", "backend"], registry=r),
+            state_save_errors=Counter("grayguard_state_save_errors",
+                                      "State file writes that failed (the tick goes on; retried next tick)",
+                                      registry=r),
+            rules_reload_errors=Counter("grayguard_rules_reload_errors",
+                                        "Failed reloads after re-rendered alert rules, by kind (connect, http; "
+                                        "not_found: no reload endpoint there, never retried)", ["kind"], registry=r),
         )
+
+    def forget_node(self, pool: str, node: str) -> None:
+        """Remove every series of one node, whatever the metric (the controller no longer tracks the node: its
+        state series must go, or its page would never resolve)."""
+        for metric in (getattr(self, f.name) for f in dataclasses.fields(self)):
+            if not isinstance(metric, Gauge | Counter):
+                continue
+            children = set()
+            for family in metric.collect():
+                for s in family.samples:  # a child's labels, in the metric's label order (counters: _total, _created)
+                    if s.labels.get("pool") == pool and s.labels.get("node") == node:
+                        children.add(tuple(s.labels.values()))
+            for values in children:
+                metric.remove(*values)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from controller.haproxy import Command, ServerState
@@ -25,6 +25,24 @@ class Change:
                 f" ({self.reason})")
 
 
+def tier_view(views: Sequence[Mapping[str, ServerState] | None]) -> dict[str, ServerState] | None:
+    """One backend as the decision sees it across every HAProxy endpoint that answered (first endpoint first).
+
+    The servers are the first endpoint's (None: it has no such backend). Each server is decided once, on
+    the endpoint where it is most in rotation: one in MAINT (or DOWN) on one HAProxy of a tier still takes
+    traffic through the others, so it is held (or counted out of rotation) only when it is so everywhere;
+    writes to the endpoints where it is in MAINT are skipped there alone (plan_backend). Among equals, a
+    drained or lower-weight view stands for it, so a node the controller does not know is seeded cautiously.
+    """
+    if not views or views[0] is None:
+        return None
+    out = {}
+    for name in views[0]:
+        seen = [v[name] for v in views if v is not None and name in v]
+        out[name] = min(seen, key=lambda s: (s.maint, s.down, not s.drain, s.weight))  # min keeps the first of equals
+    return out
+
+
 def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
                  actual: Mapping[str, ServerState]) -> list[Change]:
     """Writes for one backend of one HAProxy. Converged input gives an empty list.
@@ -37,7 +55,7 @@ def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
         d = decisions[node]
         a = actual.get(node)
         if a is None or d.weight is None or a.maint:
-            continue  # unknown server (reported by the caller), held by policy, or in operator MAINT
+            continue  # unknown server (reported by the caller), held by policy, or in operator MAINT on this endpoint
         reason = f"{d.state.state}: {d.state.reason}" if d.state.reason else str(d.state.state)
         if d.drain and not a.drain:
             drains.append(Change(pool, node, Command(backend, node, "state", "drain"), reason, "ready"))

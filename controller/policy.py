@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from controller import peers, signals
 from controller.scoring import ema, usable
 from controller.signals import SignalMemory
-from grayguard.config import RecoveryConfig, ThresholdsConfig
+from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, Signal, State
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
@@ -35,6 +35,11 @@ class Policy:
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     group_speed: Mapping[str, float] = field(default_factory=dict)  # pools[].group_speed
+
+
+def pool_policies(cfg: Config) -> dict[str, Policy]:
+    """Each pool's Policy, as the live loop and `grayguard replay` both build it (group_speed is per pool)."""
+    return {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed)) for p in cfg.pools}
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,10 @@ class NodeInput:
     pcie_degraded: bool | None = None  # link generation or width below its maximum under load
     gpu_ecc_uncorrectable: bool | None = None
     gpu_xid: bool | None = None
+    down: bool = False  # DOWN by HAProxy's health check: out of rotation whatever is decided (counts against the cap)
+    # What HAProxy shows now; used only to seed a node the controller has no state for (restart, second replica)
+    haproxy_weight: int | None = None  # current weight; None: unknown
+    haproxy_drain: bool = False  # the server is drained
 
 
 @dataclass(frozen=True)
@@ -102,11 +111,16 @@ class PoolDecision:
     ejected: int
     safeguard: bool
     retained: dict[str, NodeState] = field(default_factory=dict)  # absent nodes within their grace period
+    out_of_rotation: int = 0  # nodes out of rotation from any cause (drained, MAINT, DOWN): what the cap bounds
+
+
+# drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
+SEEDED = DrainCause.SEEDED
 
 
 def max_ejected(n_nodes: int, fraction: float) -> int:
-    """How many nodes of a pool may be drained: 0 below 3 nodes, else at least one."""
-    if n_nodes < 3:
+    """How many nodes of a pool may be out of rotation: 0 below 3 nodes or at fraction 0, else at least one."""
+    if n_nodes < 3 or fraction <= 0:
         return 0
     return max(1, math.floor(fraction * n_nodes + 1e-9))
 
@@ -144,16 +158,41 @@ def _move(s: NodeState, to: str, now: float, reason: str) -> NodeState:
     return replace(s, state=to, since=now, reason=reason, hot_ticks=0, calm_ticks=0)
 
 
-def _membership(prev: Mapping[str, NodeState], names: list[str], t: ThresholdsConfig, r: RecoveryConfig,
-                now: float) -> tuple[dict[str, NodeState], dict[str, NodeState]]:
-    """States of the present nodes (new ones warm up, then slow start) and of the recently gone ones."""
+def seed(i: NodeInput, joined: bool, t: ThresholdsConfig, r: RecoveryConfig, now: float) -> NodeState:
+    """The first state of a node the controller has no state for, from what HAProxy shows.
+
+    A restarted controller without its state file, or a second replica, must not undo a drain or a
+    weight cut it cannot explain: a drained server (or one at weight 0) starts quarantined and comes
+    back through canaries; a weight-cut one starts in slow start at its current share. A node at full
+    weight starts healthy, or warms up when it joins a running pool.
+    """
+    base = max(0, min(256, i.base_weight))
+    w = i.haproxy_weight
+    if i.haproxy_drain or (w is not None and w <= 0 < base):
+        what = "drained" if i.haproxy_drain else "at weight 0"
+        return NodeState(state=QUARANTINED, since=now, cause=SEEDED,
+                         reason=f"found {what} in HAProxy with no state for it; quarantined until canaries pass")
+    if joined:
+        return NodeState(state=SLOW_START, since=now, ramp_start=now + t.new_node_warmup_s,
+                         reason=f"new node: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then slow start")
+    if w is not None and w < base:
+        share = w / base
+        # the ramp's start is put back so that the share now is HAProxy's (never below slow_start_initial)
+        step = r.slow_start_step_per_min
+        back = max(0.0, share - r.slow_start_initial) * 60.0 / step if step > 0 else 0.0
+        return NodeState(state=SLOW_START, since=now, ramp_start=now - back,
+                         reason=f"found at weight {w} of {base} in HAProxy with no state for it; slow start from "
+                         f"{max(share, r.slow_start_initial):.0%}")
+    return NodeState(since=now)
+
+
+def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
+                r: RecoveryConfig, now: float) -> tuple[dict[str, NodeState], dict[str, NodeState]]:
+    """States of the present nodes (unknown ones seeded from HAProxy) and of the recently gone ones."""
     st, retained = {}, {}
     for n in names:
         s = prev.get(n)
-        if s is None and prev:  # joined a running pool
-            s = NodeState(state=SLOW_START, since=now, ramp_start=now + t.new_node_warmup_s,
-                          reason=f"new node: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then slow start")
-        st[n] = replace(s, gone_since=None) if s is not None else NodeState(since=now)
+        st[n] = replace(s, gone_since=None) if s is not None else seed(inputs[n], bool(prev), t, r, now)
     for n, s in prev.items():
         if n not in st:
             gone = s.gone_since if s.gone_since is not None else now
@@ -167,7 +206,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     """Decide every node of one pool for this tick."""
     t, r = policy.thresholds, policy.recovery
     names = sorted(inputs)
-    st, retained = _membership(prev, names, t, r, now)
+    st, retained = _membership(prev, inputs, names, t, r, now)
     groups = {n: inputs[n].peer_group for n in names}
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
@@ -208,29 +247,33 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s = _judge_canary(s, n, i.canary, fresh, groups, policy, now)
         st[n] = s
 
-    # 3. Drain the worst candidates within the safeguard cap; KV-saturated nodes share the same budget.
+    # 3. Drain the worst candidates within the safeguard cap. The cap bounds what is out of rotation from any
+    # cause: servers in MAINT or DOWN by their health check count first (capacity already gone), and
+    # KV-saturated nodes share the same budget. Draining a node that is out anyway costs nothing.
     cap = max_ejected(len(names), t.max_ejected_fraction)
-    ejected = sum(1 for n in names if st[n].state in EJECTED)
+    away = {n for n in names if inputs[n].hold or inputs[n].down}
+    out_now = len(away) + sum(1 for n in names if n not in away and st[n].state in EJECTED)
+    gone = f" ({len(away)} in MAINT or DOWN)" if away else ""
     safeguard = False
     for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
-        if ejected < cap:
+        if n in away or out_now < cap:
             st[n] = replace(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
-            ejected += 1
+            out_now += n not in away
         else:
             safeguard = True
-            st[n] = replace(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} drained "
-                            f"node(s) of {len(names)} reached")
-    if ejected > cap:  # the pool shrank or the cap was lowered: release the nodes closest to recovery
-        drained = sorted((n for n in names if st[n].state in EJECTED),
+            st[n] = replace(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
+                            f"rotation of {len(names)} reached{gone}")
+    if out_now > cap:  # the pool shrank, nodes left rotation or the cap was lowered: release the closest to recovery
+        drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
                          key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
-        for n in drained[:ejected - cap]:
-            st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} drained node(s)")
-        ejected = cap
+        for n in drained[:out_now - cap]:
+            st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
+        out_now -= min(len(drained), out_now - cap)
     kv_zero = set()
     for _, n in sorted(kv_full):
-        if st[n].state in EJECTED:
+        if st[n].state in EJECTED or n in away:
             continue
-        if ejected + len(kv_zero) < cap:
+        if out_now + len(kv_zero) < cap:
             kv_zero.add(n)
         else:
             st[n] = replace(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
@@ -252,7 +295,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         sc = scored.get(n)
         out[n] = NodeDecision(replace(s, weight=w), prev_state, w, s.state in EJECTED,
                               sc.peer_median if sc else None)
-    return PoolDecision(out, cap, ejected, safeguard, retained)
+    ejected = sum(1 for n in names if st[n].state in EJECTED)
+    return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero))
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:

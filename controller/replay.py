@@ -12,11 +12,11 @@ import csv
 import json
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO
 
-from controller.policy import NodeInput, NodeState, Policy, canary_due, decide_pool
+from controller.policy import NodeInput, NodeState, Policy, canary_due, decide_pool, pool_policies
 from grayguard.config import ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
 
@@ -125,8 +125,10 @@ def _canary(r: Row | None) -> float | None:
     return r.latency
 
 
-def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100) -> Iterator[dict]:
-    """Yield one decision record per node per tick, in time order."""
+def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100,
+           pools: Mapping[str, Policy] | None = None) -> Iterator[dict]:
+    """Yield one decision record per node per tick, in time order; a pool in `pools` runs its own Policy."""
+    pools = pools or {}
     ticks: dict[float, dict[str, dict[str, Row]]] = {}
     for r in rows:
         ticks.setdefault(r.t, {}).setdefault(r.pool, {})[r.node] = r
@@ -147,7 +149,7 @@ def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100) -> Itera
                     canary=_canary(r) if due else None,
                     **({k: getattr(r, k) for k in ("probe_result", "probe_ttft", "error_ratio", "kv_cache_usage",
                                                    *FLAGS)} if r else {}))
-            d = decide_pool(prev, inputs, policy, t)
+            d = decide_pool(prev, inputs, pools.get(pool, policy), t)
             states[pool] = {n: nd.state for n, nd in d.nodes.items()}
             for n, nd in sorted(d.nodes.items()):
                 s = nd.state
@@ -191,10 +193,15 @@ def run(args: argparse.Namespace) -> int:
     except TraceError as e:
         print(f"grayguard: {args.trace}: {e}", file=sys.stderr)
         return 2
+    # each pool runs the live loop's Policy (its group_speed included); a pool the config lacks, the defaults
+    policies = pool_policies(cfg)
+    for pool in sorted({r.pool for r in rows} - set(policies)):
+        print(f"grayguard: pool {pool!r} of the trace is not in {args.config}: replayed with the config's "
+              "thresholds and no group_speed", file=sys.stderr)
     out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (stdout must not be closed)
     counts: dict[str, int] = {}
     try:
-        for rec in replay(rows, Policy(cfg.thresholds, cfg.recovery), args.base_weight):
+        for rec in replay(rows, Policy(cfg.thresholds, cfg.recovery), args.base_weight, policies):
             out.write(json.dumps(rec) + "\n")
             counts[rec["state"]] = counts.get(rec["state"], 0) + 1
     finally:

@@ -8,6 +8,7 @@ checks: each section's ``validate(path)`` checks its own fields, Config.validate
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -15,8 +16,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
+
+from grayguard.redact import redact_url
 
 # HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
 # Anything else ('; ', space, newline) could inject runtime-API commands.
@@ -59,21 +63,68 @@ def _is_url(value: str) -> bool:
     return value.startswith(("http://", "https://"))
 
 
+def _url_problem(value: str) -> str | None:
+    """Why value is not a usable http(s) URL with a host (and a valid port), or None."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # ValueError above 65535 or not a number
+    except ValueError as e:
+        return f"must be an http:// or https:// URL with a host, got {redact_url(value)!r} ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL with a host, got {redact_url(value)!r}"
+    if port == 0:
+        return f"port must be in 1..65535, got {redact_url(value)!r}"
+    return None
+
+
+def _check_url(value: str, path: str) -> None:
+    problem = _url_problem(value)
+    _check(problem is None, path, problem or "")
+
+
+def _port_ok(port: str, lowest: int = 1) -> bool:
+    return port.isdigit() and lowest <= int(port) <= 65535
+
+
+def _check_finite(section: Any, path: str) -> None:
+    """Every float field of a section is finite: .inf or .nan where a number of seconds, a ratio or a
+    threshold belongs fails later (a timer that never fires, an interval the scheduler rejects)."""
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float):
+            _check(math.isfinite(v), f"{path}.{f.name}" if path else f.name, f"must be a finite number, got {v}")
+
+
 @dataclass(frozen=True)
 class PrometheusConfig:
     url: str = "http://127.0.0.1:9090"
     timeout_s: float = 5.0
     bearer_token_env: str | None = None  # env var holding a bearer token (Thanos, Mimir, managed Prometheus)
+    # file holding a bearer token (a Kubernetes service-account token, vmauth): re-read before every request,
+    # so a rotated token is used at once
+    bearer_token_file: str | None = None
     basic_auth_user_env: str | None = None
     basic_auth_password_env: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # static extra headers
     headers_env: dict[str, str] = field(default_factory=dict)  # header -> env var, e.g. X-Scope-OrgID
     verify_tls: bool = True
+    ca_file: str | None = None  # PEM CA bundle that signs the server's certificate (instead of the system's)
+    cert_file: str | None = None  # PEM client certificate (mutual TLS)...
+    key_file: str | None = None  # ...and its key (omit when cert_file holds both)
 
     def validate(self, path: str) -> None:
         """Raise ConfigError naming the first bad field under path."""
-        _check(_is_url(self.url), f"{path}.url", f"must start with http:// or https://, got {self.url!r}")
+        _check(_is_url(self.url), f"{path}.url", f"must start with http:// or https://, got {redact_url(self.url)!r}")
+        _check_url(self.url, f"{path}.url")
         _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        _check_finite(self, path)
+        _check(not (self.bearer_token_env and self.bearer_token_file), f"{path}.bearer_token_file",
+               "set bearer_token_env or bearer_token_file, not both")
+        for name in ("bearer_token_file", "ca_file", "cert_file", "key_file"):
+            _check(getattr(self, name) != "", f"{path}.{name}", "must be a file path or null")
+        _check(self.key_file is None or self.cert_file is not None, f"{path}.key_file", "needs cert_file")
+        _check(self.ca_file is None or self.verify_tls, f"{path}.ca_file",
+               "verify_tls is false: the CA file would be ignored")
 
 
 @dataclass(frozen=True)
@@ -91,6 +142,9 @@ class HaproxyConfig:
             host, _, port = ep.rpartition(":")
             _check(is_sock or bool(host and port.isdigit()), f"{path}.endpoints[{i}]",
                    f"expected unix:/path, /path or host:port, got {ep!r}")
+            _check(is_sock or _port_ok(port), f"{path}.endpoints[{i}]", f"port must be in 1..65535, got {ep!r}")
+        _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        _check_finite(self, path)
 
 
 @dataclass(frozen=True)
@@ -122,13 +176,18 @@ class PoolConfig:
                "(anything else could inject HAProxy runtime-API commands)")
         _check(bool(PROM_LABEL_RE.match(self.series_label)), f"{path}.series_label",
                f"{self.series_label!r} is not a Prometheus label name")
-        for s in self.servers:
+        for s, sc in self.servers.items():
             _check(bool(HAPROXY_NAME_RE.match(s)), f"{path}.servers.{s}",
                    "server names may only hold letters, digits, '-', '_', '.' and ':'")
+            # checked here, not in the tick: a bad one would raise in every tick, for every pool
+            if sc.canary_url is not None and _url_problem(sc.canary_url):
+                raise ConfigError(f"{path}.servers.{s}.canary_url", "must be http:// or https:// with a host, got "
+                                  f"{redact_url(sc.canary_url)!r} (or omit it for http://<server address>)")
         _check(self.peer_group_label is None or bool(PROM_LABEL_RE.match(self.peer_group_label)),
                f"{path}.peer_group_label", f"{self.peer_group_label!r} is not a Prometheus label name")
         for g, c in self.group_speed.items():
             _check(c > 0, f"{path}.group_speed.{g}", "must be > 0 (latency relative to the pool)")
+            _check(math.isfinite(c), f"{path}.group_speed.{g}", f"must be a finite number, got {c}")
 
 
 @dataclass(frozen=True)
@@ -170,7 +229,7 @@ class ThresholdsConfig:
     hysteresis: float = 0.5  # a degraded node must fall this far below degrade_score to count as calm
     min_relative_gap: float = 1.25  # never an outlier below this multiple of the peer median
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
-    max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+)
+    max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
     min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
     # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
     # low: a badly slowed node finishes few requests (the probes cover a node that finishes none).
@@ -225,6 +284,7 @@ class ThresholdsConfig:
                f"must be <= {p}sustain_ticks (evidence shortens, never lengthens)")
         _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
         _check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
+        _check_finite(self, path)
 
 
 @dataclass(frozen=True)
@@ -247,6 +307,7 @@ class RecoveryConfig:
         _check(self.canary_timeout_s > 0, p + "canary_timeout_s", "must be > 0")
         _check(0 < self.slow_start_initial <= 1, p + "slow_start_initial", "must be in (0, 1]")
         _check(self.slow_start_step_per_min > 0, p + "slow_start_step_per_min", "must be > 0")
+        _check_finite(self, path)
 
 
 @dataclass(frozen=True)
@@ -269,7 +330,9 @@ class RulesConfig:
     controller_stale_s: float = 120.0  # page when the last successful tick is older than this
     probe_failures: int = 3  # consecutive failed probes that page
     load_gpu_utilization: float = 0.5  # a GPU counts as under load above this utilization (0-1)
-    reload_url: str | None = None  # POST target after writing rules; default: <prometheus.url>/-/reload
+    # POST target after writing rules; null: <prometheus.url>/-/reload; "" or none: no reload (Mimir, Thanos,
+    # or a sidecar that reloads by itself: their /-/reload does not exist)
+    reload_url: str | None = None
     alert_for: dict[str, str] = field(default_factory=dict)  # per-alert `for:` overrides, e.g. {X: 10m}
     alert_severity: dict[str, str] = field(default_factory=dict)  # per-alert severity: page or ticket
     # How vLLM's series are named in Prometheus: "vllm:" (text format), "vllm_" (scraped as OpenMetrics
@@ -297,8 +360,14 @@ class RulesConfig:
         _check(self.controller_stale_s > 0, p + "controller_stale_s", "must be > 0")
         _check(self.probe_failures >= 1, p + "probe_failures", "must be >= 1")
         _check(0 < self.load_gpu_utilization <= 1, p + "load_gpu_utilization", "must be in (0, 1]")
-        _check(self.reload_url is None or _is_url(self.reload_url), p + "reload_url",
+        _check(self.reload_url in (None, "", "none") or _is_url(self.reload_url), p + "reload_url",
                "must start with http:// or https://, or be null")
+        if self.reload_url not in (None, "", "none"):
+            _check_url(self.reload_url, p + "reload_url")
+        _check_url(self.runbook_url, p + "runbook_url")
+        _check(not re.search(r"[\s\x00-\x1f\x7f]", self.runbook_url), p + "runbook_url",
+               f"must be a URL without spaces or control characters (percent-encode them), got {self.runbook_url!r}")
+        _check_finite(self, path)
         for alert, dur in self.alert_for.items():
             _check(bool(_ALERT_RE.match(alert)), f"{p}alert_for.{alert}", "not an alert name")
             _check(bool(DURATION_RE.match(dur)), f"{p}alert_for.{alert}", "must be a duration such as 0s or 10m")
@@ -341,8 +410,10 @@ class Config:
         self.rules.validate("rules")
         _check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
         _check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
+        _check_finite(self, "")
         host, _, port = self.listen_address.rpartition(":")
         _check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {self.listen_address!r}")
+        _check(_port_ok(port, lowest=0), "listen_address", f"port must be in 0..65535, got {self.listen_address!r}")
         _check(len(self.pools) > 0, "pools", "at least one pool is needed")
         seen_names: set[str] = set()
         seen_backends: set[str] = set()

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+import ssl
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import requests
+import urllib3
 
 from grayguard.config import ConfigError, PrometheusConfig
+from grayguard.redact import redact
+
+log = logging.getLogger("grayguard.prometheus")
 
 
 class PromError(Exception):
-    """A failed query; kind is a short metric label (timeout, connect, http_4xx, http_5xx, bad_response, query)."""
+    """A failed query; kind is a short metric label (timeout, connect, http_4xx, http_5xx, bad_response, query).
+
+    The message never holds a URL's userinfo (it becomes a hold reason, a log line, a rule-render error).
+    """
 
     def __init__(self, kind: str, message: str):
-        super().__init__(message)
+        super().__init__(redact(message))
         self.kind = kind
 
 
@@ -30,8 +43,29 @@ class Sample:
 def _parse_value(v: object) -> float:
     try:
         return float(v)  # type: ignore[arg-type]  # "NaN", "+Inf", "-Inf" parse as floats
-    except (TypeError, ValueError) as e:
-        raise PromError("bad_response", f"unparseable sample value {v!r}") from e
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: a JSON integer beyond any float
+        raise PromError("bad_response", f"unparseable sample value {str(v)[:80]!r}") from e
+
+
+def _parse_time(v: object) -> float:
+    t = _parse_value(v)
+    if not math.isfinite(t):
+        raise PromError("bad_response", f"sample timestamp {str(v)[:80]!r} is not a finite number")
+    return t
+
+
+def _parse_labels(m: object) -> dict[str, str]:
+    """A series' label set: string names to string values (the tick keys series by it)."""
+    if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
+        raise PromError("bad_response", f"malformed label set {str(m)[:120]!r}")
+    return dict(m)
+
+
+def _pair(p: object) -> tuple[float, float]:
+    """A [timestamp, "value"] pair."""
+    if not isinstance(p, list) or len(p) != 2:
+        raise PromError("bad_response", f"malformed sample {str(p)[:120]!r}")
+    return _parse_time(p[0]), _parse_value(p[1])
 
 
 def build_session_headers(cfg: PrometheusConfig, environ: Mapping[str, str]) -> tuple[dict, tuple | None]:
@@ -47,6 +81,11 @@ def build_session_headers(cfg: PrometheusConfig, environ: Mapping[str, str]) -> 
         headers[header] = env(var, f"prometheus.headers_env.{header}")
     if cfg.bearer_token_env:
         headers["Authorization"] = "Bearer " + env(cfg.bearer_token_env, "prometheus.bearer_token_env")
+    if cfg.bearer_token_file:
+        try:
+            headers["Authorization"] = "Bearer " + read_token_file(cfg.bearer_token_file)
+        except (OSError, ValueError) as e:
+            raise ConfigError("prometheus.bearer_token_file", str(e)) from None
     auth = None
     if cfg.basic_auth_user_env or cfg.basic_auth_password_env:
         if not (cfg.basic_auth_user_env and cfg.basic_auth_password_env):
@@ -54,6 +93,81 @@ def build_session_headers(cfg: PrometheusConfig, environ: Mapping[str, str]) -> 
         auth = (env(cfg.basic_auth_user_env, "prometheus.basic_auth_user_env"),
                 env(cfg.basic_auth_password_env, "prometheus.basic_auth_password_env"))
     return headers, auth
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token in path (surrounding whitespace stripped); OSError or ValueError (empty) otherwise."""
+    try:
+        token = Path(path).read_text().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read {path}: {e.strerror or e}") from None
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
+def tls_settings(cfg: PrometheusConfig) -> tuple[bool | str, str | tuple[str, str] | None]:
+    """requests' (verify, cert) for cfg: the CA file, the client certificate and key (mutual TLS).
+
+    Each file is loaded once here, so a missing file, a key that does not match its certificate or an
+    encrypted key (OpenSSL would prompt on the terminal) is a ConfigError at startup, not an error every tick.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    verify: bool | str = cfg.verify_tls
+    if cfg.ca_file and cfg.verify_tls:
+        try:
+            ctx.load_verify_locations(cafile=cfg.ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError("prometheus.ca_file", f"cannot load CA file {cfg.ca_file}: {e}") from None
+        verify = cfg.ca_file
+    cert: str | tuple[str, str] | None = None
+    if cfg.cert_file:
+        try:
+            ctx.load_cert_chain(cfg.cert_file, cfg.key_file, password=lambda: b"")
+        except (OSError, ssl.SSLError) as e:
+            key_unreadable = cfg.key_file is not None and not os.access(cfg.key_file, os.R_OK)
+            where = "prometheus.key_file" if key_unreadable else "prometheus.cert_file"
+            raise ConfigError(where, f"cannot load the client certificate {cfg.cert_file}"
+                              f"{' with key ' + cfg.key_file if cfg.key_file else ''}: {e} "
+                              "(the key must not be encrypted)") from None
+        cert = (cfg.cert_file, cfg.key_file) if cfg.key_file else cfg.cert_file
+    return verify, cert
+
+
+def read_within(resp: requests.Response, deadline: float) -> bytes:
+    """Read a streamed response's whole body by a monotonic deadline, or raise requests.Timeout.
+
+    requests' timeout bounds each socket read, not the body: a server trickling a byte at a time would hold
+    the caller for ever. A timer shuts the socket down at the deadline, which ends the blocked read. (The
+    status line and headers, read inside session.get, are still bounded per read only.)
+    """
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        with contextlib.suppress(Exception):  # not a socket (a test double), or already released
+            resp.raw.shutdown()
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        body = resp.content
+    except requests.RequestException as e:
+        if fired.is_set():
+            resp.close()
+            raise requests.Timeout("the response was not read by the deadline") from None
+        if e.args and isinstance(e.args[0], urllib3.exceptions.ReadTimeoutError):  # requests calls it a
+            raise requests.Timeout(str(e)) from e  # ConnectionError when the body, not the headers, timed out
+        raise
+    finally:
+        timer.cancel()
+    if fired.is_set():  # the shutdown may look like a short but complete body
+        resp.close()
+        raise requests.Timeout("the response was not read by the deadline")
+    return body
 
 
 class PrometheusClient:
@@ -65,12 +179,35 @@ class PrometheusClient:
         self.base = cfg.url.rstrip("/")
         self.session = session or requests.Session()
         self.headers, self.auth = build_session_headers(cfg, os.environ if environ is None else environ)
+        self.verify, self.cert = tls_settings(cfg)
+        self._token_error: str | None = None
+
+    def refresh_auth(self) -> None:
+        """Re-read bearer_token_file (a rotated token is used at once); an unreadable file keeps the last token."""
+        if not self.cfg.bearer_token_file:
+            return
+        try:
+            value = "Bearer " + read_token_file(self.cfg.bearer_token_file)
+        except (OSError, ValueError) as e:
+            if str(e) != self._token_error:  # said once per distinct problem, not every query
+                log.warning("prometheus.bearer_token_file: %s; using the last token read", e)
+            self._token_error = str(e)
+            return
+        if value != self.headers.get("Authorization"):
+            # a new dict, not an update in place: concurrent queries may be reading the old one
+            self.headers = {**self.headers, "Authorization": value}
+        if self._token_error is not None:
+            log.info("prometheus.bearer_token_file: readable again")
+        self._token_error = None
 
     def _get(self, path: str, params: dict) -> dict:
         url = f"{self.base}{path}"
+        self.refresh_auth()
+        deadline = time.monotonic() + self.cfg.timeout_s
         try:
             resp = self.session.get(url, params=params, headers=self.headers, auth=self.auth,
-                                    timeout=self.cfg.timeout_s, verify=self.cfg.verify_tls)
+                                    timeout=self.cfg.timeout_s, verify=self.verify, cert=self.cert, stream=True)
+            read_within(resp, deadline)
         except requests.Timeout as e:
             raise PromError("timeout", f"Prometheus did not answer within {self.cfg.timeout_s}s: {url}") from e
         except requests.RequestException as e:
@@ -80,7 +217,7 @@ class PrometheusClient:
             raise PromError(kind, f"Prometheus answered HTTP {resp.status_code}: {resp.text[:200]}")
         try:
             body = resp.json()
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser goes
             raise PromError("bad_response", f"Prometheus answered non-JSON: {resp.text[:120]!r}") from e
         if not isinstance(body, dict) or body.get("status") != "success":
             err = body.get("error") if isinstance(body, dict) else body
@@ -98,27 +235,30 @@ class PrometheusClient:
         data = self._get("/api/v1/query", params)
         rtype, result = data.get("resultType"), data.get("result")
         if rtype == "scalar" and isinstance(result, list) and len(result) == 2:
-            return [Sample({}, _parse_value(result[1]), float(result[0]))]
+            ts, val = _pair(result)
+            return [Sample({}, val, ts)]
         if rtype != "vector" or not isinstance(result, list):
-            raise PromError("bad_response", f"expected a vector, got {rtype}")
+            raise PromError("bad_response", f"expected a vector, got {str(rtype)[:40]}")
         out = []
         for item in result:
-            try:
-                ts, val = item["value"]
-                out.append(Sample(dict(item.get("metric", {})), _parse_value(val), float(ts)))
-            except (KeyError, TypeError, ValueError) as e:
-                raise PromError("bad_response", f"malformed vector element {item!r}") from e
+            if not isinstance(item, dict) or "value" not in item:
+                raise PromError("bad_response", f"malformed vector element {str(item)[:120]!r}")
+            ts, val = _pair(item["value"])
+            out.append(Sample(_parse_labels(item.get("metric", {})), val, ts))
         return out
 
     def query_range(self, promql: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         """Range query: [(labels, [(t, value), ...]), ...]."""
         data = self._get("/api/v1/query_range", {"query": promql, "start": start, "end": end, "step": step})
-        if data.get("resultType") != "matrix":
-            raise PromError("bad_response", f"expected a matrix, got {data.get('resultType')}")
+        result = data.get("result", [])
+        if data.get("resultType") != "matrix" or not isinstance(result, list):
+            raise PromError("bad_response", f"expected a matrix, got {str(data.get('resultType'))[:40]}")
         out = []
-        for series in data.get("result", []):
-            pts = [(float(t), _parse_value(v)) for t, v in series.get("values", [])]
-            out.append((dict(series.get("metric", {})), pts))
+        for series in result:
+            values = series.get("values", []) if isinstance(series, dict) else None
+            if not isinstance(values, list):
+                raise PromError("bad_response", f"malformed matrix series {str(series)[:120]!r}")
+            out.append((_parse_labels(series.get("metric", {})), [_pair(p) for p in values]))
         return out
 
 

@@ -66,3 +66,4 @@ class DrainCause(StrEnum):
     LATENCY = "latency"
     PROBE = "probe"
     ERRORS = "errors"
+    SEEDED = "seeded"  # found drained in HAProxy by a controller with no state for the node

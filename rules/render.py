@@ -26,6 +26,7 @@ ALERTS: dict[str, tuple[str, str]] = {
     "GrayguardSafeguardEngaged": ("page", "2m"),
     "GrayguardControllerDown": ("page", "2m"),
     "GrayguardControllerStale": ("page", "1m"),
+    "GrayguardPoolUnprotected": ("ticket", "10m"),
     "GrayguardProbeFailing": ("page", "2m"),
     "GrayguardProbeCudaError": ("page", "1m"),
     "GrayguardExporterDown": ("ticket", "5m"),

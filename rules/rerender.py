@@ -1,9 +1,11 @@
 """Re-render the rule files from the config and learned baselines; replace and reload only on change.
 
-The controller calls RuleRerenderer.maybe_rerender() from its loop: every rules.rerender_interval_s it
-queries Prometheus for each pool's learned P99 TTFT, renders, and when a file's content differs it
-writes a temp file, checks it with promtool (when installed), atomically replaces the old file and
-POSTs /-/reload once. A render that fails the check never replaces the good file.
+The controller runs RuleRerenderer.rerender() as its own scheduler job, off the control tick (promtool may
+take a minute): every rules.rerender_interval_s it queries Prometheus for each pool's learned P99 TTFT,
+renders, and when a file's content differs it writes a temp file, checks it with promtool (when installed),
+atomically replaces the old file and POSTs the reload URL once (rules.reload_url; none for Mimir or Thanos,
+which have no /-/reload). A render that fails the check never replaces the good file. A reload URL that
+answers 404 or 405 does not exist: it is logged once and not tried again.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import requests
 import yaml
 
 from grayguard.config import Config
-from grayguard.promclient import PromError, PrometheusClient
+from grayguard.promclient import PromError, PrometheusClient, read_within
+from grayguard.redact import redact, redact_url
 from rules.render import baseline_query, render_all
 
 log = logging.getLogger("grayguard.rules")
+NO_RELOAD = ("", "none")  # rules.reload_url values that switch the reload off
+GONE = (404, 405)  # the reload endpoint does not exist (Mimir, Thanos) or takes no POST: retrying cannot help
 
 
 class RuleFileError(Exception):
@@ -41,6 +46,7 @@ class Result:
     reloaded: bool  # Prometheus acknowledged /-/reload
     error: str | None = None  # why it stopped early (the good files stay in place)
     files: tuple[str, ...] = ()  # names of the replaced files
+    reload_error: str | None = None  # the reload failed: not_found (404/405: never retried), http or connect
 
 
 def fetch_baselines(client: PrometheusClient, cfg: Config) -> dict[str, float]:
@@ -120,7 +126,7 @@ class RuleRerenderer:
 
     def __init__(self, cfg: Config, out_dir: str | os.PathLike[str] | None = None,
                  prometheus_url: str | None = None, session: requests.Session | None = None,
-                 promtool: str | None = None, clock: Callable[[], float] = time.time,
+                 promtool: str | None = None, clock: Callable[[], float] = time.monotonic,
                  reload_url: str | None = None,
                  render: Callable[[Config, Mapping[str, float]], dict[str, str]] = render_all,
                  environ: Mapping[str, str] | None = None):
@@ -130,13 +136,18 @@ class RuleRerenderer:
         self.session = session if session is not None else requests.Session()
         self.promtool = promtool if promtool is not None else cfg.rules.promtool
         self.clock = clock
-        self.reload_url = reload_url or cfg.rules.reload_url or f"{self.prometheus_url}/-/reload"
+        wanted = reload_url if reload_url is not None else cfg.rules.reload_url
+        # None: Prometheus' own /-/reload; "" or "none": no reload (the rules are loaded some other way)
+        self.reload_url: str | None = (None if wanted in NO_RELOAD else
+                                       wanted or f"{self.prometheus_url}/-/reload")
+        self.reload_gone = False  # the reload URL answered 404/405: it does not exist, never POSTed again
         self.render = render
         self.client = PrometheusClient(dataclasses.replace(cfg.prometheus, url=self.prometheus_url),
                                        session=self.session, environ=environ)
         self.interval_s = cfg.rules.rerender_interval_s
         self.last_attempt: float | None = None
         self.reload_pending = False  # a replaced file Prometheus has not loaded yet
+        self.last_reload_error = "http"  # the kind of the last failed reload: connect, http or not_found
         self.baselines: dict[str, float] = {}
 
     def due(self, now: float) -> bool:
@@ -172,20 +183,41 @@ class RuleRerenderer:
         if changed:
             log.info("rule files changed: %s (baselines %s)", ", ".join(changed), baselines)
             self.reload_pending = True
+        if self.reload_url is None or self.reload_gone:
+            self.reload_pending = False  # nothing to reload through: the files are in place
+            return Result(bool(changed), False, None, tuple(changed))
         if not self.reload_pending:
             return Result(False, False)
         error = self.reload()
-        return Result(bool(changed), error is None, error, tuple(changed))
+        return Result(bool(changed), error is None, error, tuple(changed),
+                      None if error is None else self.last_reload_error)
 
     def reload(self) -> str | None:
-        """POST the reload URL once; None on success, else the error (retried on the next re-render)."""
+        """POST the reload URL once; None on success, else the error (retried on the next re-render, but a
+        404 or 405 means there is no such endpoint: logged once, never retried)."""
+        if self.reload_url is None:
+            return None
+        shown = redact_url(self.reload_url)
+        self.client.refresh_auth()  # a rotated bearer_token_file
+        deadline = time.monotonic() + self.cfg.prometheus.timeout_s  # one deadline for the whole call
         try:
             resp = self.session.post(self.reload_url, headers=self.client.headers, auth=self.client.auth,
-                                     timeout=self.cfg.prometheus.timeout_s, verify=self.cfg.prometheus.verify_tls)
+                                     timeout=self.cfg.prometheus.timeout_s, verify=self.client.verify,
+                                     cert=self.client.cert, stream=True)
+            read_within(resp, deadline)
         except requests.RequestException as e:
-            return f"reload failed: {e}"
+            self.last_reload_error = "connect"
+            return redact(f"reload failed: {e}")
+        if resp.status_code in GONE:  # said once: the next re-renders do not POST again
+            self.reload_gone = True
+            self.reload_pending = False
+            self.last_reload_error = "not_found"
+            return (f"reload failed: HTTP {resp.status_code} from {shown}: there is no reload endpoint there "
+                    "(Mimir and Thanos have none); not trying again. Set rules.reload_url to the Prometheus "
+                    "that loads the rule files, or to none when they are loaded some other way")
         if resp.status_code >= 300:
-            return f"reload failed: HTTP {resp.status_code} from {self.reload_url}: {resp.text[:200]}"
+            self.last_reload_error = "http"
+            return redact(f"reload failed: HTTP {resp.status_code} from {shown}: {resp.text[:200]}")
         self.reload_pending = False
-        log.info("Prometheus reloaded its rules (%s)", self.reload_url)
+        log.info("Prometheus reloaded its rules (%s)", shown)
         return None

@@ -45,6 +45,9 @@ node_input = st.builds(
     peer_group=st.sampled_from([None, None, "a", "b"]),
     canary=st.one_of(st.none(), st.just(math.inf), st.floats(0.001, 1.0)),
     hold=st.booleans(),
+    down=st.booleans(),
+    haproxy_weight=st.one_of(st.none(), st.integers(0, 256)),
+    haproxy_drain=st.booleans(),
 )
 
 
@@ -54,20 +57,23 @@ def pools(draw):
     names = [f"n{i}" for i in range(n)]
     inputs = {k: draw(node_input) for k in names}
     prev = {k: draw(node_state) for k in names if draw(st.booleans())}
-    # a valid previous tick never had more drained than the cap
-    drained = [k for k in sorted(prev) if prev[k].state in EJECTED]
-    for k in drained[max_ejected(n, P.thresholds.max_ejected_fraction):]:
-        prev[k] = NodeState(state=HEALTHY)
+    # any previous tick, even one over the cap (nodes went to MAINT or DOWN since, the cap was lowered)
     return prev, inputs, draw(st.floats(1000, 2000))
 
 
 @settings(max_examples=300, deadline=None)
-@given(pools())
-def test_never_more_than_the_cap_drained_and_weights_in_range(p):
+@given(pools(), st.sampled_from([0.0, 0.1, 0.3, 0.5, 1.0]))
+def test_the_cap_bounds_what_is_out_of_rotation_from_any_cause_and_weights_in_range(p, fraction):
     prev, inputs, now = p
-    d = decide_pool(prev, inputs, P, now)
+    pol = Policy(ThresholdsConfig(max_ejected_fraction=fraction), RecoveryConfig())
+    d = decide_pool(prev, inputs, pol, now)
+    cap = max_ejected(len(inputs), fraction)
+    away = {n for n, i in inputs.items() if i.hold or i.down}  # MAINT or DOWN: capacity already gone
     drained = [n for n, nd in d.nodes.items() if nd.state.state in EJECTED]
-    assert len(drained) <= max_ejected(len(inputs), P.thresholds.max_ejected_fraction)
+    kv_zero = [n for n, nd in d.nodes.items() if nd.weight == 0 and not nd.drain and inputs[n].base_weight > 0]
+    ours = {n for n in drained + kv_zero if n not in away}  # what the controller took out
+    assert len(ours) <= max(0, cap - len(away))
+    assert len(away | ours) <= max(cap, len(away)) and d.out_of_rotation == len(away | ours)
     assert d.ejected == len(drained)
     for nd in d.nodes.values():
         assert nd.weight is None or 0 <= nd.weight <= 256

@@ -12,7 +12,7 @@ from controller.haproxy import ServerState
 from controller.policy import NodeState, Policy
 from grayguard.config import PoolConfig, RecoveryConfig, ServerConfig
 from grayguard.promclient import Sample
-from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples
+from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeHaproxy, FakeProm, fake_controller, samples
 
 POOL = PoolConfig(name="chat", backend="vllm_chat")
 ADDR = {f"node{i}": f"10.0.0.{i}:8000" for i in range(4)}
@@ -117,7 +117,12 @@ def test_every_pool_sends_its_canaries_before_any_haproxy_write():
                 for k, b in enumerate(("vllm_a", "vllm_b"))}
     hap = FakeHaproxy("127.0.0.1:9999", backends, events)
     lat = {a: 0.02 for srvs in backends.values() for _n, a, _w in srvs[1:]}
-    prom = FakeProm(lambda q: samples(lat if "latency" in q else dict.fromkeys(lat, 5.0), now), events)
+
+    def answer(q):  # each pool's series carry its own pool label
+        vals = lat if "latency" in q else dict.fromkeys(lat, 5.0)
+        return [x for k, p in enumerate("ab") for x in samples({a: v for a, v in vals.items()
+                                                                if a.startswith(f"10.{k}.")}, now, pool=p)]
+    prom = FakeProm(answer, events)
 
     def send(url):
         events.append(("canary", url))
@@ -148,7 +153,9 @@ def test_a_held_tick_sends_no_canary_and_writes_nothing():
     events: list = []
     hap = FakeHaproxy("127.0.0.1:9999", {"vllm_a": [(f"node{i}", f"10.0.0.{i}:8000", 100) for i in range(4)]},
                       events)
-    prom = FakeProm(lambda q: samples({"10.0.0.1:8000": 0.02}, 0.0), events)  # 1000 s old: stale
+    # evaluated at 1000, data of time 0 (timestamp()): 1000 s old, stale
+    prom = FakeProm({q: samples({"10.0.0.1:8000": 0.0 if q.startswith("timestamp(") else 0.02}, 1000.0, pool="a")
+                     for q in (LAT_Q, RATE_Q, f"timestamp({LAT_Q})", f"timestamp({RATE_Q})")}, events)
 
     def send(url):
         events.append(("canary", url))

@@ -79,6 +79,6 @@ def test_stale_data_holds(haproxy_factory):
     hap = haproxy_factory({"vllm_chat": servers(4)})
     ctl = make_controller([hap.endpoint])
     with responses.RequestsMock() as rsps:
-        prom_answers(rsps, {"127.0.0.1:9100": 0.2}, now=1000.0)  # evaluated long ago
+        prom_answers(rsps, {"127.0.0.1:9100": 0.2}, now=1000.0, age=150.0)  # the data is 150 s old
         r = ctl.tick()
     assert r.held and "old" in r.held and not r.changes

@@ -44,7 +44,8 @@ def test_the_words():
     assert PROBE_RESULTS == ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
                              "starting")
     assert set(Signal) == {"latency", "probe", "errors", "kv_cache"}
-    assert set(DrainCause) == {"latency", "probe", "errors"} <= set(Signal)
+    assert set(DrainCause) == {"latency", "probe", "errors", "seeded"}
+    assert set(DrainCause) - {"seeded"} <= set(Signal)  # seeded: found drained by a controller with no state
 
 
 def test_ejected_and_in_rotation_partition_the_states():
@@ -92,17 +93,18 @@ def test_bench_quarantine_states_are_the_drained_ones():
     assert metrics.QUARANTINE_STATES == EJECTED
 
 
-def test_state_file_loads_known_and_unknown_states_as_before():
-    from controller.statefile import dump_states, load_states
+def test_state_file_loads_known_states_and_refuses_unknown_ones():
+    from controller.statefile import StateError, dump_states, load_states
 
-    doc = {"version": 1, "pools": {"p": {"a": {"state": "quarantined", "cause": "probe"},
-                                         "b": {"state": "no_such_state", "cause": ""},
-                                         "c": {}}}}
+    doc = {"version": 1, "pools": {"p": {"a": {"state": "quarantined", "cause": "probe"}, "c": {}}}}
     st = load_states(json.dumps(doc))["p"]
     assert st["a"].state == "quarantined" and st["a"].cause == "probe"
-    assert st["b"].state == "no_such_state" and st["b"].cause == ""  # unknown: kept as it was
     assert st["c"].state == "healthy"
     assert json.loads(dump_states({"p": st}))["pools"]["p"]["a"]["state"] == "quarantined"
+    # an unknown state would stick for ever (no transition leaves it): the file is refused, nodes are seeded
+    doc["pools"]["p"]["b"] = {"state": "no_such_state", "cause": ""}
+    with pytest.raises(StateError, match="unknown state"):
+        load_states(json.dumps(doc))
 
 
 def _strings(node: ast.AST) -> set[str]:

@@ -44,13 +44,17 @@ def vector(values: dict[str, float | str], now: float | None = None) -> dict:
         {"metric": {"instance": k, "pool": "chat"}, "value": [ts, str(v)]} for k, v in values.items()]}}
 
 
-def prom_answers(rsps, latencies: dict[str, float | str], rate: float = 5.0, now: float | None = None):
-    """Register one answer per query (responses matches on the query string)."""
+def prom_answers(rsps, latencies: dict[str, float | str], rate: float = 5.0, now: float | None = None,
+                 age: float = 0.0):
+    """Register one answer per query (responses matches on the query string); the data is `age` s old
+    (`timestamp()` of each query: evaluated at now, the data's own time now - age)."""
     from responses import matchers
-    rsps.get(f"{PROM}/api/v1/query", json=vector(latencies, now),
-             match=[matchers.query_param_matcher({"query": LAT_Q})])
-    rsps.get(f"{PROM}/api/v1/query", json=vector({k: rate for k in latencies}, now),
-             match=[matchers.query_param_matcher({"query": RATE_Q})])
+    ts = time.time() if now is None else now
+    for q, body in ((LAT_Q, vector(latencies, ts)), (RATE_Q, vector({k: rate for k in latencies}, ts))):
+        rsps.get(f"{PROM}/api/v1/query", json=body, match=[matchers.query_param_matcher({"query": q})])
+        stamped = vector({k: ts - age for k in latencies}, ts)
+        rsps.get(f"{PROM}/api/v1/query", json=stamped,
+                 match=[matchers.query_param_matcher({"query": f"timestamp({q})"})])
 
 
 # -- fake seams: no sockets, no HTTP (the Controller takes any object with these methods) --------------------
@@ -79,13 +83,23 @@ class FakeHaproxy:
 
 
 class FakeProm:
-    """PrometheusClient's seam: query(q) -> the samples answers(q) gives (a dict or a function); recorded."""
+    """PrometheusClient's seam: query(q) -> the samples answers(q) gives (a dict or a function); recorded.
+
+    timestamp(q), unless the dict answers it, is answered as Prometheus does for data sampled at the
+    evaluation time (fresh): q's samples, each with its timestamp as the value."""
 
     def __init__(self, answers, events: list):
         self.answers, self.events = answers, events
 
     def query(self, q):
         self.events.append(("query", q))
+        if q.startswith("timestamp(") and not (isinstance(self.answers, dict) and q in self.answers):
+            # as Prometheus answers timestamp() of a series sampled at the evaluation time: fresh data
+            return [Sample({k: v for k, v in s.labels.items() if k != "__name__"}, s.timestamp, s.timestamp)
+                    for s in self._answer(q.removeprefix("timestamp(")[:-1])]
+        return self._answer(q)
+
+    def _answer(self, q):
         return self.answers(q) if callable(self.answers) else self.answers.get(q, [])
 
 
