@@ -1,29 +1,43 @@
 """The whole system on one machine: simulated fleet, exporters, HAProxy, Prometheus, Alertmanager, pager, controller.
 
-Used by `grayguard demo` and the end-to-end tests. Everything binds 127.0.0.1 on free ports, lives in
-one temp dir, and stop() tears it all down (also after a failed start).
+Used by `grayguard demo`, the end-to-end and chaos tests and the soak. Everything binds 127.0.0.1 on free
+ports, lives in one temp dir, and stop() tears it all down (also after a failed start).
+
+Chaos: each part can fail and come back as in production. Prometheus killed and restarted on the same
+port with the same data; Alertmanager stopped and started again likewise; HAProxy reloaded (`-sf`, with
+or without a `server-state-file`), killed outright and started again; a second HAProxy of the same tier;
+the controller as a child process (`grayguard controller` with a state file) that can be SIGKILLed.
+
+`python -m localstack.stack exporter ...` is the child process of `StackSpec(exporter_processes=True)`: the
+`grayguard exporter` command's flags and Exporter, with a fake healthy GPU in place of NVML.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controller.haproxy import RuntimeClient
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
-from grayguard.config import Config, parse_config
-from grayguard.promclient import PrometheusClient
+import requests
+import yaml
+
 from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import find_binary, free_port
+from localstack.procs import ManagedProcess, find_binary, free_port, start_process
+
+if TYPE_CHECKING:  # the exporter child process imports none of the controller
+    from controller.loop import Controller
+    from grayguard.config import Config
 
 log = logging.getLogger("grayguard.stack")
 POOL, BACKEND = "chat", "vllm_chat"
+REPO = Path(__file__).resolve().parents[1]
 
 # The demo compresses time: production `for:` durations (minutes) would outlast a 150 s run.
 DEMO_ALERT_FOR = {
@@ -31,6 +45,9 @@ DEMO_ALERT_FOR = {
     "GrayguardProbeFailing": "5s", "GrayguardProbeCudaError": "3s", "GrayguardGpuThrottled": "10s",
     "GrayguardGpuPcieLinkDegraded": "10s", "GrayguardGpuXidError": "0s", "GrayguardKvCacheSaturated": "30s",
 }
+# Prometheus resends a firing alert every minute by default: a page held back by an Alertmanager outage
+# would wait that long once Alertmanager is back. Compressed like the rest.
+PROMETHEUS_ARGS = ("--rules.alert.resend-delay=1s",)
 
 
 @dataclass
@@ -46,6 +63,11 @@ class StackSpec:
     speed_classes: Any = None
     balance: str = "roundrobin"  # HAProxy's default algorithm; leastconn already shies away from slow nodes
     overrides: dict = field(default_factory=dict)  # merged into the controller config document
+    haproxies: int = 1  # HAProxy instances of one tier, each with its own frontend; the controller drives all
+    # `grayguard controller` as a child process with a state file (it can be SIGKILLed and started again)
+    controller_process: bool = False
+    # one child process per exporter (what the soak measures); a fault's GPU effects reach only in-process ones
+    exporter_processes: bool = False
 
 
 def check_binaries() -> None:
@@ -67,6 +89,46 @@ def alertmanager_config(webhook_url_page: str, webhook_url_ticket: str) -> dict:
     }
 
 
+def with_server_state_file(config_text: str, state_file: Path) -> str:
+    """A HAProxy config that loads the servers' state from state_file at start-up, when the file exists.
+
+    The seamless-reload recipe of HAProxy's docs: `show servers state` is dumped into the file before a
+    reload, and the new process applies weights and drains from it. A missing file is only a warning.
+    """
+    return (config_text.replace("global\n", f"global\n  server-state-file {state_file}\n", 1)
+            .replace("defaults\n", "defaults\n  load-server-state-from-file global\n", 1))
+
+
+def _child_env() -> dict[str, str]:
+    """The environment of a Python child process: this checkout first on the import path."""
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+class ExporterProcess:
+    """One node's exporter in a child process (`python -m localstack.stack exporter`), as the stack uses it."""
+
+    prober = None  # the probe state lives in the child: read it from /metrics
+
+    def __init__(self, vllm_url: str, port: int, gpu_index: int, probe_interval_s: float, log_path: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "localstack.stack", "exporter", "--gpu-index", str(gpu_index),
+                "--vllm.url", vllm_url, "--web.listen-address", f"127.0.0.1:{port}",
+                "--probe.interval", f"{probe_interval_s:g}", "--probe.deadline", "2s", "--probe.api-key-env", ""]
+        self.proc = ManagedProcess(argv, log_path, env=_child_env(), cwd=REPO)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout_s: float = 30.0) -> ExporterProcess:
+        self.proc.wait_ready(self.url + "/metrics", timeout_s)
+        return self
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 class LocalStack:
     """Start with start(); stop() always cleans up. Attributes are set as each part comes up."""
 
@@ -79,17 +141,25 @@ class LocalStack:
         self.gpus: dict[str, Any] = {}
         self._gpu_base: dict[str, dict] = {}
         self.exporters: dict[str, Any] = {}
-        self.haproxy: HaproxyProc | None = None
+        self.haproxy: HaproxyProc | None = None  # the first of self.haproxies: the one the gateway URL reaches
+        self.haproxies: list[HaproxyProc] = []
         self.gateway_url = ""
+        self.gateway_urls: list[str] = []
         self.webhook = None
         self.alertmanager = None
         self.prometheus = None
         self.cfg: Config | None = None
-        self.controller: Controller | None = None
+        self.controller: Controller | None = None  # the in-process controller (None with controller_process)
+        self.controller_proc: ManagedProcess | None = None  # the controller child process
         self.controller_url = ""
+        self.state_file: Path | None = None
+        self._cfg_doc: dict = {}
         self._ctl_stop = threading.Event()
         self._ctl_thread: threading.Thread | None = None
         self._http = None
+        self._prom_launch: tuple[dict, int] | None = None
+        self._am_launch: tuple[dict, int] | None = None
+        self._retired: list[ManagedProcess] = []  # HAProxy processes soft-stopping after a reload
 
     # ---- bring-up ------------------------------------------------------------------------------
     def start(self) -> LocalStack:
@@ -101,16 +171,7 @@ class LocalStack:
         return self
 
     def _start(self) -> None:
-        from exporters.fakenvml import FakeNvml, healthy_h100
-        from exporters.prober import ProbeConfig
-        from exporters.server import Exporter
-        from localstack.services import (
-            WebhookReceiver,
-            prometheus_config,
-            start_alertmanager,
-            start_prometheus,
-            static_job,
-        )
+        from localstack.services import WebhookReceiver, prometheus_config, static_job
         from rules.render import render_all
         from sim.fleet import FleetThread
 
@@ -120,27 +181,24 @@ class LocalStack:
         self.fleet = FleetThread(n=s.nodes, seed=s.seed, speed_classes=s.speed_classes,
                                  on_fault_change=self._on_fault)
         self.nodes = self.fleet.start()
-        self.progress("starting one exporter per node (fake NVML, 1-token probes)")
-        for i, n in enumerate(self.nodes):
-            gpu = healthy_h100(i)
-            self.gpus[n.name] = gpu
-            self._gpu_base[n.name] = dict(vars(gpu))
-            ex = Exporter(n.url, port=0, nvml=FakeNvml([gpu]),
-                          probe=ProbeConfig(interval=s.probe_interval_s, deadline=2.0, api_key_env=None))
-            self.exporters[n.name] = ex.start()
-        self.progress("starting HAProxy")
-        gw_port = free_port()
-        hdir = self.dir / "haproxy"
-        hdir.mkdir()
+        self._start_exporters()
+        self.progress("starting HAProxy" + (f" x{s.haproxies}" if s.haproxies > 1 else ""))
         servers = [(n.name, n.address, 100) for n in self.nodes]
-        self.haproxy = HaproxyProc(hdir, haproxy_config(hdir / "admin.sock", {BACKEND: servers},
-                                                        balance=s.balance, frontend_port=gw_port))
-        self.haproxy.start()
-        self.gateway_url = f"http://127.0.0.1:{gw_port}"
+        for i in range(s.haproxies):
+            gw_port = free_port()
+            hdir = self.dir / ("haproxy" if i == 0 else f"haproxy{i + 1}")
+            hdir.mkdir()
+            text = haproxy_config(hdir / "admin.sock", {BACKEND: servers}, balance=s.balance, frontend_port=gw_port)
+            hp = HaproxyProc(hdir, with_server_state_file(text, hdir / "server-state"))
+            self.haproxies.append(hp)
+            hp.start()
+            self.gateway_urls.append(f"http://127.0.0.1:{gw_port}")
+        self.haproxy, self.gateway_url = self.haproxies[0], self.gateway_urls[0]
         self.progress("starting Alertmanager and the webhook pager")
         self.webhook = WebhookReceiver()
-        self.alertmanager = start_alertmanager(
-            alertmanager_config(self.webhook.url("/page"), self.webhook.url("/ticket")), workdir=self.dir / "am")
+        am_port = free_port()
+        self._am_launch = (alertmanager_config(self.webhook.url("/page"), self.webhook.url("/ticket")), am_port)
+        self.restart_alertmanager()
         ctl_port = free_port()
         self.controller_url = f"http://127.0.0.1:{ctl_port}"
         prom_port = free_port()
@@ -158,17 +216,44 @@ class LocalStack:
             static_job(self.cfg.rules.controller_job, [f"127.0.0.1:{ctl_port}"]),
         ]
         self.progress("starting Prometheus (1 s scrape, grayguard rules)")
-        self.prometheus = start_prometheus(
-            prometheus_config(jobs, interval="1s", alertmanager_urls=[self.alertmanager.url]),
-            sorted(rules_dir.glob("*.yml")), workdir=self.dir / "prometheus", port=prom_port)
+        self._prom_launch = (prometheus_config(jobs, interval="1s", alertmanager_urls=[self.alertmanager.url]),
+                             prom_port)
+        self.restart_prometheus()
         if s.controller:
             self.start_controller()
 
+    def _start_exporters(self) -> None:
+        from exporters.fakenvml import FakeNvml, healthy_h100
+        from exporters.prober import ProbeConfig
+        from exporters.server import Exporter
+
+        s = self.spec
+        if s.exporter_processes:
+            self.progress("starting one exporter process per node (fake NVML, 1-token probes)")
+            for i, n in enumerate(self.nodes):
+                self.exporters[n.name] = ExporterProcess(n.url, free_port(), i, s.probe_interval_s,
+                                                         self.dir / "exporters" / f"{n.name}.log")
+            for ex in self.exporters.values():
+                ex.wait_ready()
+            return
+        self.progress("starting one exporter per node (fake NVML, 1-token probes)")
+        for i, n in enumerate(self.nodes):
+            gpu = healthy_h100(i)
+            self.gpus[n.name] = gpu
+            self._gpu_base[n.name] = dict(vars(gpu))
+            ex = Exporter(n.url, port=0, nvml=FakeNvml([gpu]),
+                          probe=ProbeConfig(interval=s.probe_interval_s, deadline=2.0, api_key_env=None))
+            self.exporters[n.name] = ex.start()
+
     def _config(self, prom_url: str, listen: str) -> Config:
+        from grayguard.config import parse_config
+
         w = self.spec.control_window
+        if self.spec.controller_process:
+            self.state_file = self.dir / "controller" / "state.json"
         doc = {
             "prometheus": {"url": prom_url, "timeout_s": 2},
-            "haproxy": {"endpoints": [self.haproxy.endpoint]},  # type: ignore[union-attr]
+            "haproxy": {"endpoints": [hp.endpoint for hp in self.haproxies]},
             "signals": {"latency_query": f"instance:vllm_normalized_latency_seconds_per_token:rate{w}",
                         "request_rate_query": f"instance:vllm_request_rate:rate{w}"},
             "pools": [{"name": POOL, "backend": BACKEND}],
@@ -185,19 +270,28 @@ class LocalStack:
                       "alert_for": dict(DEMO_ALERT_FOR)},
             "tick_interval_s": self.spec.tick_s,
             "stale_after_s": 15,
-            "state_file": None,
+            "state_file": str(self.state_file) if self.state_file else None,
             "listen_address": listen,
         }
         for k, v in self.spec.overrides.items():
             doc[k] = {**doc[k], **v} if isinstance(v, dict) and isinstance(doc.get(k), dict) else v
+        self._cfg_doc = doc
         return parse_config(doc)
 
     def start_controller(self) -> None:
+        """Start the controller: in this process (a thread), or as a child process with controller_process."""
+        assert self.cfg is not None
+        if self.spec.controller_process:
+            self._start_controller_process()
+            return
         from controller.canary import make_canary
         from controller.cmd_controller import make_rerender, run_loop, startup_checks
+        from controller.haproxy import RuntimeClient
         from controller.httpserver import serve
+        from controller.loop import Controller
+        from controller.metrics import ControllerMetrics
+        from grayguard.promclient import PrometheusClient
 
-        assert self.cfg is not None
         self.progress("starting the controller")
         cfg = self.cfg
         self.controller = Controller(cfg, PrometheusClient(cfg.prometheus),
@@ -210,6 +304,57 @@ class LocalStack:
             target=run_loop, args=(self.controller, cfg.tick_interval_s, self._ctl_stop),
             kwargs={"rerender": make_rerender(cfg)}, name="controller", daemon=True)
         self._ctl_thread.start()
+
+    def _start_controller_process(self, timeout_s: float = 30.0) -> None:
+        """`grayguard controller --config <dir>/controller/grayguard.yaml` (the same document), output in
+        controller.log next to it; returns once it serves /metrics."""
+        d = self.dir / "controller"
+        d.mkdir(exist_ok=True)
+        path = d / "grayguard.yaml"
+        path.write_text(yaml.safe_dump(self._cfg_doc, sort_keys=False))
+        self.progress("starting the controller process")
+        argv = [sys.executable, "-m", "grayguard.cli", "--log-level", "INFO", "controller", "--config", str(path)]
+        self.controller_proc = ManagedProcess(argv, d / "controller.log", env=_child_env(), cwd=REPO)
+        self.controller_proc.wait_ready(self.controller_url + "/metrics", timeout_s)
+
+    def kill_controller(self, sig: int = signal.SIGKILL) -> None:
+        """Send the controller process sig (SIGKILL: no clean-up at all) and reap it."""
+        p = self.controller_proc
+        if p is None:
+            raise RuntimeError("no controller process: start the stack with StackSpec(controller_process=True)")
+        if p.running():
+            p.proc.send_signal(sig)
+            p.proc.wait(10)
+        p.stop()  # closes its log
+        self.controller_proc = None
+
+    # ---- the controller, as its HTTP endpoint shows it ---------------------------------------------
+    def controller_status(self) -> dict:
+        """The controller's /status document."""
+        if self.controller is not None:
+            return self.controller.status()
+        r = requests.get(self.controller_url + "/status", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def node_states(self, pool: str = POOL) -> dict[str, str]:
+        """node -> state, as the controller's /status has them."""
+        return {n["node"]: n["state"] for p in self.controller_status()["pools"] if p["pool"] == pool
+                for n in p["nodes"]}
+
+    def controller_metric(self, name: str, **labels: str) -> float | None:
+        """The sum of the controller's samples called name whose labels include labels; None when none."""
+        from prometheus_client.parser import text_string_to_metric_families
+        if self.controller is not None:
+            from prometheus_client import generate_latest
+            text = generate_latest(self.controller.metrics.registry).decode()
+        else:
+            r = requests.get(self.controller_url + "/metrics", timeout=5)
+            r.raise_for_status()
+            text = r.text
+        values = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                  if s.name == name and labels.items() <= s.labels.items()]
+        return sum(values) if values else None
 
     # ---- faults --------------------------------------------------------------------------------
     def _on_fault(self, node: str, fault: Any) -> None:
@@ -235,10 +380,116 @@ class LocalStack:
     def clear_fault(self, node: str) -> None:
         self.fleet.clear_fault(node)  # type: ignore[union-attr]
 
-    def haproxy_weights(self) -> dict[str, tuple[int, bool]]:
-        """node -> (weight, drained) as HAProxy has them now."""
-        c = RuntimeClient(self.haproxy.endpoint)  # type: ignore[union-attr]
+    # ---- HAProxy -------------------------------------------------------------------------------
+    def haproxy_weights(self, i: int = 0) -> dict[str, tuple[int, bool]]:
+        """node -> (weight, drained) as HAProxy instance i has them now."""
+        from controller.haproxy import RuntimeClient
+        c = RuntimeClient(self.haproxies[i].endpoint)
         return {s.name: (s.weight, s.drain) for s in c.show_servers_state(BACKEND)}
+
+    def haproxy_pid(self, i: int = 0) -> int | None:
+        """The pid that answers on instance i's runtime socket (`show info`), None when none answers."""
+        from controller.haproxy import HaproxyError, RuntimeClient
+        try:
+            info = RuntimeClient(self.haproxies[i].endpoint, 1.0).execute(["show info"])[0]
+        except (HaproxyError, OSError):
+            return None
+        pid = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("Pid:")), "")
+        return int(pid) if pid.isdigit() else None
+
+    def reload_haproxy(self, i: int = 0, server_state: bool = True, timeout_s: float = 10.0) -> None:
+        """Reload instance i as an init script does: a new process with the same config takes over the
+        listeners and the runtime socket, the old one finishes its connections (`-sf`) and exits.
+
+        server_state: `show servers state` is first dumped into the config's `server-state-file`, so the new
+        process starts with the weights and drains of the old one; without it, the new process starts
+        from the config (every server ready at its configured weight), as after a reload by hand.
+        """
+        from controller.haproxy import RuntimeClient
+        hp = self.haproxies[i]
+        old = hp.proc
+        if old is None or not old.running():
+            raise RuntimeError(f"haproxy {i} is not running: start_haproxy({i})")
+        state = hp.dir / "server-state"
+        if server_state:
+            state.write_text(RuntimeClient(hp.endpoint).execute(["show servers state"])[0].rstrip("\n") + "\n")
+        else:
+            state.unlink(missing_ok=True)
+        try:
+            new = start_process([hp.binary, "-db", "-f", str(hp.cfg), "-sf", str(old.pid)], hp.log)
+            new.wait_for(lambda: self.haproxy_pid(i) == new.pid, timeout_s,
+                         f"the reloaded haproxy {i} on {hp.sock}", interval_s=0.02)
+        finally:
+            state.unlink(missing_ok=True)  # read at start-up only: a later start begins from the config
+        hp.proc = new
+        self._retired.append(old)  # soft-stopping; stopped for good at teardown
+        log.info("haproxy %d reloaded (%s server-state file): pid %d -> %d", i,
+                 "with a" if server_state else "without a", old.pid, new.pid)
+
+    def kill_haproxy(self, i: int = 0) -> None:
+        """SIGKILL instance i: its runtime state (weights, drains) dies with it."""
+        hp = self.haproxies[i]
+        if hp.proc is not None:
+            if hp.proc.running():
+                hp.proc.proc.kill()
+                hp.proc.proc.wait(10)
+            hp.stop()
+
+    def stop_haproxy(self, i: int = 0) -> None:
+        """Stop instance i (SIGTERM)."""
+        self.haproxies[i].stop()
+
+    def start_haproxy(self, i: int = 0) -> None:
+        """Start a stopped or killed instance i again: every server ready at its configured weight."""
+        if self.haproxies[i].proc is not None and self.haproxies[i].proc.running():
+            raise RuntimeError(f"haproxy {i} is running")
+        self.haproxies[i].start()
+
+    # ---- Prometheus and Alertmanager -------------------------------------------------------------
+    def kill_prometheus(self) -> None:
+        """SIGKILL Prometheus; its data dir and port stay for restart_prometheus()."""
+        p = self.prometheus.proc  # type: ignore[union-attr]
+        if p.running():
+            p.proc.kill()
+            p.proc.wait(10)
+        p.stop()
+
+    def restart_prometheus(self, timeout_s: float = 30.0) -> None:
+        """Start Prometheus (again) on its port with its config, rule files and data dir; wait until ready."""
+        from localstack.services import start_prometheus
+        assert self._prom_launch is not None and self.cfg is not None
+        config, port = self._prom_launch
+        if self.prometheus is not None and self.prometheus.proc.running():
+            raise RuntimeError("Prometheus is running")
+        self.prometheus = start_prometheus(config, sorted(Path(self.cfg.rules.output_dir).glob("*.yml")),
+                                           workdir=self.dir / "prometheus", port=port, timeout_s=timeout_s,
+                                           extra_args=PROMETHEUS_ARGS)
+
+    def stop_alertmanager(self) -> None:
+        """Stop Alertmanager (SIGTERM); its data dir and port stay for restart_alertmanager()."""
+        self.alertmanager.proc.stop()  # type: ignore[union-attr]
+
+    def restart_alertmanager(self, timeout_s: float = 30.0) -> None:
+        """Start Alertmanager (again) on its port with its config and data dir; wait until ready."""
+        from localstack.services import start_alertmanager
+        assert self._am_launch is not None
+        config, port = self._am_launch
+        if self.alertmanager is not None and self.alertmanager.proc.running():
+            raise RuntimeError("Alertmanager is running")
+        self.alertmanager = start_alertmanager(config, workdir=self.dir / "am", port=port, timeout_s=timeout_s)
+
+    def pids(self) -> dict[str, int]:
+        """Child processes by role: `controller`, `exporter <node>` (those running as processes), `haproxy <i>`."""
+        out = {}
+        if self.controller_proc is not None and self.controller_proc.running():
+            out["controller"] = self.controller_proc.pid
+        for name, ex in self.exporters.items():
+            if isinstance(ex, ExporterProcess) and ex.proc.running():
+                out[f"exporter {name}"] = ex.pid
+        for i, hp in enumerate(self.haproxies):
+            if hp.proc is not None and hp.proc.running():
+                out[f"haproxy {i}"] = hp.proc.pid
+        return out
 
     # ---- teardown ------------------------------------------------------------------------------
     def stop(self, keep_workdir: bool = False) -> None:
@@ -248,7 +499,7 @@ class LocalStack:
             ("prometheus", lambda: self.prometheus and self.prometheus.stop()),
             ("alertmanager", lambda: self.alertmanager and self.alertmanager.stop()),
             ("webhook", lambda: self.webhook and self.webhook.stop()),
-            ("haproxy", lambda: self.haproxy and self.haproxy.stop()),
+            ("haproxy", lambda: [hp.stop() for hp in self.haproxies] + [p.stop() for p in self._retired]),
             ("exporters", lambda: [e.stop() for e in self.exporters.values()]),
             ("fleet", lambda: self.fleet and self.fleet.stop()),
         ]
@@ -266,9 +517,45 @@ class LocalStack:
             self._ctl_thread.join(10)
         if self._http:
             self._http.stop()
+        if self.controller_proc is not None:
+            self.controller_proc.stop()
 
     def __enter__(self) -> LocalStack:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _exporter_main(argv: list[str]) -> int:
+    """The exporter child process: `grayguard exporter`'s flags and Exporter, a fake healthy H100 for NVML."""
+    import argparse
+
+    from exporters import cli
+    from exporters.fakenvml import FakeNvml, healthy_h100
+
+    p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
+    p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")
+    cli.add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.exporter_log_level or "WARNING", stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    error = cli.config_error(args)
+    if error:
+        log.error("bad configuration: %s", error)
+        return 2
+    exporter = cli.build_exporter(args, nvml=FakeNvml([healthy_h100(args.gpu_index)]))
+    exporter.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    exporter.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["exporter"]:
+        sys.exit("usage: python -m localstack.stack exporter [grayguard exporter flags] [--gpu-index N]")
+    sys.exit(_exporter_main(sys.argv[2:]))
