@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 
 from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
@@ -197,13 +196,14 @@ def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Call
 
 def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender: Callable[[], None] | None = None,
              rerender_interval_s: float | None = None) -> None:
-    """Tick on APScheduler until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped.
+    """Tick every interval_s until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped.
 
-    The alert re-render (promtool may take a minute, a reload may time out) is a job of its own, every
-    rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never overlaps itself.
+    Both schedules run on the monotonic clock (controller/ticker.py): a wall-clock step neither bursts nor
+    freezes the ticks. The alert re-render (promtool may take a minute, a reload may time out) is a job of
+    its own, every rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never
+    overlaps itself.
     """
-    from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
-    from apscheduler.schedulers.background import BackgroundScheduler
+    from controller.ticker import Periodic
 
     def job() -> None:
         try:
@@ -218,23 +218,21 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
         except Exception:  # a bug in the re-render must not stop the next one (or the ticks)
             log.exception("alert rule re-render failed")
 
-    def skipped(ev) -> None:
-        if ev.job_id == "tick":  # a skipped re-render is no skipped tick
-            ctl.metrics.ticks.labels("skipped").inc()
+    def skipped(n: int) -> None:  # a skipped re-render is no skipped tick: only the tick job reports
+        ctl.metrics.ticks.labels("skipped").inc(n)
+        log.warning("tick took longer than tick_interval_s=%gs: %d tick(s) skipped", interval_s, n)
 
-    sched = BackgroundScheduler(job_defaults={"max_instances": 1, "coalesce": True,
-                                              "misfire_grace_time": max(1, int(interval_s / 2))})
-    sched.add_listener(skipped, EVENT_JOB_MAX_INSTANCES | EVENT_JOB_MISSED)
-    sched.add_job(job, "interval", seconds=interval_s, id="tick", next_run_time=datetime.now(UTC))
+    jobs = [Periodic("tick", job, interval_s, stop, on_skip=skipped)]
     every = ctl.cfg.rules.rerender_interval_s if rerender_interval_s is None else rerender_interval_s
     if rerender is not None and every > 0:
-        sched.add_job(rerender_job, "interval", seconds=every, id="rerender", next_run_time=datetime.now(UTC),
-                      misfire_grace_time=max(1, int(every / 2)))
-    sched.start()
+        jobs.append(Periodic("rerender", rerender_job, every, stop))
+    for j in jobs:
+        j.start()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     log.info("controller running: tick every %gs%s", interval_s, " (dry run)" if ctl.dry_run else "")
     stop.wait()
-    sched.shutdown(wait=True)
+    for j in jobs:  # a tick in flight finishes (its writes are never cut halfway)
+        j.join()
     log.info("controller stopped")

@@ -396,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The live view shows transitions and pages; per-tick logs would drown it (--log-level DEBUG shows all).
     if logging.getLogger().level > logging.DEBUG:
-        for name in ("aiohttp", "apscheduler", "grayguard", "exporters", "rules", "sim", "localstack", "demo"):
+        for name in ("aiohttp", "grayguard", "exporters", "rules", "sim", "localstack", "demo"):
             logging.getLogger(name).setLevel(logging.WARNING)
     report_dir = Path(args.report_dir)
     try:

@@ -52,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level != "DEBUG":  # APScheduler logs every run of every job at INFO
-        logging.getLogger("apscheduler").setLevel(logging.WARNING)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
