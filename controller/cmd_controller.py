@@ -17,7 +17,7 @@ from controller.metrics import ControllerMetrics
 from controller.statefile import StateFile, StateLock, StateLockError
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
-from grayguard.promclient import PrometheusClient, build_session_headers, tls_settings
+from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
 from grayguard.redact import redact_url
 
 HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
@@ -95,6 +95,29 @@ def startup_checks(ctl: Controller) -> list[str]:
                 problems.append(f"HAProxy {hc.endpoint} backend {pool.backend!r} uses `balance {algo}`, which only "
                                 "accepts weights 0% or 100%: degraded weights cannot apply; use roundrobin or "
                                 "leastconn")
+    problems += staleness_checks(ctl)
+    return problems
+
+
+def staleness_checks(ctl: Controller) -> list[str]:
+    """A latency or rate query whose data has no age: every node would count as stale and its pool hold.
+
+    The age of a node's data is `timestamp(<query>)`. Of a recorded series that is its last evaluation, on
+    any engine; of an expression, Prometheus answers the evaluation time (age 0: staleness not measured)
+    and VictoriaMetrics answers nothing (every node stale, the pool holds for ever).
+    """
+    problems = []
+    for field in ("latency_query", "request_rate_query"):
+        q = getattr(ctl.cfg.signals, field)
+        try:
+            has_data, has_age = ctl.prom.query(q), ctl.prom.query(f"timestamp({q})")
+        except PromError as e:  # the first tick says it again, classified and counted
+            problems.append(f"signals.{field}: cannot query Prometheus yet ({e.kind})")
+            continue
+        if has_data and not has_age:
+            problems.append(f"signals.{field}: {len(has_data)} series, but timestamp() of it returns none, so "
+                            "the age of the data cannot be measured and every node would count as stale (its "
+                            "pool holds). Use a recorded series (rules/), not an expression, on this engine")
     return problems
 
 
