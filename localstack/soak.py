@@ -29,9 +29,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+
+from grayguard.config import duration_seconds
 
 # ---- the analysis (pure) ---------------------------------------------------------------------------
 
@@ -198,8 +200,27 @@ def _counter_by(stack, name: str, *labels: str) -> dict[str, float]:
     return out
 
 
+def stack_spec(args: argparse.Namespace):
+    """The stack the soak runs: the shipped production timing by default, or the demo's compressed one."""
+    from grayguard.config import RecoveryConfig, ThresholdsConfig
+    from localstack.stack import StackSpec
+
+    spec = StackSpec(nodes=args.nodes, seed=args.seed, controller=False, controller_process=True,
+                     exporter_processes=True)
+    if getattr(args, "timing", "production") == "demo":
+        return spec
+    t, r = ThresholdsConfig(), RecoveryConfig()  # the shipped defaults, as grayguard.example.yaml has them
+    return replace(spec, tick_s=5.0, control_window="30s", scrape_interval="5s", probe_interval_s=3.0,
+                   overrides={"thresholds": {"ema_alpha": t.ema_alpha, "sustain_ticks": t.sustain_ticks,
+                                             "min_request_rate": t.min_request_rate},
+                              "recovery": {f: getattr(r, f) for f in ("min_quarantine_s", "canary_interval_s",
+                                           "canary_successes", "canary_timeout_s", "slow_start_initial",
+                                           "slow_start_step_per_min")},
+                              "rules": {"control_interval": "5s"}, "stale_after_s": 60})
+
+
 def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
-    from localstack.stack import LocalStack, StackSpec
+    from localstack.stack import LocalStack
     from sim.loadgen import LoadConfig, run_load
 
     def say(msg: str) -> None:
@@ -208,8 +229,7 @@ def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
     th = Thresholds(args.max_rss_growth_mib, args.max_fd_growth)
     run_s = args.minutes * 60
     warmup_s = args.warmup_minutes * 60 if args.warmup_minutes is not None else min(180.0, run_s / 4)
-    stack = LocalStack(StackSpec(nodes=args.nodes, seed=args.seed, controller=False, controller_process=True,
-                                 exporter_processes=True), progress=say)
+    stack = LocalStack(stack_spec(args), progress=say)
     records: list = []
     series: dict[str, Series] = {}
     cmdlines: dict[str, str] = {}
@@ -222,8 +242,9 @@ def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
         stack.start()
         load = stack.fleet.submit(run_load(LoadConfig(url=stack.gateway_url, rate=args.rate, seed=args.seed,
                                                       duration_s=run_s + 60, timeout_s=6), sink=records))
-        say("warming the 10 s rate windows up before the controller starts")
-        time.sleep(12)
+        window_s = duration_seconds(stack.spec.control_window)
+        say(f"warming the {window_s:g} s rate windows up before the controller starts")
+        time.sleep(window_s + 2 * duration_seconds(stack.spec.scrape_interval))
         stack.start_controller()
         writes0 = stack.controller_metric("grayguard_haproxy_writes_total") or 0.0
         t0 = time.monotonic()
@@ -311,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=5, help="simulated vLLM nodes, one exporter each (default 5)")
     p.add_argument("--rate", type=float, default=12.0, help="requests per second through HAProxy (default 12)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fleet and the load (default 1)")
+    p.add_argument("--timing", choices=("production", "demo"), default="production",
+                   help="production (default): the shipped timing of grayguard.example.yaml and "
+                        "rules/prometheus.example.yml (5 s scrape and ticks, 30 s windows, default thresholds, "
+                        "3 s probes); demo: the demo's compressed one (1 s, 10 s windows)")
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default 10)")
     p.add_argument("--warmup-minutes", type=float, default=None,
                    help="left out of growth and slope (default: a quarter of the run, at most 3)")

@@ -68,6 +68,7 @@ class StackSpec:
     controller_process: bool = False
     # one child process per exporter (what the soak measures); a fault's GPU effects reach only in-process ones
     exporter_processes: bool = False
+    scrape_interval: str = "1s"  # Prometheus' scrape and rule evaluation interval (production ships 5s)
 
 
 def check_binaries() -> None:
@@ -215,8 +216,9 @@ class LocalStack:
                 for n, ex in zip(self.nodes, self.exporters.values(), strict=True)]},
             static_job(self.cfg.rules.controller_job, [f"127.0.0.1:{ctl_port}"]),
         ]
-        self.progress("starting Prometheus (1 s scrape, grayguard rules)")
-        self._prom_launch = (prometheus_config(jobs, interval="1s", alertmanager_urls=[self.alertmanager.url]),
+        self.progress(f"starting Prometheus ({s.scrape_interval} scrape, grayguard rules)")
+        self._prom_launch = (prometheus_config(jobs, interval=s.scrape_interval,
+                                               alertmanager_urls=[self.alertmanager.url]),
                              prom_port)
         self.restart_prometheus()
         if s.controller:

@@ -80,7 +80,8 @@ def test_a_weight_written_to_a_healthy_node_fails_the_soak():
 def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_path):
     require("haproxy", "prometheus", "alertmanager")
     out, path = io.StringIO(), tmp_path / "soak.md"
-    rc = main(["--minutes", "0.5", "--sample-s", "2", "--nodes", "3", "--rate", "8", "--out", str(path)], out=out)
+    rc = main(["--timing", "demo", "--minutes", "0.5", "--sample-s", "2", "--nodes", "3", "--rate", "8",
+               "--out", str(path)], out=out)
     text = path.read_text()
     assert rc == (1 if "**FAIL**" in text else 0), out.getvalue()
     rows = [ln.split(" | ")[0].lstrip("| ") for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
@@ -92,3 +93,16 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
     for ln in text.splitlines():  # every process sampled: no empty row
         if ln.startswith("| controller") or ln.startswith("| exporter"):
             assert "nan" not in ln and "no samples" not in ln, ln
+
+
+def test_the_soak_runs_at_the_shipped_timing_by_default():
+    import argparse
+
+    from grayguard.config import ThresholdsConfig
+    from localstack.soak import stack_spec
+
+    prod = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="production"))
+    assert (prod.tick_s, prod.control_window, prod.scrape_interval) == (5.0, "30s", "5s")
+    assert prod.overrides["thresholds"]["sustain_ticks"] == ThresholdsConfig().sustain_ticks
+    demo = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="demo"))
+    assert (demo.tick_s, demo.control_window, demo.scrape_interval) == (1.0, "10s", "1s")
