@@ -216,7 +216,8 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
         inputs[n] = NodeInput(
             base_weight=s.initial_weight, latency=lat.get(key), request_rate=rate.get(key),
             peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
-            canary=canaries.get(n), hold=s.maint, down=s.down, haproxy_weight=s.weight, haproxy_drain=s.drain,
+            canary=canaries.get(n), hold=s.maint, down=s.down, gateway_marked_down=s.marked_down_for_errors,
+            gateway_errors=s.hanafail, haproxy_weight=s.weight, haproxy_drain=s.drain,
             probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
             probe_failures=_int(sig["probe_failures"].get(key)),
             error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),

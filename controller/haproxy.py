@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from grayguard.config import HAPROXY_NAME_RE
+from grayguard.reflexes import CHECK_STATUS_HANA
 
 # srv_admin_state bits (HAProxy src/server.h)
 ADMF_FMAINT, ADMF_IMAINT, ADMF_CMAINT, ADMF_FDRAIN, ADMF_IDRAIN, ADMF_RMAINT, ADMF_HMAINT = (
@@ -58,6 +59,10 @@ class ServerState:
     admin_state: int
     op_state: int
     fqdn: str | None = None  # the hostname the server is configured by (srv_fqdn), None for an address
+    check_status: int | None = None  # srv_check_status: the last check's verdict (HCHK_STATUS_*), None: unknown
+    # `show stat` hanafail: times HAProxy marked it down for errors since it started (None: unknown). The HANA
+    # check status lasts only until the next check (inter); the counter stays, so a tick cannot miss one.
+    hanafail: int | None = None
 
     @property
     def drain(self) -> bool:
@@ -69,8 +74,14 @@ class ServerState:
 
     @property
     def down(self) -> bool:
-        """DOWN by its health check: srv_op_state 0 (stopped) while not in MAINT (MAINT stops it too)."""
+        """DOWN by its health check or error-limit: srv_op_state 0 (stopped) while not in MAINT (MAINT stops it too)."""
         return self.op_state == 0 and not self.maint
+
+    @property
+    def marked_down_for_errors(self) -> bool:
+        """DOWN by `observe layer7` + `error-limit` + `on-error mark-down`: check_status HANA (until a check
+        overwrites it), not by a failed health check."""
+        return self.down and self.check_status == CHECK_STATUS_HANA
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,27 @@ def parse_servers_state(text: str) -> list[ServerState]:
                 backend=f["be_name"], name=f["srv_name"], address=host_port(f["srv_addr"], f["srv_port"]),
                 weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
                 admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"]),
-                fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"]))
+                fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"],
+                check_status=int(f["srv_check_status"]) if f.get("srv_check_status", "").isdigit() else None))
         except (KeyError, ValueError) as e:
             raise HaproxyError("bad_reply", f"cannot parse server state line {ln!r}: {e}") from e
+    return out
+
+
+def parse_hanafail(csv_text: str) -> dict[tuple[str, str], int]:
+    """(backend, server) -> hanafail, from `show stat` CSV output; {} when the reply is not one."""
+    lines = csv_text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return {}
+    cols = lines[0][2:].split(",")
+    if not {"pxname", "svname", "hanafail"} <= set(cols):
+        return {}
+    i_px, i_sv, i_h = cols.index("pxname"), cols.index("svname"), cols.index("hanafail")
+    out = {}
+    for ln in lines[1:]:
+        f = ln.split(",")
+        if len(f) > max(i_px, i_sv, i_h) and f[i_h].isdigit():
+            out[(f[i_px], f[i_sv])] = int(f[i_h])
     return out
 
 
@@ -233,12 +262,13 @@ class RuntimeClient:
         return replies
 
     def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
-        """Every server (of one backend, or all)."""
+        """Every server (of one backend, or all), with its hanafail counter from `show stat` (same batch)."""
         cmd = "show servers state" + (f" {check_name(backend)}" if backend else "")
-        reply = self.execute([cmd])[0]
+        reply, stat = self.execute([cmd, f"show stat {backend or -1} 4 -1"])
         if "can't find backend" in reply.lower():
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
-        return parse_servers_state(reply)
+        counts = parse_hanafail(stat)
+        return [replace(s, hanafail=counts.get((s.backend, s.name))) for s in parse_servers_state(reply)]
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
         """(current, initial) weight of one server."""

@@ -8,7 +8,8 @@ Weight = base x the product of the signals' factors (latency 2^-(score-2), slow 
 slow start's ramp share), at least min_degraded_weight while any factor cuts it; 0 when drained or
 when the KV cache is saturated (weight 0 without drain: running requests finish, no new ones).
 Quarantine causes: a sustained latency outlier (sooner with GPU evidence), failing probes or a CUDA
-error, or an open error circuit — never more than the safeguard cap allows.
+error, an open error circuit, or HAProxy's own error limit (observe layer7: DOWN for errors now, or its
+hanafail counter rose since the last tick) — never more than the safeguard cap allows.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ class NodeInput:
     pcie_degraded: bool | None = None  # link generation or width below its maximum under load
     gpu_ecc_uncorrectable: bool | None = None
     gpu_xid: bool | None = None
-    down: bool = False  # DOWN by HAProxy's health check: out of rotation whatever is decided (counts against the cap)
+    down: bool = False  # DOWN in HAProxy (check or error-limit): out of rotation whatever is decided (counts to cap)
+    # DOWN because HAProxy's own reflex fired (observe layer7 + error-limit + on-error mark-down): quarantined, so the
+    # health check that puts it back (its /health answers 200 while requests get 500s) cannot return it to rotation
+    gateway_marked_down: bool = False
+    gateway_errors: int | None = None  # HAProxy's count of such mark-downs (hanafail); a rise since the last tick
     # What HAProxy shows now; used only to seed a node the controller has no state for (restart, second replica)
     haproxy_weight: int | None = None  # current weight; None: unknown
     haproxy_drain: bool = False  # the server is drained
@@ -86,9 +91,10 @@ class NodeState:
     lat_factor: float = 1.0  # its factor (kept while the node has no data)
     signals: SignalMemory = field(default_factory=SignalMemory)
     factors: tuple = ()  # ((Signal, factor, reason), ...) in force, for /status and metrics
-    cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors)
+    cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors, gateway)
     ramp_start: float | None = None  # slow start ramps from here (a new node's warm-up ends here)
     gone_since: float | None = None  # absent from HAProxy since
+    gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,10 @@ class PoolDecision:
     retained: dict[str, NodeState] = field(default_factory=dict)  # absent nodes within their grace period
     out_of_rotation: int = 0  # nodes out of rotation from any cause (drained, MAINT, DOWN): what the cap bounds
 
+
+# the reason of a node HAProxy marked DOWN for errors (check_status HANA)
+GATEWAY_REASON = ("HAProxy marked it DOWN for errors (observe layer7 error-limit, on-error mark-down); "
+                  "quarantined until canaries pass")
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -224,6 +234,16 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                    and st[n].state in IN_ROTATION and not inputs[n].hold}
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
 
+    # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
+    # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
+    gateway: set[str] = set()
+    for n in names:
+        i, seen = inputs[n], st[n].gateway_errors_seen
+        if i.gateway_marked_down or (i.gateway_errors is not None and seen is not None and i.gateway_errors > seen):
+            gateway.add(n)
+        if i.gateway_errors is not None:
+            st[n] = replace(st[n], gateway_errors_seen=i.gateway_errors)
+
     # 2. Per-node transitions.
     candidates: list[tuple[float, str, str, str]] = []  # (priority, node, cause, reason)
     kv_full: list[tuple[float, str]] = []
@@ -234,6 +254,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
                                    t, r, now, calm_gap)
+            if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
+                cand = (math.inf, DrainCause.GATEWAY, GATEWAY_REASON + (f"; {cand[2]}" if cand else ""))
             if cand:
                 candidates.append(cand[:1] + (n,) + cand[1:])
             mem, sat = signals.kv_cache(s.signals, i.kv_cache_usage, t)
@@ -300,8 +322,10 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
-    # An open error circuit goes half-open at the next canary interval; other causes wait min_quarantine_s.
-    return min(r.min_quarantine_s, r.canary_interval_s) if s.cause == DrainCause.ERRORS else r.min_quarantine_s
+    # An open error circuit (ours or HAProxy's error-limit) goes half-open at the next canary interval; other causes
+    # wait min_quarantine_s.
+    fast = s.cause in (DrainCause.ERRORS, DrainCause.GATEWAY)
+    return min(r.min_quarantine_s, r.canary_interval_s) if fast else r.min_quarantine_s
 
 
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,

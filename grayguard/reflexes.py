@@ -31,6 +31,11 @@ class Reflexes:
     check_inter_s: float = 2.0
     check_fall: int = 3
     check_rise: int = 2
+    # a server DOWN that fails its checks is checked this often (HAProxy's srv_getinter: only at health 0). It
+    # does not prolong an error-limit mark-down: that server passes /health and is back after about
+    # check_inter_s * check_rise, its HANA status gone at the next check; the controller reads `hanafail`
+    check_downinter_s: float = 10.0
+    health_path: str = "/health"
     # request buffering: a request body up to this size is kept and can be retried; a larger one is not
     bufsize: int = 65536
     # timeouts: connect fails fast; server is the longest silence allowed mid-stream (not the length of a
@@ -40,3 +45,50 @@ class Reflexes:
 
 
 DEFAULT = Reflexes()
+
+
+# `show servers state` srv_check_status of a server HAProxy marked down for errors (HCHK_STATUS_HANA,
+# shown as check_status "HANA" by `show stat`); a health check's own verdict overwrites it.
+CHECK_STATUS_HANA = 4
+
+
+def duration(seconds: float) -> str:
+    """HAProxy's time format: whole seconds as "2s", anything finer in milliseconds."""
+    ms = round(seconds * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def global_lines(r: Reflexes = DEFAULT) -> list[str]:
+    """The `global` section's reflex lines (unindented)."""
+    return ["# request buffer: a request (headers + body) that fits is kept and can be retried",
+            f"tune.bufsize {r.bufsize}"]
+
+
+def backend_lines(r: Reflexes = DEFAULT) -> list[str]:
+    """The reflex lines of a grayguard-driven backend (unindented); servers take them from default-server."""
+    share = round(r.retry_budget * 1000)  # failed/requests > share/1000 <=> fail*1000 - req*share > 0
+    window = duration(r.budget_window_s)
+    check = (f"check inter {duration(r.check_inter_s)} downinter {duration(r.check_downinter_s)} "
+             f"fall {r.check_fall} rise {r.check_rise}")
+    return [
+        "# retry what failed before anything reached the client, on another server (redispatch every retry);",
+        "# a retry needs the whole request in the buffer (tune.bufsize): a larger prompt is not retried",
+        "option http-buffer-request",
+        f"retry-on {' '.join(r.retry_on)}",
+        f"retries {r.retries}",
+        *(["option redispatch 1"] if r.redispatch else []),
+        f"# retry budget: L7 retries stop while failed responses exceed {r.retry_budget:.0%} of the requests of the",
+        f"# last {window} (a retried-then-served request is no failure), so a pool-wide failure is not multiplied",
+        f"stick-table type integer size 1 expire {window} store http_req_rate({window}),http_fail_rate({window})",
+        "http-request track-sc0 int(0)",
+        f"http-request set-var(txn.gg_budget) sc_http_req_rate(0),mul({share})",
+        "http-request disable-l7-retry if { sc_http_fail_rate(0),mul(1000),sub(txn.gg_budget) gt 0 }",
+        "# connect fails fast; `timeout server` is the longest silence mid-stream, not a generation's length",
+        f"timeout connect {duration(r.timeout_connect_s)}",
+        f"timeout server {duration(r.timeout_server_s)}",
+        f"option httpchk GET {r.health_path}",
+        "http-check expect status 200",
+        f"# {r.error_limit} consecutive errors delivered to clients mark a server DOWN (check_status HANA); its",
+        "# health check brings it back, grayguard keeps it drained until canaries pass",
+        f"default-server {check} observe layer7 error-limit {r.error_limit} on-error {r.on_error}",
+    ]

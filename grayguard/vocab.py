@@ -66,4 +66,5 @@ class DrainCause(StrEnum):
     LATENCY = "latency"
     PROBE = "probe"
     ERRORS = "errors"
+    GATEWAY = "gateway"  # HAProxy marked it DOWN for errors (observe layer7 error-limit): its own circuit breaker
     SEEDED = "seeded"  # found drained in HAProxy by a controller with no state for the node

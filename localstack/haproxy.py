@@ -6,20 +6,31 @@ import socket
 import subprocess
 from pathlib import Path
 
+from grayguard.reflexes import Reflexes, backend_lines, global_lines
 from localstack.procs import ManagedProcess, find_binary, start_process
 
 
 def haproxy_config(sock: Path, backends: dict[str, list[tuple[str, str, int]]], balance: str = "leastconn",
-                   frontend_port: int | None = None, default_backend: str | None = None) -> str:
-    """A minimal config: admin socket, one backend per entry [(server, "host:port", weight)], no checks."""
-    lines = ["global", f"  stats socket {sock} level admin", "  maxconn 4096", "defaults", "  mode http",
-             "  timeout connect 2s", "  timeout client 120s", "  timeout server 120s", "  option http-keep-alive"]
+                   frontend_port: int | None = None, default_backend: str | None = None,
+                   reflexes: Reflexes | None = None) -> str:
+    """A minimal config: admin socket, one backend per entry [(server, "host:port", weight)].
+
+    Without reflexes: no checks, no retries. With them (grayguard/reflexes.py, as haproxy/haproxy.example.cfg):
+    retries with redispatch and a retry budget, observe layer7 error-limit, health checks, request buffering.
+    """
+    lines = ["global", f"  stats socket {sock} level admin", "  maxconn 4096"]
+    if reflexes is not None:
+        lines += [f"  {ln}" for ln in global_lines(reflexes)]
+    lines += ["defaults", "  mode http", "  timeout connect 2s", "  timeout client 120s", "  timeout server 120s",
+              "  option http-keep-alive"]
     if frontend_port is not None:
         lines += ["frontend gateway", f"  bind 127.0.0.1:{frontend_port}",
                   f"  default_backend {default_backend or next(iter(backends))}"]
     for be, servers in backends.items():
         lines += [f"backend {be}", f"  balance {balance}",
                   "  http-response set-header X-Served-By %s"]
+        if reflexes is not None:
+            lines += [f"  {ln}" for ln in backend_lines(reflexes)]
         lines += [f"  server {s} {addr} weight {w}" for s, addr, w in servers]
     return "\n".join(lines) + "\n"
 

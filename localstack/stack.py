@@ -189,7 +189,9 @@ class LocalStack:
             gw_port = free_port()
             hdir = self.dir / ("haproxy" if i == 0 else f"haproxy{i + 1}")
             hdir.mkdir()
-            text = haproxy_config(hdir / "admin.sock", {BACKEND: servers}, balance=s.balance, frontend_port=gw_port)
+            from grayguard.reflexes import DEFAULT as REFLEXES  # the shipped gateway's reflexes (haproxy/)
+            text = haproxy_config(hdir / "admin.sock", {BACKEND: servers}, balance=s.balance, frontend_port=gw_port,
+                                  reflexes=REFLEXES)
             hp = HaproxyProc(hdir, with_server_state_file(text, hdir / "server-state"))
             self.haproxies.append(hp)
             hp.start()

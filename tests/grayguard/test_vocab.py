@@ -44,8 +44,9 @@ def test_the_words():
     assert PROBE_RESULTS == ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
                              "starting")
     assert set(Signal) == {"latency", "probe", "errors", "kv_cache"}
-    assert set(DrainCause) == {"latency", "probe", "errors", "seeded"}
-    assert set(DrainCause) - {"seeded"} <= set(Signal)  # seeded: found drained by a controller with no state
+    assert set(DrainCause) == {"latency", "probe", "errors", "gateway", "seeded"}
+    # seeded: found drained by a controller with no state; gateway: HAProxy's error-limit fired
+    assert set(DrainCause) - {"seeded", "gateway"} <= set(Signal)
 
 
 def test_ejected_and_in_rotation_partition_the_states():
