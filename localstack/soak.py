@@ -132,7 +132,8 @@ def render_markdown(r: SoakReport) -> str:
     lines = [f"# Soak ({m['date']})", "",
              f"`{m['command']}` on {m['host']}, commit {m['commit']}: {m['nodes']} simulated vLLM nodes, "
              f"{m['rate']:g} req/s through HAProxy, no fault, {m['minutes']:g} min with the controller running "
-             f"(1 s ticks and scrapes, 10 s rate windows, 0.5 s probes); sampled every {m['sample_s']:g} s; "
+             f"({m.get('timing', 'demo timing: 1 s ticks and scrapes, 10 s rate windows, 0.5 s probes')}); "
+             f"sampled every {m['sample_s']:g} s; "
              f"the first {_duration(m['warmup_s'])} are warm-up, left out of growth and slope.", "",
              "| process | RSS start (MiB) | RSS end (MiB) | RSS max (MiB) | growth (MiB) | slope (MiB/10 min) "
              "| fds start | fds end | fds max | |",
@@ -241,7 +242,7 @@ def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
     try:
         stack.start()
         load = stack.fleet.submit(run_load(LoadConfig(url=stack.gateway_url, rate=args.rate, seed=args.seed,
-                                                      duration_s=run_s + 60, timeout_s=6), sink=records))
+                                                      duration_s=run_s + 60, timeout_s=60), sink=records))
         window_s = duration_seconds(stack.spec.control_window)
         say(f"warming the {window_s:g} s rate windows up before the controller starts")
         time.sleep(window_s + 2 * duration_seconds(stack.spec.scrape_interval))
@@ -286,7 +287,9 @@ def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
             "host": f"{os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python "
                     f"{platform.python_version()}", "commit": _commit(), "nodes": args.nodes, "rate": args.rate,
             "minutes": args.minutes, "sample_s": args.sample_s, "warmup_s": warmup_s, "thresholds": th,
-            "processes": cmdlines}
+            "processes": cmdlines,
+            "timing": f"{args.timing} timing: {stack.spec.tick_s:g} s ticks, {stack.spec.scrape_interval} scrapes, "
+                      f"{stack.spec.control_window} rate windows, {stack.spec.probe_interval_s:g} s probes"}
     return SoakReport([analyze_series(s, warmup_s, th) for s in series.values()], writes, off, transitions,
                       ticks, requests_by, meta)
 
