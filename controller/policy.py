@@ -271,14 +271,17 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
     # 3. Drain the worst candidates within the safeguard cap. The cap bounds what is out of rotation from any
     # cause: servers in MAINT or DOWN by their health check count first (capacity already gone), and
-    # KV-saturated nodes share the same budget. Draining a node that is out anyway costs nothing.
+    # KV-saturated nodes share the same budget. Draining a node that is out anyway (DOWN) costs nothing now, but
+    # keeps it out once its health check puts it back: so it is drained only while the pool is within the cap
+    # (a pool-wide failure that HAProxy marked DOWN everywhere must not come back to a pool the controller holds
+    # drained).
     cap = max_ejected(len(names), t.max_ejected_fraction)
     away = {n for n in names if inputs[n].hold or inputs[n].down}
     out_now = len(away) + sum(1 for n in names if n not in away and st[n].state in EJECTED)
     gone = f" ({len(away)} in MAINT or DOWN)" if away else ""
     safeguard = False
     for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
-        if n in away or out_now < cap:
+        if (out_now <= cap) if n in away else (out_now < cap):
             st[n] = replace(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
             out_now += n not in away
         else:
