@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.lb import make_balancer
+from bench.lb import Gateway, make_balancer
 from bench.node import NodeObs, VirtualNode, observe
 from bench.policies import Assign, make_policy
 from bench.spec import FaultSpec, Scenario, make_arrivals
@@ -46,6 +46,9 @@ class RunResult:
     signals: list[tuple[float, dict[str, float | None]]] = field(default_factory=list)
     canaries: int = 0
     wall_s: float = 0.0
+    retried: bytearray = field(default_factory=bytearray)  # retries (redispatches) per request
+    # HAProxy's own state changes: (time, node index, marked down, why: error-limit | check fall | check rise)
+    gateway: list[tuple[float, int, bool, str]] = field(default_factory=list)
 
 
 class _CanaryRound:
@@ -85,6 +88,7 @@ class Run:
         r = len(arr)
         self.res = RunResult(scn, policy, arr.t, [-1] * r, [PENDING] * r, [math.nan] * r, [math.nan] * r)
         self.res.timeline = [(0.0, k, w, False, "healthy") for k, w in enumerate(self.weights)]
+        self.res.retried = bytearray(r)
         self.garbage = bytearray(r)
         self.midstream = bytearray(r)
         self.deadlines: deque[tuple[float, int]] = deque()
@@ -102,6 +106,13 @@ class Run:
         if scn.probes:
             self.probe_due = [(self.probe_rng.uniform(0, scn.probe_interval_s), k) for k in range(len(self.nodes))]
             heapq.heapify(self.probe_due)
+        rx = self.detector.reflexes
+        self.gw = Gateway(rx, len(self.nodes)) if rx is not None else None
+        self.res.gateway = self.gw.events if self.gw is not None else []
+        self.check_due: list[tuple[float, int]] = []  # HAProxy's active health checks (reflexes only)
+        if rx is not None:
+            self.check_due = [(self.probe_rng.uniform(0, rx.check_inter_s), k) for k in range(len(self.nodes))]
+            heapq.heapify(self.check_due)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def advance(self, k: int, t: float) -> None:
@@ -130,6 +141,8 @@ class Run:
                         c.ttft[name] = None if bad else ev.time - sent
                 elif status[rid] == PENDING:
                     res.ttft[rid] = ev.time - res.t[rid]
+                    if self.gw is not None:  # the status line (200) reached HAProxy
+                        self.gw.answered(k)
                     if self.midstream[rid]:  # cuda_error midstream: an error event after the first token
                         node.engine.abort(rid)
                         node.errors.append(ev.time)
@@ -154,26 +167,71 @@ class Run:
                 self.res.timeline.append((t, k, a.weight, a.drained, a.state))
 
     # -- events -----------------------------------------------------------------------------------
+    def _eligible(self, exclude: list[int]) -> list[bool]:
+        """The `drained` list the balancer sees: drained, marked down by HAProxy, or already tried."""
+        gw = self.gw
+        if gw is None and not exclude:
+            return self.drained
+        down = gw.down if gw is not None else [False] * len(self.nodes)
+        return [d or g or j in exclude for j, (d, g) in enumerate(zip(self.drained, down, strict=True))]
+
+    def _fails_at_once(self, node: VirtualNode, t: float) -> str | None:
+        """How an attempt on node fails before anything is sent back: 'conn-failure', '500', or None."""
+        f = node.faults.active
+        if f is None:
+            return None
+        if f.name == "refused":
+            return "conn-failure"
+        if f.name == "cuda_error" and f.params["mode"] == "http" and node.rng.random() < f.params["rate"]:
+            node.errors.append(t)  # HTTP 500 before any output; vLLM counts finished_reason=error
+            return "500"
+        return None
+
     def arrival(self, i: int) -> None:
         t = self.arr.t[i]
         pin = self.arr.pin[i]
         if not self.lazy:
             for k in range(len(self.nodes)):
                 self.advance(k, t)
-        k = pin if pin >= 0 else self.lb.pick(self.weights, self.drained)
+        gw = self.gw
         res = self.res
-        if k is None:
-            res.status[i], res.e2e[i] = NO_SERVER, 0.0
-            return
-        node = self.nodes[k]
-        res.node[i] = k
-        f = node.faults.active
-        if f is not None and f.name == "cuda_error" and node.rng.random() < f.params["rate"]:
-            if f.params["mode"] == "http":  # HTTP 500 before any output; vLLM counts finished_reason=error
-                node.errors.append(t)
+        tried: list[int] = []
+        if gw is not None:
+            gw.request(t)
+        k = pin if pin >= 0 and (gw is None or not gw.down[pin]) else self.lb.pick(self.weights, self._eligible([]))
+        while True:
+            if k is None:  # HAProxy answers 503 itself
+                res.status[i], res.e2e[i] = NO_SERVER, 0.0
+                if gw is not None:
+                    gw.response_failed(t)
+                return
+            node = self.nodes[k]
+            res.node[i] = k
+            why = self._fails_at_once(node, t)
+            if why is None:
+                break
+            if gw is None:
                 res.status[i], res.e2e[i] = ERROR, 0.0
                 self.apply(self.detector.on_result(node.spec.name, False, t), t)
                 return
+            gw.failed(k, t)
+            tried.append(k)
+            rx = gw.rx
+            retry = len(tried) <= rx.retries and why in rx.retry_on and (why == "conn-failure" or gw.budget_ok(t))
+            nxt = None
+            if retry:  # redispatch: the balancer picks again among the servers not tried yet
+                nxt = self.lb.pick(self.weights, self._eligible(tried)) if rx.redispatch else k
+            if nxt is None:
+                res.status[i], res.e2e[i] = ERROR, 0.0
+                gw.response_failed(t)
+                self.apply(self.detector.on_result(node.spec.name, False, t), t)
+                return
+            res.retried[i] += 1
+            k = nxt
+        node = self.nodes[k]
+        f = node.faults.active
+        if f is not None and f.name == "cuda_error" and f.params["mode"] == "midstream" \
+                and node.rng.random() < f.params["rate"]:
             self.midstream[i] = 1
         if f is not None and f.name == "garbage" and node.rng.random() < f.params["rate"]:
             self.garbage[i] = 1
@@ -183,6 +241,13 @@ class Run:
         self.advance(k, t)
         self.lb.started(k, t)
         self.deadlines.append((t + self.scn.load.timeout_s, i))
+
+    def health_check(self) -> None:
+        """HAProxy's active check of one server (GET /health): 200 unless the process refuses connections."""
+        t, k = heapq.heappop(self.check_due)
+        assert self.gw is not None
+        self.gw.check(k, t, self.nodes[k].fault_name() != "refused")
+        heapq.heappush(self.check_due, (t + self.gw.next_check_in(k), k))
 
     def deadline(self) -> None:
         t, rid = self.deadlines.popleft()
@@ -214,7 +279,9 @@ class Run:
     def tick(self, t: float) -> None:
         for k in range(len(self.nodes)):
             self.advance(k, t)
-        obs = {n.spec.name: observe(n, t, self.scn) for n in self.nodes}
+        gw = self.gw
+        obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (gw.down[n.index], gw.hana[n.index]))
+               for n in self.nodes}
         self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
         rounds = self.detector.canaries(t)
         if not rounds:
@@ -228,8 +295,8 @@ class Run:
             c.requests[rid] = (target, k, t)
             self.res.canaries += 1
             f = node.faults.active
-            if f is not None and f.name == "cuda_error" and f.params["mode"] == "http" \
-                    and node.rng.random() < f.params["rate"]:
+            if f is not None and (f.name == "refused" or f.name == "cuda_error" and f.params["mode"] == "http"
+                                  and node.rng.random() < f.params["rate"]):
                 c.ttft[target] = None
                 continue
             node.engine.submit(rid, PROBE_PROMPT_TOKENS, 1, t)
@@ -242,13 +309,16 @@ class Run:
         return self._synthetic_id
 
     def probe_send(self) -> None:
-        """The exporter's micro-probe: 1 token, 2 s deadline; the next one 3 s +-20 % later."""
+        """The exporter's micro-probe: 1 token, 2 s deadline; the next one probe_interval_s +-20 % later."""
         t, k = heapq.heappop(self.probe_due)
         scn = self.scn
         heapq.heappush(self.probe_due, (t + scn.probe_interval_s * self.probe_rng.uniform(0.8, 1.2), k))
         node = self.nodes[k]
         self.advance(k, t)
         f = node.faults.active
+        if f is not None and f.name == "refused":
+            node.probes.finish(t, "connect_error", None)
+            return
         if f is not None and f.name == "cuda_error" and f.params["mode"] == "http" \
                 and node.rng.random() < f.params["rate"]:
             node.probes.finish(t, "cuda_error", None)
@@ -329,11 +399,14 @@ class Run:
             t_can = self.canary.next_time(self.nodes) if self.canary is not None else inf
             t_probe = self.probe_due[0][0] if self.probe_due and self.probe_due[0][0] < end else inf
             t_pdead = self.probe_deadlines[0][0] if self.probe_deadlines else inf
-            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead)
+            t_check = self.check_due[0][0] if self.check_due and self.check_due[0][0] < end else inf
+            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check)
             if t == inf or t >= until:
                 break
             self.now = t
-            if t == t_pdead:
+            if t == t_check:
+                self.health_check()
+            elif t == t_pdead:
                 self.probe_deadline()
             elif t == t_probe:
                 self.probe_send()

@@ -1,4 +1,4 @@
-"""Models of HAProxy's dynamic balancing algorithms, weighted: `leastconn` and `roundrobin`.
+"""Models of HAProxy's dynamic balancing algorithms, weighted (`leastconn`, `roundrobin`), and its reflexes.
 
 Pure and clock-free. A server with weight 0 or in drain gets no new requests (as in HAProxy; stick-table
 persistence is modelled by the engine's pinned requests, which bypass the balancer). `pick()` returns
@@ -7,6 +7,7 @@ the chosen index, or None when no server is eligible (HAProxy answers 503).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 
@@ -87,6 +88,92 @@ class RoundRobin:
 
     def ended(self, i: int, t: float = 0.0) -> None:
         self.active[i] -= 1
+
+
+class Gateway:
+    """HAProxy's request-path reflexes on one backend, as configured by grayguard.reflexes.Reflexes.
+
+    - passive health (`observe layer7`, `error-limit`, `on-error mark-down`): `error_limit` consecutive
+      failed answers (5xx, connection failures) mark a server down; an answer with another status resets
+      the count. A 200 whose text is garbage, or an error event after the first token, is a success here:
+      HAProxy only sees the status line.
+    - active health checks: `check_fall` failed checks mark an up server down, `check_rise` good ones bring
+      a down server back (whatever marked it down). The check is GET /health: a node that answers 500 to
+      requests while /health is 200 comes back and fails again. The next check follows HAProxy's
+      srv_getinter(): `check_downinter_s` while the server is down with no good check yet, otherwise
+      `check_inter_s` (no fastinter is configured). A mark-down by error-limit does not reschedule the check
+      already planned (HAProxy requeues it only when fastinter is set), so a server marked down for errors
+      whose /health answers 200 is back after at most about check_inter_s * check_rise.
+    - what the controller can read (`show servers state`): the server is DOWN, and whether the last verdict
+      was the error-limit one (check_status HANA) -- until the next health check overwrites it.
+    - the retry budget: the backend's failed responses (what its clients got: a 5xx after the retries, or
+      its own 503; a retried-then-served request is no failure, as the stick table's http_fail_rate counts
+      them) over its requests in the last `budget_window_s`; while that exceeds `retry_budget`, L7 retries
+      (5xx, empty response) are disabled (`http-request disable-l7-retry`). Connection failures are still
+      retried: HAProxy's rule spares them, and a refused connection costs the server nothing.
+    Pure and clock-free: the engine passes the time.
+    """
+
+    def __init__(self, rx, n: int) -> None:
+        self.rx = rx  # grayguard.reflexes.Reflexes
+        self.down = [False] * n
+        self.errors = [0] * n  # consecutive failed answers (observe layer7)
+        self.checks = [0] * n  # consecutive check results against the current state (toward rise or fall)
+        self.hana = [False] * n  # down by error-limit, and no health check has run since (check_status HANA)
+        self.requests: deque[float] = deque()
+        self.failures: deque[float] = deque()
+        self.events: list[tuple[float, int, bool, str]] = []  # (time, server, down, why)
+
+    def _set(self, k: int, down: bool, t: float, why: str) -> None:
+        self.down[k] = down
+        self.checks[k] = 0
+        self.errors[k] = 0
+        self.hana[k] = why == "error-limit"
+        self.events.append((t, k, down, why))
+
+    def request(self, t: float) -> None:
+        """A client request entered the backend."""
+        self.requests.append(t)
+
+    def response_failed(self, t: float) -> None:
+        """A client got a failed response at t (a 5xx after the retries, or HAProxy's own 503)."""
+        self.failures.append(t)
+
+    def failed(self, k: int, t: float) -> None:
+        """An attempt on server k failed (it answered 5xx or refused the connection)."""
+        self.errors[k] += 1
+        if self.errors[k] >= self.rx.error_limit and not self.down[k]:
+            self._set(k, True, t, "error-limit")
+
+    def answered(self, k: int) -> None:
+        """Server k answered with a non-error status."""
+        self.errors[k] = 0
+
+    def budget_ok(self, t: float) -> bool:
+        """May an L7 retry be attempted at t (failed answers within retry_budget of the requests)?"""
+        lo = t - self.rx.budget_window_s
+        for q in (self.requests, self.failures):
+            while q and q[0] <= lo:
+                q.popleft()
+        return len(self.failures) <= self.rx.retry_budget * max(1, len(self.requests))
+
+    def next_check_in(self, k: int) -> float:
+        """Seconds to server k's next check after one just ran (HAProxy's srv_getinter, no fastinter)."""
+        if self.down[k] and self.checks[k] == 0:
+            return self.rx.check_downinter_s
+        return self.rx.check_inter_s
+
+    def check(self, k: int, t: float, healthy: bool) -> None:
+        """An active health check of server k at t: GET /health answered 200 (healthy) or not."""
+        self.hana[k] = False  # the check's own verdict replaces the error-limit one
+        if healthy == (not self.down[k]):
+            self.checks[k] = 0
+            return
+        self.checks[k] += 1
+        if self.down[k] and self.checks[k] >= self.rx.check_rise:
+            self._set(k, False, t, "check rise")
+        elif not self.down[k] and self.checks[k] >= self.rx.check_fall:
+            self._set(k, True, t, "check fall")
 
 
 BALANCERS = {"leastconn": LeastConn, "roundrobin": RoundRobin}

@@ -90,7 +90,9 @@ def summarize(res: RunResult) -> dict:
     counts = {"requests": 0, "ok": 0, "timeout": 0, "error": 0, "garbage": 0, "no_server": 0}
     names = {OK: "ok", TIMEOUT: "timeout", ERROR: "error", GARBAGE: "garbage", NO_SERVER: "no_server"}
     faulty_idx = {k for k, n in enumerate(scn.nodes) if n.name in scn.faulty}
-    on_faulty = 0
+    on_faulty = retried = retries = 0
+    first_bad = math.inf  # when the first garbage answer reached a client (from a request of the window)
+    tried = res.retried or bytearray(len(res.t))
     for i, t in enumerate(res.t):
         if not lo <= t < hi:
             continue
@@ -98,6 +100,10 @@ def summarize(res: RunResult) -> dict:
         counts["requests"] += 1
         counts[names.get(st, "timeout")] += 1
         on_faulty += res.node[i] in faulty_idx
+        retried += tried[i] > 0
+        retries += tried[i]
+        if st == GARBAGE:
+            first_bad = min(first_bad, t + res.e2e[i])
         if st == OK:
             ttft.append(res.ttft[i])
             e2e.append(res.e2e[i])
@@ -125,6 +131,11 @@ def summarize(res: RunResult) -> dict:
             else:
                 false_quarantines += 1
     n = counts["requests"]
+    t_bad_drain = None  # from the first garbage answer delivered to the drain of the node that gave it
+    if first_bad < math.inf:
+        q_abs = [fault_at[scn.nodes[k].name] + first["quarantine"][scn.nodes[k].name] for k in faulty_idx
+                 if scn.nodes[k].name in first["quarantine"]]
+        t_bad_drain = max(0.0, min(q_abs) - first_bad) if q_abs else None
     settled = None  # P99 TTFT once every faulty node was drained: what is left is the capacity cost
     t_q = max(first["quarantine"].values()) if fault_at and len(first["quarantine"]) == len(fault_at) else None
     if t_q is not None:
@@ -146,6 +157,11 @@ def summarize(res: RunResult) -> dict:
         "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "e2e_p999": percentile(e2e, 99.9),
         **counts,
         "success_ratio": counts["ok"] / n if n else None,
+        "failed_share": (counts["error"] + counts["no_server"]) / n if n else None,
+        "garbage_share": counts["garbage"] / n if n else None,
+        "retried": retried, "retries": retries, "retried_share": retried / n if n else None,
+        "t_garbage_to_drain_s": t_bad_drain,
+        "gateway_downs": sum(1 for _t, _k, down, _w in res.gateway if down and lo <= _t < hi),
         "on_faulty_share": on_faulty / n if n else None,
         "capacity_kept": capacity_kept(res, lo, hi),
         "canaries": res.canaries, "wall_s": round(res.wall_s, 3),

@@ -89,6 +89,8 @@ class NodeObs:
     probe_result: str | None = None  # the exporter's last probe class
     probe_ttft: float | None = None  # TTFT of its last answered probe
     probe_failures: int | None = None  # its consecutive failed probes
+    down: bool = False  # HAProxy has it DOWN (error-limit or its health check): read from the runtime API
+    gateway_marked_down: bool = False  # DOWN by error-limit, and no health check has overwritten that yet
 
 
 class ProbeLog:
@@ -162,12 +164,13 @@ class VirtualNode:
             err.popleft()
 
 
-def observe(node: VirtualNode, now: float, scn: Scenario) -> NodeObs:
+def observe(node: VirtualNode, now: float, scn: Scenario, gateway: tuple[bool, bool] | None = None) -> NodeObs:
     """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
     that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
-    KV cache, GPU flags) are read as of now - gauge_lag.
+    KV cache, GPU flags) are read as of now - gauge_lag. gateway: (DOWN, DOWN by error-limit) as HAProxy's
+    runtime API shows them now, for a policy behind HAProxy's reflexes (bench.lb.Gateway); None: no reflexes.
     """
     hi = now - scn.signal_lag_s
     lo = hi - scn.window_s
@@ -195,6 +198,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario) -> NodeObs:
         probe_result=probe[0] if probe else None,
         probe_ttft=probe[1] if probe else None,
         probe_failures=probe[2] if probe else None,
+        down=gateway is not None and gateway[0],
+        gateway_marked_down=gateway is not None and gateway[1],
     )
 
 

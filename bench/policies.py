@@ -2,8 +2,9 @@
 
 A detector sees what its real counterpart sees (per-request outcomes for Envoy, per-tick observations for
 the latency-based ones) and sets per-server weights: 0..256, or drained. Names: `roundrobin`, `leastconn`
-(no detector: the status quo), `seeds`, `envoy`, `envoy-one` (always_eject_one_host), `grayguard`; the
-detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
+(no detector: the status quo), `seeds`, `envoy`, `envoy-one` (always_eject_one_host), `haproxy` (leastconn
+with HAProxy's reflexes of grayguard.reflexes, no controller), `grayguard` (the controller behind the same
+reflexes); the detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from bench.spec import NodeSpec, Scenario
 from controller import canary
 from controller.policy import EJECTED, NodeState, Policy, decide_pool
 from controller.scoring import ema
+from grayguard.reflexes import DEFAULT as REFLEXES
+from grayguard.reflexes import Reflexes
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Detector:
     """No detection: weights stay at their base (plain roundrobin / leastconn)."""
 
     interval_s: float | None = None  # how often tick() runs; None: never
+    reflexes: Reflexes | None = None  # HAProxy's request-path reflexes in front of it; None: none (bench.lb.Gateway)
 
     def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario) -> None:
         self.nodes = list(nodes)
@@ -206,8 +210,13 @@ DETECTORS = {
     "seeds": (Seeds, "leastconn", {}),
     "envoy": (Envoy, "leastconn", {}),
     "envoy-one": (Envoy, "leastconn", {"always_eject_one_host": True}),
+    "haproxy": (Detector, "leastconn", {}),
     "grayguard": (Grayguard, "leastconn", {}),
 }
+# Policies behind HAProxy's reflexes as shipped (grayguard.reflexes): grayguard's gateway, and that gateway
+# without a controller. roundrobin / leastconn / seeds are the status quo without them; Envoy has its own
+# outlier detection (its defaults) and no retry policy (Envoy's default).
+WITH_REFLEXES = frozenset({"haproxy", "grayguard"})
 
 
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:
@@ -216,8 +225,11 @@ def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[De
     if base not in DETECTORS:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(DETECTORS)} (optionally @roundrobin)")
     cls, default_lb, kw = DETECTORS[base]
-    if balancer and base in ("roundrobin", "leastconn"):
+    if balancer and base in ("roundrobin", "leastconn", "haproxy"):
         raise ValueError(f"policy {name!r}: {base} is itself a balancer")
     if balancer not in ("", "roundrobin", "leastconn"):
         raise ValueError(f"policy {name!r}: unknown balancer {balancer!r}")
-    return cls(nodes, scn, **kw), balancer or default_lb
+    det = cls(nodes, scn, **kw)
+    if base in WITH_REFLEXES:
+        det.reflexes = REFLEXES
+    return det, balancer or default_lb

@@ -6,8 +6,9 @@ import statistics
 
 from sim.faults import LATENCY_FAULTS
 
-POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "grayguard")
-FAULTED = ("fault", "sensitivity", "double", "linkerd")
+POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard")
+FAULTED = ("fault", "sensitivity", "double", "linkerd", "pool")
+FAST_FAILS = ("cuda_error", "refused")  # faults HAProxy's reflexes see: the node answers 500 or refuses
 RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
 GG = "grayguard"
 
@@ -30,6 +31,9 @@ def add_baselines(rows: list[dict]) -> None:
         for m in RATIOS:
             r[m + "_x"] = _ratio(r[m], base[m]) if base else None
         r["ttft_p99_settled_x"] = _ratio(r.get("ttft_p99_settled"), base["ttft_p99"]) if base else None
+        # failures the fault caused: errors and 503s, and the timeouts beyond the fault-free run's (a mixed
+        # pool's slowest class times out a few long generations without any fault)
+        r["failed_by_fault"] = r["error"] + r["no_server"] + max(0, r["timeout"] - base["timeout"]) if base else None
         other = lc.get(r["scenario"])
         r["ttft_p99_vs_lc"] = _ratio(r["ttft_p99"], other["ttft_p99"]) if other else None
 
@@ -49,6 +53,19 @@ def _f(x, digits: int = 2, unit: str = "") -> str:
 
 def _pct(x) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def _pct2(x) -> str:
+    return "–" if x is None else f"{100 * x:.2f} %"
+
+
+def _failed(r: dict) -> int:
+    """Client requests that got no answer: HTTP errors, HAProxy's 503s, timeouts."""
+    return r["error"] + r["no_server"] + r["timeout"]
+
+
+def _share(n: int, d: int) -> float | None:
+    return n / d if d else None
 
 
 def _target(name: str, ok: bool | None, measured: str, detail: str = "") -> dict:
@@ -96,6 +113,57 @@ def targets(rows: list[dict]) -> list[dict]:
                        None if not faults or not others else ok, ", ".join(parts),
                        f"scenarios where grayguard's P99 TTFT was >5 % worse: {', '.join(losses)} of {len(faults)}; "
                        f"P99 e2e grayguard/other: {', '.join(e2e)}"))
+    return out + reflex_targets(gg)
+
+
+def reflex_targets(gg: list[dict]) -> list[dict]:
+    """Issue 14's targets (gateway reflexes), over grayguard's rows; every scenario must meet them."""
+    out = []
+    fast = [r for r in gg if r["group"] == "fault" and r["fault"] in FAST_FAILS]
+    sizes = ", ".join(map(str, sorted({r["size"] for r in fast})))
+    shares = [(_share(r["failed_by_fault"], r["requests"]) if r["failed_by_fault"] is not None else None, r)
+              for r in fast]
+    bad = [r for x, r in shares if x is None or x > 0.001]
+    worst = max(shares, key=lambda xr: xr[0] or 0.0, default=(None, None))
+    out.append(_target(f"{' and '.join(FAST_FAILS)}: failed client requests <= 0.1 % of the fault window's requests "
+                       f"in every scenario (pool sizes {sizes})", None if not fast else not bad,
+                       f"{sum(r['failed_by_fault'] or 0 for r in fast)} failed of {sum(r['requests'] for r in fast)} "
+                       f"over {len(fast)} scenarios (errors, 503s, timeouts beyond the fault-free run's); "
+                       f"worst {_pct2(worst[0])}"
+                       + (f" ({worst[1]['scenario']})" if worst[1] else ""),
+                       ", ".join(f"{r['scenario']} ({_pct2(x)})" for x, r in shares if r in bad)))
+    xs = [(r["ttft_p99_x"], r) for r in fast]
+    slow = [r for x, r in xs if x is None or x > 1.2]
+    out.append(_target(f"{' and '.join(FAST_FAILS)}: P99 TTFT <= 1.2x the healthy baseline in every scenario",
+                       None if not fast else not slow,
+                       f"median {_f(_med(x for x, _r in xs))}x, "
+                       f"worst {_f(max((x or 0.0 for x, _r in xs), default=None))}x",
+                       ", ".join(f"{r['scenario']} ({_f(x)}x)" for x, r in xs if r in slow)))
+    garbage = [r for r in gg if r["group"] == "fault" and r["fault"] == "garbage"]
+    late = [r for r in garbage if r["garbage"] and (r["t_garbage_to_drain_s"] is None or r["t_garbage_to_drain_s"] > 5)]
+    out.append(_target("garbage: drained within 5 s of the first garbage answer, in every scenario",
+                       None if not garbage else not late,
+                       f"median {_f(_med(r['t_garbage_to_drain_s'] for r in garbage), 1, ' s')}, worst "
+                       f"{_f(max((r['t_garbage_to_drain_s'] or 0.0 for r in garbage), default=None), 1, ' s')}",
+                       ", ".join(f"{r['scenario']} ({_f(r['t_garbage_to_drain_s'], 1, ' s')})" for r in late)))
+    gs = [(_share(r["garbage"], r["requests"]), r) for r in garbage]
+    many = [r for x, r in gs if x is None or x > 0.005]
+    out.append(_target("garbage: answers delivered <= 0.5 % of the window's requests, in every scenario",
+                       None if not garbage else not many,
+                       f"{sum(r['garbage'] for r in garbage)} of {sum(r['requests'] for r in garbage)} over "
+                       f"{len(garbage)} scenarios; worst {_pct2(max((x or 0.0 for x, _r in gs), default=None))}",
+                       ", ".join(f"{r['scenario']} ({_pct2(x)})" for x, r in gs if r in many)))
+    hang = [r for r in gg if r["group"] == "fault" and r["fault"] == "hang"]
+    m = _med(r["ttft_p99_x"] for r in hang)
+    out.append(_target("hang: P99 TTFT <= 1.1x the baseline (median over hang scenarios)",
+                       None if m is None else m <= 1.1, f"median {_f(m)}x over {len(hang)} scenarios"))
+    pool = [r for r in gg if r["group"] == "pool"]
+    storm = [r for r in pool if r["retried_share"] is None or r["retried_share"] > 0.10]
+    out.append(_target("whole pool failing at once: retried requests <= 10 % of traffic, in every scenario",
+                       None if not pool else not storm,
+                       f"worst {_pct(max((r['retried_share'] or 0.0 for r in pool), default=None))} over "
+                       f"{len(pool)} scenarios", ", ".join(f"{r['scenario']} ({_pct(r['retried_share'])})"
+                                                           for r in storm)))
     return out
 
 
@@ -174,6 +242,44 @@ def _per_size(rows: list[dict]) -> list[str]:
             "drained, against the baseline: the price of the lost capacity, without the detection delay.", ""] + _table(
         ["nodes", "mix"] + pols + ["quarantined", "time to quarantine", "P99 after quarantine x", "false cuts",
                                    "false quarantines"], body) + [""]
+
+
+def _reflexes(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "fault" and r["fault"] in (*FAST_FAILS, "garbage", "hang")]
+    if not rs:
+        return []
+    body = []
+    for f in sorted({r["fault"] for r in rs}):
+        for p in _order({r["policy"] for r in rs}):
+            sub = [r for r in rs if r["fault"] == f and r["policy"] == p]
+            req = sum(r["requests"] for r in sub)
+            nf = sum(_failed(r) for r in sub)
+            body.append([f, p, len(sub), req, f"{nf} ({_pct2(_share(nf, req))})",
+                         f"{max((_failed(r) / r['requests'] for r in sub if r['requests']), default=0.0) * 100:.2f} %",
+                         f"{sum(r['garbage'] for r in sub)} ({_pct2(_share(sum(r['garbage'] for r in sub), req))})",
+                         f"{sum(r['retried'] for r in sub)} ({_pct2(_share(sum(r['retried'] for r in sub), req))})",
+                         sum(r["gateway_downs"] for r in sub), _f(_med(r["ttft_p99_x"] for r in sub)),
+                         _f(max((r["ttft_p99_x"] or 0.0 for r in sub), default=None)),
+                         _f(_med(r["t_garbage_to_drain_s"] for r in sub), 1, " s")])
+    return ["### Fast failures and garbage: what reached the clients (sums over sizes, mixes, loads)", "",
+            "failed = HTTP errors + HAProxy 503s + timeouts; retried = client requests HAProxy retried on another "
+            "server; marked down = HAProxy's own mark-downs (error-limit, failed checks). Only `haproxy` and "
+            "`grayguard` have HAProxy's reflexes.", ""] + _table(
+        ["fault", "policy", "scenarios", "requests", "failed", "worst scenario", "garbage answers", "retried",
+         "marked down", "median P99 TTFT x", "worst P99 TTFT x", "garbage to drain"], body) + [""]
+
+
+def _pool(rows: list[dict]) -> list[str]:
+    rs = [r for r in rows if r["group"] == "pool"]
+    if not rs:
+        return []
+    by = sorted(rs, key=lambda r: (r["scenario"], _order([x["policy"] for x in rs]).index(r["policy"])))
+    body = [[r["scenario"], r["policy"], r["requests"], f"{r['ok']} ({_pct(r['success_ratio'])})", _failed(r),
+             f"{r['retried']} ({_pct(r['retried_share'])})", r["retries"], r["gateway_downs"],
+             _f(r["t_quarantine_s"], 0, " s")] for r in by]
+    return ["### The whole pool failing at once (every node answers HTTP 500): no retry storm", ""] + _table(
+        ["scenario", "policy", "requests", "answered", "failed", "retried requests", "retries", "marked down",
+         "all quarantined after"], body) + [""]
 
 
 def _sensitivity(rows: list[dict]) -> list[str]:
@@ -256,7 +362,8 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
     tl = ["### Targets (grayguard default policy)", ""] + [
         f"- **{t['status']}** {t['target']}: {t['measured']}" + (f" ({t['detail']})" if t["detail"] else "")
         for t in tgt] + [""]
-    parts = head + tl + _fault_summary(rows) + _per_fault(rows) + _per_size(rows) + _sensitivity(rows) \
+    parts = head + tl + _fault_summary(rows) + _per_fault(rows) + _reflexes(rows) + _pool(rows) + _per_size(rows) \
+        + _sensitivity(rows) \
         + _benign(rows) + _double(rows) + _linkerd(rows) + _details(rows)
     return "\n".join(parts) + "\n"
 

@@ -80,19 +80,22 @@ def _nodes(composition: list, node_spec: dict) -> tuple[NodeSpec, ...]:
 
 def _faults(entry: str, spec: dict, nodes: tuple[NodeSpec, ...], at: float, where: str
             ) -> tuple[tuple[FaultSpec, ...], float | None]:
-    """Faults for `entry` ('thermal', or 'thermal+cuda_error' for two nodes at once) and the nominal slowdown."""
+    """Faults for `entry` ('thermal', or 'thermal+cuda_error' for two nodes at once) and the nominal slowdown.
+
+    A fault declared with `node: all` strikes every node of the pool at once.
+    """
     out, slow = [], []
     for j, name in enumerate(entry.split("+")):
         f = spec.get(name)
         if f is None:
             raise SuiteError(f"{where}: fault {name!r} is not declared under faults")
         params = dict(f.get("params") or {})
-        node = nodes[int(f.get("node", j))].name
+        targets = [n.name for n in nodes] if f.get("node") == "all" else [nodes[int(f.get("node", j))].name]
         until = f.get("until_s")
         try:
             slow.append(nominal_slowdown(f["fault"], params))
-            out.append(FaultSpec(node, f["fault"], float(f.get("at_s", at)),
-                                 None if until is None else float(until), params))
+            out += [FaultSpec(node, f["fault"], float(f.get("at_s", at)), None if until is None else float(until),
+                              params) for node in targets]
         except FaultError as e:
             raise SuiteError(f"{where}: {e}") from None
     known = [s for s in slow if s is not None]

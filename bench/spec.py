@@ -108,7 +108,7 @@ class Scenario:
     signal_lag_s: float = 5.0  # age of the rate-window data the controller reads (scrape + rule evaluation)
     gauge_lag_s: float = 2.5  # age of scraped gauges (probe results, KV usage): half a 5 s scrape interval
     probes: bool = True  # the exporter's 1-token micro-probe runs against every node (a little load)
-    probe_interval_s: float = 3.0  # exporter ProbeConfig defaults: every 3 s +-20 %, 2 s deadline,
+    probe_interval_s: float = 1.0  # exporter ProbeConfig defaults: every 1 s +-20 %, 2 s deadline,
     probe_deadline_s: float = 2.0  # slower than 0.3 s is `slow`
     probe_slow_s: float = 0.3
     drift: float = 0.0  # amplitude of a slow sinusoidal speed drift per node (0.02 = +-2 %)

@@ -14,6 +14,7 @@ from grayguard.vocab import PROBE_ANSWERED as PROBE_ANSWERED  # re-exported: the
 from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, ProbeResult
 
 PROBE_CUDA = ProbeResult.CUDA_ERROR  # quarantines at once
+PROBE_BAD = ProbeResult.BAD_RESPONSE  # quarantines at once when hardware evidence corroborates it
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,11 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
           corroborated: bool = False) -> tuple[SignalMemory, float, str, str | None]:
     """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
 
-    corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise.
+    corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
+    and one bad response (garbage text, a broken stream) quarantines at once, like a CUDA error: HAProxy
+    cannot see a 200 with broken text, so every tick waited for a second bad probe delivers garbage.
+    Without corroboration a bad response is one failure among `probe_failures_to_quarantine` (a single
+    broken stream can be the network's fault; the exporter's class does not tell garbage from that).
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
@@ -42,6 +47,9 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     if result == PROBE_CUDA:
         return replace(m, probe_bad=bad, probe_good=0), 1.0, "", \
             "probe: CUDA error (the engine answers with a GPU fault)"
+    if result == PROBE_BAD and corroborated:
+        return replace(m, probe_bad=bad, probe_good=0), 1.0, "", \
+            "probe: bad response while the GPU reports trouble (one strike)"
     if result in PROBE_FAILURES:
         m = replace(m, probe_bad=bad, probe_good=0)
         if bad >= t.probe_failures_to_quarantine:

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--web.listen-address", dest="listen", type=parse_listen_address, default="127.0.0.1:9400",
       metavar="HOST:PORT", help="where to serve /metrics (default %(default)s; ':9400' = all interfaces)")
     g = p.add_argument_group("micro-probe")
-    g.add_argument("--probe.interval", dest="probe_interval", type=parse_duration, default="3s",
+    g.add_argument("--probe.interval", dest="probe_interval", type=parse_duration, default="1s",
                    metavar="DURATION", help="time between probes, +- jitter (default %(default)s)")
     g.add_argument("--probe.jitter", dest="probe_jitter", type=float, default=0.2, metavar="FRACTION",
                    help="random +- fraction of the interval, so a fleet's probes do not align (default 0.2)")

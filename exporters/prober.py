@@ -40,7 +40,7 @@ ERROR_KINDS = ("model_discovery", "api_key", "internal")
 class ProbeConfig:
     """Knobs of the micro-probe (the CLI flags map one to one)."""
 
-    interval: float = 3.0  # seconds between probes
+    interval: float = 1.0  # seconds between probes (1 s: garbage text is drained within ~5 s, docs/benchmarks.md)
     jitter: float = 0.2  # +- this fraction of the interval, so that a fleet's probes do not align
     slow_threshold: float = 0.3  # first chunk later than this (s): slow
     deadline: float = 2.0  # no first chunk by then (s): timeout; the connection is closed

@@ -28,6 +28,9 @@ FAULTS: dict[str, dict[str, Any]] = {
     "cuda_error": {"rate": 1.0, "mode": "http", "xid": 31},
     "garbage": {"rate": 1.0, "style": "nan"},  # style: nan | bang | mojibake
     "slow_recovery": {"k": 6.0, "recovery_s": 30.0},  # x k; after clearing decays with time constant recovery_s
+    # the serving process is gone, the host is up: every connection is refused at once (RST), /health too.
+    # Modelled by the benchmark (bench/); the simulated fleet does not implement it yet.
+    "refused": {},
 }
 # Faults whose effect is a slowdown of the engine's phases (the others give errors, silence or garbage).
 LATENCY_FAULTS = ("thermal", "pcie", "kv_thrash", "slow_recovery")
@@ -109,7 +112,7 @@ def fault_slowdown(fault: Fault | None, now: float) -> Slowdown:
 def nominal_slowdown(name: str, params: Mapping[str, Any] | None = None) -> float | None:
     """The fixed multiplier a fault stands for: the smaller of its phase multipliers.
 
-    None when the fault is not a slowdown (hang, cuda_error, garbage) or not a fixed one (kv_thrash spikes).
+    None when the fault is not a slowdown (hang, cuda_error, garbage, refused) or not a fixed one (kv_thrash spikes).
     Raises FaultError for an unknown fault or a bad parameter.
     """
     fault = make_fault(name, params)

@@ -25,7 +25,8 @@ def test_smoke_suite_runs_and_writes_reports(smoke, capsys):
     assert rc == 0
     md = (out / "report.md").read_text()
     assert "### Targets" in md and "## Per scenario" in md
-    assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS", "n/a"} and len(data["targets"]) == 4
+    assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS", "n/a"} and len(data["targets"]) == 10
+    assert "### The whole pool failing at once" in md and "### Fast failures and garbage" in md
     scenarios, _ = load_suite("smoke")
     runs = {(r["scenario"], r["policy"]) for r in data["runs"]}
     for s in scenarios:
@@ -48,6 +49,14 @@ def test_smoke_measures_what_the_policies_are_known_to_do(smoke):
     # leastconn sends almost everything to a node that fails fast (the black hole)
     assert by[("cuda_error/n4/homog/steady", "leastconn")]["error"] > by[("cuda_error/n4/homog/steady",
                                                                            "roundrobin")]["error"]
+    # behind HAProxy's reflexes a node that fails fast (500 or refused) costs the clients nothing
+    for fault in ("cuda_error", "refused"):
+        scn = f"{fault}/n4/homog/steady"
+        assert by[(scn, "leastconn")]["error"] > 100
+        for p in ("haproxy", "grayguard"):
+            assert by[(scn, p)]["error"] + by[(scn, p)]["no_server"] == 0 and by[(scn, p)]["retried"] > 0
+    pool = by[("pool_cuda_error/n4/homog/steady", "grayguard")]
+    assert pool["retried_share"] <= 0.10  # the retry budget holds
     link = {r["policy"]: r for r in data["runs"] if r["group"] == "linkerd"}
     assert link["roundrobin"]["success_ratio"] < 0.98 < link["leastconn"]["success_ratio"]
     benign = [r for r in data["runs"] if r["group"] == "benign" and r["policy"] == "grayguard"]
@@ -59,11 +68,12 @@ def test_smoke_measures_what_the_policies_are_known_to_do(smoke):
 def test_default_suite_is_the_full_cross_product():
     scenarios, spec = load_suite("default")
     groups = Counter(s.group for s in scenarios)
-    assert groups["fault"] == 7 * 3 * 2 * 2
-    assert groups["benign"] == 5 * 3 and groups["linkerd"] == 1
+    assert groups["fault"] == 8 * 3 * 2 * 2
+    assert groups["benign"] == 5 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
+    assert all(len(s.faults) == len(s.nodes) for s in scenarios if s.group == "pool")
     faults = [s for s in scenarios if s.group == "fault"]
     assert {s.tag["fault"] for s in faults} == {"thermal", "pcie", "kv_thrash", "hang", "cuda_error", "garbage",
-                                              "slow_recovery"}
+                                              "slow_recovery", "refused"}
     assert {len(s.nodes) for s in faults} == {4, 8, 32}
     for s in faults:
         mixed = s.tag["mix"] == "mixed"

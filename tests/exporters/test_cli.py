@@ -31,7 +31,7 @@ def test_defaults():
     args = parse()
     assert args.vllm_url == "http://127.0.0.1:8000"
     assert args.listen == ("127.0.0.1", 9400)
-    assert (args.probe_interval, args.probe_slow, args.probe_deadline) == (3.0, 0.3, 2.0)
+    assert (args.probe_interval, args.probe_slow, args.probe_deadline) == (1.0, 0.3, 2.0)
     assert args.probe and args.nvml and args.xid
     assert args.probe_model is None and args.probe_key_env == "VLLM_API_KEY"
     assert cli.config_error(args) is None
