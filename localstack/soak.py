@@ -203,6 +203,7 @@ def _counter_by(stack, name: str, *labels: str) -> dict[str, float]:
 
 def stack_spec(args: argparse.Namespace):
     """The stack the soak runs: the shipped production timing by default, or the demo's compressed one."""
+    from exporters.prober import ProbeConfig
     from grayguard.config import RecoveryConfig, ThresholdsConfig
     from localstack.stack import StackSpec
 
@@ -211,7 +212,8 @@ def stack_spec(args: argparse.Namespace):
     if getattr(args, "timing", "production") == "demo":
         return spec
     t, r = ThresholdsConfig(), RecoveryConfig()  # the shipped defaults, as grayguard.example.yaml has them
-    return replace(spec, tick_s=5.0, control_window="30s", scrape_interval="5s", probe_interval_s=3.0,
+    return replace(spec, tick_s=5.0, control_window="30s", scrape_interval="5s",
+                   probe_interval_s=ProbeConfig().interval,
                    overrides={"thresholds": {"ema_alpha": t.ema_alpha, "sustain_ticks": t.sustain_ticks,
                                              "min_request_rate": t.min_request_rate},
                               "recovery": {f: getattr(r, f) for f in ("min_quarantine_s", "canary_interval_s",
