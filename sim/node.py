@@ -26,6 +26,9 @@ from sim.model import EngineModel, Finished, FirstToken, ModelParams, StepDone
 
 log = logging.getLogger(__name__)
 
+# faults of the catalogue that only the virtual-time benchmark models
+BENCH_ONLY = frozenset({"refused"})
+
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 VLLM_VERSION = "0.33.0"
 NODE_HEADER = "X-Grayguard-Node"  # every response names the node that served it
@@ -133,6 +136,9 @@ class SimNode:
 
     def set_fault(self, fault: str, **params: Any) -> Fault:
         """Activate a fault now (replacing any other); raises FaultError on a bad name or parameter."""
+        if fault in BENCH_ONLY:
+            raise FaultError(f"{fault}: modelled by the benchmark only; a simulated node cannot refuse "
+                             "connections yet (stop the fleet's node instead)")
         now = self._now()
         was_hang = self.faults.active is not None and self.faults.active.name == "hang"
         active = self.faults.set(fault, params, now)

@@ -175,3 +175,13 @@ def test_nominal_slowdown_is_the_smaller_phase_multiplier(name, params, expected
 def test_nominal_slowdown_validates():
     with pytest.raises(FaultError, match="no parameter"):
         nominal_slowdown("hang", {"k": 2})
+
+
+def test_the_http_node_refuses_a_fault_it_cannot_model():
+    import pytest
+
+    from sim.faults import FaultError
+    from sim.node import SimNode
+
+    with pytest.raises(FaultError, match="benchmark only"):
+        SimNode("x").set_fault("refused")
