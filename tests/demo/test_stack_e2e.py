@@ -1,6 +1,7 @@
 """End-to-end: the whole local stack (simulated fleet, exporters, real HAProxy, Prometheus, Alertmanager,
 webhook pager, controller) catches faults. Each run is bounded: about 30-45 s."""
 
+import csv
 import io
 import json
 
@@ -64,3 +65,9 @@ def test_a_cuda_error_is_quarantined_and_pages_naming_cuda(tmp_path):
     p = pages(r, "GrayguardProbeCudaError")
     assert p and "CUDA" in p[0]["summary"], log
     assert r["false_quarantines"] == [], log
+    # HAProxy's reflexes (grayguard/reflexes.py: retry-on 500 with redispatch) hide the failing node from
+    # clients: no HTTP error reaches one (timeouts are the short client deadline cutting long generations)
+    with open(tmp_path / "report" / "requests.csv", newline="") as f:
+        during = [row for row in csv.DictReader(f) if float(row["start_s"]) >= r["fault_start_s"]]
+    errors = [row for row in during if row["http_status"] and int(row["http_status"]) >= 500]
+    assert during and len(errors) <= 3, (len(errors), len(during), errors[:5])
