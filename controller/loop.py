@@ -164,11 +164,9 @@ class Controller:
         else:
             log.info("pool=%s: no node is %s any more", pool, reason)
 
-    OPTIONAL = decide.OPTIONAL
-
     def read_optional(self) -> dict[str, list[Sample]]:
         """The optional signals; a failing query is counted, logged once, and treated as absent."""
-        wanted = {name: getattr(self.cfg.signals, f"{name}_query") for name in self.OPTIONAL}
+        wanted = {name: getattr(self.cfg.signals, f"{name}_query") for name in decide.OPTIONAL}
         if not any(p.peer_group_label for p in self.cfg.pools):
             wanted.pop("peer_group")
         got = {}
@@ -180,10 +178,6 @@ class Controller:
             else:
                 got[name] = res
         return got
-
-    @staticmethod
-    def series_key(pool: PoolConfig, server: ServerState) -> str:
-        return decide.series_key(pool, server)
 
     def canary_url(self, pool: PoolConfig, server: ServerState) -> str:
         """The configured canary_url, else http://<server address> (an IPv6 address bracketed)."""
@@ -367,7 +361,7 @@ class Controller:
             for st in STATES:
                 m.node_state.labels(p, n, st).set(1 if s.state == st else 0)
             m.node_base_weight.labels(p, n).set(servers[n].initial_weight)
-            m.node_info.labels(p, n, pool.backend, self.series_key(pool, servers[n])).set(1)
+            m.node_info.labels(p, n, pool.backend, decide.series_key(pool, servers[n])).set(1)
             active = {k: f for k, f, _ in s.factors}
             kv_zero = d.weight == 0 and not d.drain and servers[n].initial_weight > 0
             for signal in (Signal.LATENCY, Signal.PROBE, Signal.ERRORS):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ import requests
 import yaml
 
 from localstack.procs import ManagedProcess, find_binary, free_port, start_process
-from localstack.services import HOST, Prometheus
+from localstack.services import HOST, Prometheus, _Service
 from localstack.stack import LocalStack, StackSpec
 
 log = logging.getLogger("grayguard.stack")
@@ -33,31 +32,12 @@ def check_victoria_binaries() -> None:
         find_binary(b)
 
 
-class _Proc:
-    """A started VictoriaMetrics binary: its process, base URL and work dir (removed by stop() when owned)."""
-
-    def __init__(self, proc: ManagedProcess, url: str, workdir: Path, owns_workdir: bool):
-        self.proc, self.url, self.workdir, self._owns = proc, url, workdir, owns_workdir
-
-    def stop(self) -> None:
-        """Stop the process and remove a temporary work dir."""
-        self.proc.stop()
-        if self._owns:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 class VictoriaMetrics(Prometheus):
     """A single-node VictoriaMetrics: Prometheus' query API (query, wait_for); alerts() and rule_names() work
     when it proxies them to vmalert (-vmalert.proxyURL, as VictoriaStack starts it)."""
 
 
-class VmAgent(_Proc):
+class VmAgent(_Service):
     """A running vmagent (scrapes, remote-writes to VictoriaMetrics)."""
 
     def targets_up(self) -> int:
@@ -67,7 +47,7 @@ class VmAgent(_Proc):
         return sum(t.get("health") == "up" for t in r.json()["data"]["activeTargets"])
 
 
-class VmAlert(_Proc):
+class VmAlert(_Service):
     """A running vmalert; its alerts and rules API answers as Prometheus' does."""
 
     def _data(self, path: str) -> Any:
@@ -89,7 +69,7 @@ class VmAlert(_Proc):
                 if r.get("lastError")}
 
 
-class VmAuth(_Proc):
+class VmAuth(_Service):
     """A running vmauth: requests with a known bearer token go to its user's url_prefix, others are refused."""
 
 

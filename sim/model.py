@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,7 +174,7 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class Stallable:
+class Stallable(ABC):
     """A backend a hung GPU can freeze: `stall(now)` until `resume(now)`; `_stalled_at` is when it froze.
 
     Subclasses shift their pending work by the stall in `_thaw(since, now)`.
@@ -193,8 +194,9 @@ class Stallable:
         self._thaw(self._stalled_at, now)
         self._stalled_at = None
 
+    @abstractmethod
     def _thaw(self, since: float, now: float) -> None:
-        raise NotImplementedError
+        """Shift the pending work frozen since `since` to end as late as the stall lasted (until `now`)."""
 
     @property
     def stalled(self) -> bool:

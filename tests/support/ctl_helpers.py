@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from controller import decide
 from controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
 from controller.loop import Controller
 from controller.metrics import ControllerMetrics
@@ -20,7 +21,7 @@ def servers(n=4, base_port=9100, weight=100):
     return [(f"node{i}", f"127.0.0.1:{base_port + i}", weight) for i in range(n)]
 
 
-OPTIONAL = Controller.OPTIONAL
+OPTIONAL = decide.OPTIONAL
 
 
 def make_controller(endpoints, extra=None, canary=None, clock=time.time, dry_run=False, state_file=None):
