@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sim.model import Finished, StepDone
+from sim.model import Finished, ModelParams, StepDone
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -15,6 +15,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # all pre-created, as in vLLM
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default, only reported
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -30,11 +33,24 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+def cache_config_info(params: ModelParams) -> dict[str, str]:
+    """Labels of vllm:cache_config_info: vLLM's CacheConfig.metrics_info(), every value a string.
+
+    Prefix caching is on (vLLM V1's default); the sim's prompts carry no shared content, so it never hits.
+    """
+    blocks = params.kv_cache_tokens // params.block_size
+    return {"block_size": str(params.block_size), "gpu_memory_utilization": str(GPU_MEMORY_UTILIZATION),
+            "cache_dtype": "auto", "is_attention_free": "False", "num_gpu_blocks_override": "None",
+            "sliding_window": "None", "enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256",
+            "num_gpu_blocks": str(blocks), "num_cpu_blocks": "None",
+            "kv_cache_size_tokens": str(blocks * params.block_size)}
+
+
 class VllmMetrics:
     """The `vllm:` families of one engine (labels model_name, engine="0") in `registry`."""
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 engine: str = "0") -> None:
+                 engine: str = "0", cache_config: Mapping[str, str] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         names, lv = ["model_name", "engine"], [model_name, engine]
         reg = self.registry
@@ -55,6 +71,10 @@ class VllmMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*names, "finished_reason"], registry=reg)
         self.success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
@@ -79,6 +99,16 @@ class VllmMetrics:
                                token_buckets)
         self.req_generation = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
                                    token_buckets)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKENS_BUCKETS)
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist("vllm:request_params_max_tokens",
+                                      "Histogram of the max_tokens request parameter.", token_buckets)
+        # an info metric as vLLM writes it: a gauge set to 1, labels = the cache config plus engine (no model_name)
+        info = {**(cache_config if cache_config is not None else cache_config_info(ModelParams())),
+                "engine": engine}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=reg).labels(**info).set(1)
 
     def bind_engine_state(self, running: Callable[[], float], waiting: Callable[[], float],
                           kv_usage: Callable[[], float]) -> None:
@@ -88,11 +118,18 @@ class VllmMetrics:
         self._kv.labels(*self._lv).set_function(kv_usage)
 
     def observe_step(self, ev: StepDone) -> None:
-        """Token counters and one inter-token latency per decoding sequence of a finished step."""
+        """Token counters, prefix-cache lookups, tokens per iteration, and one ITL per decoding sequence."""
         if ev.prompt_tokens:
             self.prompt_tokens.inc(ev.prompt_tokens)
+        if ev.prefill_tokens:
+            # every prefilled token (prompt, or recompute after a preemption) was looked up and missed:
+            # queries - hits = tokens computed, and the sim never hits (prefix_cache_hits stays 0)
+            self.prefix_cache_queries.inc(ev.prefill_tokens)
         if ev.generated:
             self.generation_tokens.inc(ev.generated)
+            # like vLLM, only a step with outputs records iteration stats: prompts whose first token
+            # came in this step plus the tokens sampled
+            self.iteration_tokens.observe(ev.prompt_tokens + ev.generated)
         if ev.itls:
             observe = self.itl.observe
             for itl in ev.itls:
@@ -102,8 +139,8 @@ class VllmMetrics:
         """Time to first token, observed when the token is ready (like vLLM, before the finish)."""
         self.ttft.observe(ttft)
 
-    def observe_finished(self, ev: Finished) -> None:
-        """Per-request histograms of a request the engine finished."""
+    def observe_finished(self, ev: Finished, max_tokens: int | None = None, n: int = 1) -> None:
+        """Per-request histograms of a request the engine finished (`max_tokens`, `n`: its parameters)."""
         s = ev.stats
         self.success[s.finished_reason].inc()
         self.e2e.observe(s.e2e)
@@ -115,3 +152,6 @@ class VllmMetrics:
             self.tpot.observe(s.tpot)
         self.req_prompt.observe(s.prompt_tokens)
         self.req_generation.observe(s.generation_tokens)
+        self.params_n.observe(n)
+        if max_tokens:  # vLLM skips a request without the parameter
+            self.params_max_tokens.observe(max_tokens)

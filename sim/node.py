@@ -21,7 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from sim.faults import CUDA_ERROR_TEXT, Fault, FaultError, FaultState
-from sim.metrics import VllmMetrics
+from sim.metrics import VllmMetrics, cache_config_info
 from sim.model import EngineModel, Finished, FirstToken, ModelParams, StepDone
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class SimNode:
         self.on_fault_change = on_fault_change
         self.faults = FaultState()
         self.engine = EngineModel(self.params, speed=speed, seed=seed, slowdown=self.faults.slowdown)
-        self.metrics = VllmMetrics(model_name, self.params.max_model_len)
+        self.metrics = VllmMetrics(model_name, self.params.max_model_len,
+                                   cache_config=cache_config_info(self.params))
         self.metrics.bind_engine_state(lambda: self.engine.num_running, lambda: self.engine.num_waiting,
                                        self.engine.kv_usage)
         self._rng = random.Random(seed ^ 0x5EED)
@@ -189,7 +190,7 @@ class SimNode:
                 continue
             q = self._pending.get(ev.req_id)
             if type(ev) is Finished:
-                m.observe_finished(ev)
+                m.observe_finished(ev, max_tokens=q.max_tokens if q is not None else None)
             elif type(ev) is FirstToken and q is not None:
                 m.observe_first_token(ev.time - q.arrival)
             if q is not None:
@@ -220,6 +221,11 @@ class SimNode:
         max_tokens = body.get("max_tokens", 16)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _BadRequest(f"n must be at least 1, got {n}.", "n")
+        if n > 1:  # one choice per request; n > 1 would also multiply the generated tokens
+            raise _BadRequest("n > 1 is not simulated", "n")
         prompt_tokens = estimate_tokens(prompt)
         limit = self.params.max_model_len
         if prompt_tokens + max_tokens > limit:
@@ -253,7 +259,7 @@ class SimNode:
             self.metrics.success["error"].inc()
             return _error(CUDA_ERROR_TEXT, 500, "InternalServerError", None, headers)
         rid = f"cmpl-{self.name}-{next(self._ids)}"
-        q = _Pending(self._now())
+        q = _Pending(self._now(), max_tokens)
         self._pending[rid] = q
         self.engine.submit(rid, prompt_tokens, max_tokens, q.arrival)
         self._kick()
@@ -378,9 +384,10 @@ class SimNode:
 class _Pending(asyncio.Queue):
     """EngineModel events of one open request, in order; `arrival` is its submit time."""
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, max_tokens: int | None = None) -> None:
         super().__init__()
         self.arrival = arrival
+        self.max_tokens = max_tokens  # the request's parameter, for vllm:request_params_max_tokens
 
 
 class _Text:
