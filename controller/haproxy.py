@@ -15,6 +15,10 @@ from dataclasses import dataclass, replace
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.reflexes import CHECK_STATUS_HANA
 
+# srv_agent_state bits (HAProxy include/haproxy/check-t.h CHK_ST_*): configured, administratively enabled
+CHK_ST_CONFIGURED, CHK_ST_ENABLED = 0x0002, 0x0004
+# `show stat` status of a server its agent check marked down (exporters/agent.py answered "down")
+STATUS_AGENT_DOWN = "DOWN (agent)"
 # srv_admin_state bits (HAProxy src/server.h)
 ADMF_FMAINT, ADMF_IMAINT, ADMF_CMAINT, ADMF_FDRAIN, ADMF_IDRAIN, ADMF_RMAINT, ADMF_HMAINT = (
     0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x80)
@@ -63,6 +67,8 @@ class ServerState:
     # `show stat` hanafail: times HAProxy marked it down for errors since it started (None: unknown). The HANA
     # check status lasts only until the next check (inter); the counter stays, so a tick cannot miss one.
     hanafail: int | None = None
+    agent_state: int | None = None  # srv_agent_state (CHK_ST_* bits); None: unknown
+    status: str | None = None  # `show stat` status ("UP", "DOWN (agent)", "MAINT", ...); None: unknown
 
     @property
     def drain(self) -> bool:
@@ -83,14 +89,25 @@ class ServerState:
         overwrites it), not by a failed health check."""
         return self.down and self.check_status == CHECK_STATUS_HANA
 
+    @property
+    def agent_down(self) -> bool:
+        """DOWN because its agent check answered "down" (the node's exporter saw garbage, a CUDA error or a hang)."""
+        return self.down and self.status == STATUS_AGENT_DOWN
+
+    @property
+    def agent_off(self) -> bool:
+        """Its agent check is configured but administratively disabled (`disable agent`)."""
+        a = self.agent_state
+        return a is not None and bool(a & CHK_ST_CONFIGURED) and not a & CHK_ST_ENABLED
+
 
 @dataclass(frozen=True)
 class Command:
-    """A runtime API write: set a server's weight (int) or admin state ("ready"/"drain")."""
+    """A runtime API write: a server's weight (int), admin state ("ready"/"drain") or agent ("enable"/"disable")."""
 
     backend: str
     server: str
-    kind: str  # "weight" or "state"
+    kind: str  # "weight", "state" or "agent"
     value: int | str
 
     def render(self) -> str:
@@ -102,6 +119,10 @@ class Command:
         elif self.kind == "state":
             if self.value not in ("ready", "drain", "maint"):
                 raise HaproxyError("bad_value", f"unknown state {self.value!r}")
+        elif self.kind == "agent":
+            if self.value not in ("enable", "disable"):
+                raise HaproxyError("bad_value", f"unknown agent action {self.value!r}")
+            return f"{self.value} agent {self.backend}/{self.server}"
         else:
             raise HaproxyError("bad_value", f"unknown command kind {self.kind!r}")
         return f"set server {self.backend}/{self.server} {self.kind} {self.value}"
@@ -151,27 +172,35 @@ def parse_servers_state(text: str) -> list[ServerState]:
                 weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
                 admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"]),
                 fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"],
-                check_status=int(f["srv_check_status"]) if f.get("srv_check_status", "").isdigit() else None))
+                check_status=int(f["srv_check_status"]) if f.get("srv_check_status", "").isdigit() else None,
+                agent_state=int(f["srv_agent_state"]) if f.get("srv_agent_state", "").isdigit() else None))
         except (KeyError, ValueError) as e:
             raise HaproxyError("bad_reply", f"cannot parse server state line {ln!r}: {e}") from e
     return out
 
 
-def parse_hanafail(csv_text: str) -> dict[tuple[str, str], int]:
-    """(backend, server) -> hanafail, from `show stat` CSV output; {} when the reply is not one."""
+def parse_stat_columns(csv_text: str, *names: str) -> dict[tuple[str, str], dict[str, str]]:
+    """(backend, server) -> {column: value} for the named columns of `show stat` CSV output (servers and the
+    BACKEND/FRONTEND rows alike); {} when the reply is not one or lacks a column."""
     lines = csv_text.splitlines()
     if not lines or not lines[0].startswith("# "):
         return {}
     cols = lines[0][2:].split(",")
-    if not {"pxname", "svname", "hanafail"} <= set(cols):
+    if not {"pxname", "svname", *names} <= set(cols):
         return {}
-    i_px, i_sv, i_h = cols.index("pxname"), cols.index("svname"), cols.index("hanafail")
+    idx = [cols.index(c) for c in ("pxname", "svname", *names)]
     out = {}
     for ln in lines[1:]:
         f = ln.split(",")
-        if len(f) > max(i_px, i_sv, i_h) and f[i_h].isdigit():
-            out[(f[i_px], f[i_sv])] = int(f[i_h])
+        if len(f) > max(idx):
+            out[(f[idx[0]], f[idx[1]])] = {c: f[i] for c, i in zip(names, idx[2:], strict=True)}
     return out
+
+
+def parse_hanafail(csv_text: str) -> dict[tuple[str, str], int]:
+    """(backend, server) -> hanafail, from `show stat` CSV output; {} when the reply is not one."""
+    return {k: int(v["hanafail"]) for k, v in parse_stat_columns(csv_text, "hanafail").items()
+            if v["hanafail"].isdigit()}
 
 
 def parse_backend_algos(csv_text: str) -> dict[str, str]:
@@ -262,13 +291,16 @@ class RuntimeClient:
         return replies
 
     def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
-        """Every server (of one backend, or all), with its hanafail counter from `show stat` (same batch)."""
+        """Every server (of one backend, or all), with its hanafail counter and status from `show stat` (same
+        batch)."""
         cmd = "show servers state" + (f" {check_name(backend)}" if backend else "")
         reply, stat = self.execute([cmd, f"show stat {backend or -1} 4 -1"])
         if "can't find backend" in reply.lower():
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
         counts = parse_hanafail(stat)
-        return [replace(s, hanafail=counts.get((s.backend, s.name))) for s in parse_servers_state(reply)]
+        status = {k: v["status"] for k, v in parse_stat_columns(stat, "status").items()}
+        return [replace(s, hanafail=counts.get((s.backend, s.name)), status=status.get((s.backend, s.name)))
+                for s in parse_servers_state(reply)]
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
         """(current, initial) weight of one server."""

@@ -329,7 +329,7 @@ class Controller:
             actual = hap.get(hc.endpoint, {}).get(pool.backend)
             if actual is None:
                 continue
-            changes = plan_backend(pool.name, pool.backend, decision.nodes, actual)
+            changes = plan_backend(pool.name, pool.backend, decision.nodes, actual, decision.agent_off)
             for c in changes:
                 result.changes.append((hc.endpoint, c))
                 log.info("%s%s %s", "[dry-run] " if self.dry_run else "", hc.endpoint, c.describe())

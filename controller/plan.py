@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from controller.haproxy import Command, ServerState
+from controller.haproxy import CHK_ST_CONFIGURED, Command, ServerState
 from controller.policy import NodeDecision
 
 
@@ -44,13 +44,14 @@ def tier_view(views: Sequence[Mapping[str, ServerState] | None]) -> dict[str, Se
 
 
 def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
-                 actual: Mapping[str, ServerState]) -> list[Change]:
+                 actual: Mapping[str, ServerState], agent_off: Collection[str] = frozenset()) -> list[Change]:
     """Writes for one backend of one HAProxy. Converged input gives an empty list.
 
     Order matters for traffic: drains go first, then weights, then returns to ready, so a node is
-    never sent traffic at a weight meant for its drained state.
+    never sent traffic at a weight meant for its drained state. Agent checks go last: disabled for the nodes
+    in agent_off (released past the safeguard cap), enabled again for every other node whose agent is off.
     """
-    drains, weights, readies = [], [], []
+    drains, weights, readies, agents = [], [], [], []
     for node in sorted(decisions):
         d = decisions[node]
         a = actual.get(node)
@@ -63,4 +64,11 @@ def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
             weights.append(Change(pool, node, Command(backend, node, "weight", d.weight), reason, a.weight))
         if not d.drain and a.drain:
             readies.append(Change(pool, node, Command(backend, node, "state", "ready"), reason, "drain"))
-    return drains + weights + readies
+        configured = a.agent_state is not None and bool(a.agent_state & CHK_ST_CONFIGURED)
+        if configured and (node in agent_off) != a.agent_off:
+            action = "disable" if node in agent_off else "enable"
+            why = (f"its agent marked it DOWN past the safeguard cap; {reason}" if action == "disable"
+                   else "agent check re-armed: probe healthy, drained by the controller, or room in the pool")
+            agents.append(Change(pool, node, Command(backend, node, "agent", action), why,
+                                 "disabled" if a.agent_off else "enabled"))
+    return drains + weights + readies + agents

@@ -22,7 +22,7 @@ from controller import peers, signals
 from controller.scoring import ema, usable
 from controller.signals import SignalMemory
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
-from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, Signal, State
+from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
 HEALTHY, DEGRADED, QUARANTINED, CANARY = State.HEALTHY, State.DEGRADED, State.QUARANTINED, State.CANARY
@@ -67,6 +67,10 @@ class NodeInput:
     # health check that puts it back (its /health answers 200 while requests get 500s) cannot return it to rotation
     gateway_marked_down: bool = False
     gateway_errors: int | None = None  # HAProxy's count of such mark-downs (hanafail); a rise since the last tick
+    # DOWN because the node's exporter answered HAProxy's agent check "down" (status "DOWN (agent)"): its probe saw
+    # garbage text, a CUDA error or a hang (exporters/agent.py). Quarantined like an error-limit mark-down.
+    agent_down: bool = False
+    agent_off: bool = False  # its agent check is configured but disabled (the controller released it: see agent_off)
     # What HAProxy shows now; used only to seed a node the controller has no state for (restart, second replica)
     haproxy_weight: int | None = None  # current weight; None: unknown
     haproxy_drain: bool = False  # the server is drained
@@ -118,11 +122,19 @@ class PoolDecision:
     safeguard: bool
     retained: dict[str, NodeState] = field(default_factory=dict)  # absent nodes within their grace period
     out_of_rotation: int = 0  # nodes out of rotation from any cause (drained, MAINT, DOWN): what the cap bounds
+    # nodes whose agent check the shell must disable (level-triggered: every other node's agent is enabled). Agents
+    # mark servers DOWN on their own, without the cap: when they take out more than the cap allows, the excess is
+    # released (HAProxy then follows its health check) until the node's probe is healthy again or there is room
+    agent_off: frozenset[str] = frozenset()
 
 
 # the reason of a node HAProxy marked DOWN for errors (check_status HANA)
 GATEWAY_REASON = ("HAProxy marked it DOWN for errors (observe layer7 error-limit, on-error mark-down); "
                   "quarantined until canaries pass")
+
+# the reason of a node its agent check marked DOWN (the exporter's probe saw garbage, a CUDA error or a hang)
+AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage text, a CUDA error or a hang); "
+                "quarantined until canaries pass")
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -236,11 +248,13 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
-    gateway: set[str] = set()
+    gateway: dict[str, str] = {}  # node -> which reflex fired
     for n in names:
         i, seen = inputs[n], st[n].gateway_errors_seen
         if i.gateway_marked_down or (i.gateway_errors is not None and seen is not None and i.gateway_errors > seen):
-            gateway.add(n)
+            gateway[n] = GATEWAY_REASON
+        elif i.agent_down:
+            gateway[n] = AGENT_REASON + (f" (its last probe: {i.probe_result})" if i.probe_result else "")
         if i.gateway_errors is not None:
             st[n] = replace(st[n], gateway_errors_seen=i.gateway_errors)
 
@@ -255,7 +269,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
                                    t, r, now, calm_gap)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
-                cand = (math.inf, DrainCause.GATEWAY, GATEWAY_REASON + (f"; {cand[2]}" if cand else ""))
+                cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
                 candidates.append(cand[:1] + (n,) + cand[1:])
             mem, sat = signals.kv_cache(s.signals, i.kv_cache_usage, t)
@@ -288,6 +302,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             safeguard = True
             st[n] = replace(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
                             f"rotation of {len(names)} reached{gone}")
+    # agents took out more than the cap: release the excess agents first (the controller's own drains stand)
+    agent_off, out_now = _agent_releases(st, inputs, names, cap, out_now)
     if out_now > cap:  # the pool shrank, nodes left rotation or the cap was lowered: release the closest to recovery
         drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
                          key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
@@ -321,7 +337,34 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         out[n] = NodeDecision(replace(s, weight=w), prev_state, w, s.state in EJECTED,
                               sc.peer_median if sc else None)
     ejected = sum(1 for n in names if st[n].state in EJECTED)
-    return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero))
+    return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off)
+
+
+def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], cap: int,
+                    out_now: int) -> tuple[frozenset[str], int]:
+    """The nodes whose agent check must be disabled, and the pool's out-of-rotation count after that.
+
+    Agents mark servers DOWN on their own, without the safeguard cap (a bad model rolled out everywhere, or a
+    probe prompt whose first token is half a UTF-8 character, looks like garbage on every node). Past the cap
+    the excess agent-marked nodes the controller has not drained itself are released: their agent is disabled
+    and HAProxy follows their health check. A released node stays released while the pool has no room and its
+    probe still fails; it is re-armed once its probe is healthy, the controller drains it, or there is room.
+    """
+    healthy_probe = {ProbeResult.OK, ProbeResult.SLOW}
+    off: set[str] = set()
+    for n in names:  # keep released what would go down again into a full pool
+        i = inputs[n]
+        if i.agent_off and not i.hold and st[n].state not in EJECTED and i.probe_result not in healthy_probe \
+                and out_now >= cap:
+            off.add(n)
+    if out_now > cap:
+        agent_marked = [n for n in names if inputs[n].agent_down and not inputs[n].hold and st[n].state not in EJECTED]
+        for n in agent_marked[:out_now - cap]:
+            off.add(n)
+            st[n] = replace(st[n], reason=(st[n].reason + "; " if st[n].reason else "") + "its agent marked it DOWN, "
+                            f"over the safeguard cap of {cap} node(s) out of rotation: agent check disabled")
+            out_now -= 1
+    return frozenset(off), out_now
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:

@@ -36,6 +36,11 @@ class Reflexes:
     # check_inter_s * check_rise, its HANA status gone at the next check; the controller reads `hanafail`
     check_downinter_s: float = 10.0
     health_path: str = "/health"
+    # agent check: HAProxy asks the node's exporter (exporters/agent.py) every agent_inter_s; it answers "down" when
+    # its 1 s probe saw garbage text, a CUDA error or a hang (one strike: none of them is load), "up" otherwise, so a
+    # node answering 200 with broken text is out of rotation about a second later, before any controller tick
+    agent_port: int = 9401
+    agent_inter_s: float = 1.0
     # request buffering: a request body up to this size is kept and can be retried; a larger one is not
     bufsize: int = 65536
     # timeouts: connect fails fast; server is the longest silence allowed mid-stream (not the length of a
@@ -70,6 +75,7 @@ def backend_lines(r: Reflexes = DEFAULT) -> list[str]:
     window = duration(r.budget_window_s)
     check = (f"check inter {duration(r.check_inter_s)} downinter {duration(r.check_downinter_s)} "
              f"fall {r.check_fall} rise {r.check_rise}")
+    agent = f"agent-check agent-port {r.agent_port} agent-inter {duration(r.agent_inter_s)}"
     return [
         "# retry what failed before anything reached the client, on another server (redispatch every retry);",
         "# a retry needs the whole request in the buffer (tune.bufsize): a larger prompt is not retried",
@@ -90,5 +96,8 @@ def backend_lines(r: Reflexes = DEFAULT) -> list[str]:
         "http-check expect status 200",
         f"# {r.error_limit} consecutive errors delivered to clients mark a server DOWN (check_status HANA); its",
         "# health check brings it back, grayguard keeps it drained until canaries pass",
-        f"default-server {check} observe layer7 error-limit {r.error_limit} on-error {r.on_error}",
+        "# the node's exporter answers the agent check (exporters/agent.py): \"down\" when its probe saw garbage text,",
+        "# a CUDA error or a hang, so such a node leaves rotation about a second later (a server line may set its",
+        "# own agent-port); grayguard quarantines it, and disables agents that would take out more than the cap",
+        f"default-server {check} observe layer7 error-limit {r.error_limit} on-error {r.on_error} {agent}",
     ]

@@ -10,10 +10,10 @@ from grayguard.reflexes import Reflexes, backend_lines, global_lines
 from localstack.procs import ManagedProcess, find_binary, start_process
 
 
-def haproxy_config(sock: Path, backends: dict[str, list[tuple[str, str, int]]], balance: str = "leastconn",
+def haproxy_config(sock: Path, backends: dict[str, list[tuple]], balance: str = "leastconn",
                    frontend_port: int | None = None, default_backend: str | None = None,
                    reflexes: Reflexes | None = None) -> str:
-    """A minimal config: admin socket, one backend per entry [(server, "host:port", weight)].
+    """A minimal config: admin socket, one backend per entry [(server, "host:port", weight[, agent port])].
 
     Without reflexes: no checks, no retries. With them (grayguard/reflexes.py, as haproxy/haproxy.example.cfg):
     retries with redispatch and a retry budget, observe layer7 error-limit, health checks, request buffering.
@@ -31,7 +31,8 @@ def haproxy_config(sock: Path, backends: dict[str, list[tuple[str, str, int]]], 
                   "  http-response set-header X-Served-By %s"]
         if reflexes is not None:
             lines += [f"  {ln}" for ln in backend_lines(reflexes)]
-        lines += [f"  server {s} {addr} weight {w}" for s, addr, w in servers]
+        lines += [f"  server {srv[0]} {srv[1]} weight {srv[2]}" + (f" agent-port {srv[3]}" if len(srv) > 3 else "")
+                  for srv in servers]
     return "\n".join(lines) + "\n"
 
 

@@ -158,12 +158,13 @@ def test_example_config_holds_exactly_the_rendered_reflexes_and_haproxy_accepts_
 
 def test_reflex_lines_follow_the_settings():
     r = Reflexes(retries=3, retry_budget=0.2, budget_window_s=30, error_limit=7, timeout_server_s=1.5,
-                 bufsize=32768)
+                 bufsize=32768, agent_port=19401, agent_inter_s=0.5)
     lines = backend_lines(r)
     assert "retries 3" in lines and "timeout server 1500ms" in lines
     assert "http-request set-var(txn.gg_budget) sc_http_req_rate(0),mul(200)" in lines
     assert any("http_fail_rate(30s)" in ln for ln in lines)
-    assert lines[-1].endswith("observe layer7 error-limit 7 on-error mark-down")
+    assert lines[-1].endswith("observe layer7 error-limit 7 on-error mark-down agent-check agent-port 19401 "
+                              "agent-inter 500ms")
     assert "tune.bufsize 32768" in global_lines(r)
 
 
