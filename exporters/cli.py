@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 import pynvml
 
 from exporters.prober import ProbeConfig
-from exporters.server import Exporter
+from exporters.server import AgentListenError, Exporter
+from grayguard.reflexes import DEFAULT as REFLEXES
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,10 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
   * A micro-probe: every --probe.interval a one-token streamed completion with a random prefix
     (no prefix-cache hit) and the header X-LLM-Probe: true. Its time to first token and its
     result (ok, slow, timeout, connect_error, http_error, cuda_error, bad_response, starting).
+
+  * HAProxy's agent check on --agent.listen-address: every connection gets one line, "down #why"
+    when the last probe saw garbage text, a CUDA error or a hang (no token generated while requests
+    ran), "up" otherwise (docs/exporters.md). Off with --no-agent or --no-probe.
 
 A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
 No node label is added: Prometheus' scrape config sets `instance` and `pool`.
@@ -92,6 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "not 200 or /v1/models lacks the model: a model loading), failures count as 'starting', "
                    "at most this long (default %(default)s; 0: never)")
     g.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe vLLM")
+    ag = p.add_argument_group("agent check (HAProxy)")
+    port = REFLEXES.agent_port  # HAProxy's agent-port in the shipped config (grayguard/reflexes.py)
+    ag.add_argument("--agent.listen-address", dest="agent_listen", type=parse_listen_address,
+                    default=f"127.0.0.1:{port}", metavar="HOST:PORT",
+                    help=f"where HAProxy's agent check gets 'up' or 'down #why' (default %(default)s; ':{port}' = "
+                    "all interfaces). HAProxy connects to the server's address (or its agent-addr) at its "
+                    "agent-port: that port must match, and HAProxy must reach this address")
+    ag.add_argument("--no-agent", dest="agent", action="store_false",
+                    help="do not answer HAProxy's agent check (also off with --no-probe)")
     n = p.add_argument_group("NVML collector")
     n.add_argument("--no-collector.nvml", dest="nvml", action="store_false", help="do not read GPUs via NVML")
     n.add_argument("--collector.nvml.timeout", dest="nvml_timeout", type=parse_duration, default="1s",
@@ -117,7 +131,15 @@ def config_error(args: argparse.Namespace) -> str | None:
         return "--probe.slow-threshold must be positive and below --probe.deadline"
     if args.nvml_timeout <= 0:
         return "--collector.nvml.timeout must be positive"
+    if args.agent and args.probe and _same_port(args.agent_listen, args.listen):
+        return "--agent.listen-address must differ from --web.listen-address"
     return None
+
+
+def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """True when two listen addresses would collide (same port, same host or one of them all interfaces)."""
+    anywhere = ("0.0.0.0", "::", "")
+    return a[1] == b[1] != 0 and (a[0] == b[0] or a[0] in anywhere or b[0] in anywhere)
 
 
 def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
@@ -127,12 +149,15 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
                         deadline=args.probe_deadline, model=args.probe_model, prompt=args.probe_prompt,
                         api_key_env=args.probe_key_env or None, api_key_file=args.probe_key_file,
                         startup_grace=args.probe_grace) if args.probe else None
+    if args.agent and probe is None:
+        log.info("agent check off: --no-probe (the agent answers from the probe)")
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,
-                    nvml_read_timeout=args.nvml_timeout, xid_events=args.xid)
+                    nvml_read_timeout=args.nvml_timeout, xid_events=args.xid,
+                    agent=args.agent_listen if args.agent and probe is not None else None)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; 2 on a bad flag, 1 when the listen address cannot be bound."""
+    """Serve until SIGTERM/SIGINT; 2 on a bad flag, 1 when a listen address cannot be bound."""
     if args.exporter_log_level:
         logging.getLogger().setLevel(args.exporter_log_level)
     error = config_error(args)
@@ -142,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     exporter = build_exporter(args)
     try:
         exporter.start()
+    except AgentListenError as e:
+        log.error("--agent.listen-address %s:%d: cannot listen: %s", *args.agent_listen, e)
+        exporter.stop()
+        return 1
     except OSError as e:
         log.error("--web.listen-address %s:%d: cannot listen: %s", *args.listen, e)
         exporter.stop()

@@ -8,6 +8,7 @@ import unicodedata
 from dataclasses import dataclass, replace
 from typing import Any
 
+from exporters.hang import Progress
 from grayguard.vocab import PROBE_ANSWERED, PROBE_FAULTS, PROBE_RESULTS, ProbeResult
 
 RESULTS = PROBE_RESULTS  # every result, in the order the metrics list them
@@ -84,6 +85,47 @@ def classify(obs: Observation, slow_threshold: float) -> str:
     return ProbeResult.SLOW if obs.ttft is None or obs.ttft > slow_threshold else ProbeResult.OK
 
 
+def failure_detail(obs: Observation) -> str | None:
+    """Why a probe failed, in a few words for logs and the agent check (None when there is nothing to add)."""
+    if obs.connect_error:
+        return obs.connect_error
+    if obs.body:
+        return _error_message(obs.body)
+    if obs.first_event is not None:
+        return event_detail(obs.first_event)
+    return None if obs.timed_out else "stream ended without data"
+
+
+def event_detail(payload: str) -> str | None:
+    """What is wrong with a first stream event: its error message, its garbage text or its raw start."""
+    try:
+        obj = json.loads(payload, parse_constant=_reject_constant)
+    except ValueError:
+        return f"unparsable event {payload[:60]!r}"
+    if isinstance(obj, dict) and ("error" in obj or obj.get("object") == "error"):
+        return _error_message(obj.get("error", obj))
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        text = choices[0].get("text")
+        return f"garbage text {text[:40]!r}" if isinstance(text, str) and text else "no text"
+    return f"unexpected event {payload[:60]!r}"
+
+
+def _error_message(err: Any) -> str:
+    """The message of a vLLM error object or body (JSON or not), else the text itself."""
+    if isinstance(err, str):
+        try:
+            err = json.loads(err)
+        except ValueError:
+            return err[:200]
+    if isinstance(err, dict):
+        inner = err.get("error", err)
+        msg = inner.get("message") if isinstance(inner, dict) else inner
+        if isinstance(msg, str):
+            return msg[:200]
+    return json.dumps(err)[:200]
+
+
 @dataclass(frozen=True)
 class ProbeState:
     """What the prober remembers between probes."""
@@ -92,6 +134,8 @@ class ProbeState:
     consecutive_failures: int = 0
     last_result: str | None = None
     last_ttft: float | None = None  # TTFT of the last ok/slow probe
+    last_detail: str | None = None  # why the last probe failed (failure_detail), None after an answer
+    last_progress: Progress | None = None  # vLLM's token progress during the last probe, when it timed out
 
 
 @dataclass(frozen=True)
@@ -148,13 +192,17 @@ def settle(result: str, state: ProbeState, *, not_ready: str | None, since_start
     return result
 
 
-def advance(state: ProbeState, result: str, ttft: float | None, *, ready: bool = False) -> ProbeState:
-    """The state after a probe with this (settled) result; ready: the backend said it is ready."""
+def advance(state: ProbeState, result: str, ttft: float | None, *, ready: bool = False,
+            detail: str | None = None, progress: Progress | None = None) -> ProbeState:
+    """The state after a probe with this (settled) result; ready: the backend said it is ready.
+
+    detail: why it failed (failure_detail); progress: vLLM's token progress while it timed out.
+    """
     if result in ANSWERED:
         return ProbeState(ever_ready=True, consecutive_failures=0, last_result=result, last_ttft=ttft)
     failures = state.consecutive_failures + 1 if result in FAILURES else state.consecutive_failures
     return replace(state, ever_ready=state.ever_ready or ready, consecutive_failures=failures,
-                   last_result=result)
+                   last_result=result, last_detail=detail, last_progress=progress)
 
 
 def completion_request(model: str, prompt: str, prefix: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""HTTP adapter of the micro-probe: find the model, stream one completion, stop at the first event."""
+"""HTTP adapter of the micro-probe: find the model, stream one completion, stop at the first event; read /metrics."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import aiohttp
 
+from exporters.hang import EngineLoad, parse_engine_load
 from exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
 
 log = logging.getLogger(__name__)
+METRICS_LIMIT = 16 * 1024 * 1024  # bytes of vLLM's /metrics read at most (a few hundred kB in practice)
 
 
 class VllmClient:
@@ -102,6 +104,22 @@ class VllmClient:
             return ReadinessCheck(error=f"{where}: no answer within {deadline:g}s", health_status=health)
         except (aiohttp.ClientError, OSError) as e:
             return ReadinessCheck(error=f"{type(e).__name__}: {e}", health_status=health)
+
+    async def engine_load(self, session: aiohttp.ClientSession, headers: dict[str, str],
+                          timeout: float) -> EngineLoad | None:
+        """vLLM's token counter and running batch from its /metrics within timeout seconds; None on any failure."""
+        plain = {k: v for k, v in headers.items() if k.lower() not in ("accept", "x-llm-probe")}
+        try:
+            async with asyncio.timeout(timeout):
+                async with session.get(f"{self.base_url}/metrics", headers=plain) as resp:
+                    if resp.status != 200:
+                        return None
+                    body = await resp.content.read(METRICS_LIMIT + 1)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+        if len(body) > METRICS_LIMIT:  # cut short: its last line could be a wrong number
+            return None
+        return parse_engine_load(body.decode("utf-8", errors="replace"))
 
 
 async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:

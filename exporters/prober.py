@@ -16,6 +16,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from exporters.hang import EngineLoad, Progress, token_progress
 from exporters.probe import (
     ANSWERED,
     RESULTS,
@@ -23,6 +24,7 @@ from exporters.probe import (
     ProbeState,
     advance,
     classify,
+    failure_detail,
     may_be_starting,
     not_ready_reason,
     settle,
@@ -51,6 +53,8 @@ class ProbeConfig:
     # a backend not ready yet (refused, /health not 200, model not in /v1/models) counts as starting at most
     # this long (s) after the start; None: no bound; 0: never starting (failures count at once)
     startup_grace: float | None = 1800.0
+    # longest wait for vLLM's /metrics, read at each probe's start and again when it times out: the hang evidence
+    metrics_timeout: float = 1.0
 
 
 class Prober:
@@ -66,6 +70,7 @@ class Prober:
         self._state = ProbeState()
         self._count = 0
         self._last_ts: float | None = None
+        self._last_at: float | None = None  # clock() when the last probe ended (the wall time is for the metric)
         self._started = clock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,6 +132,11 @@ class Prober:
         with self._cond:
             return self._count
 
+    def snapshot(self) -> tuple[ProbeState, float | None]:
+        """The state after the last probe and when it ended (clock(), None before the first), read together."""
+        with self._cond:
+            return self._state, self._last_at
+
     def wait_for_probes(self, count: int, timeout: float) -> bool:
         """Block until at least count probes have completed; False on timeout."""
         with self._cond:
@@ -176,18 +186,43 @@ class Prober:
         if asked:
             check = await self.client.readiness(session, headers, self.config.deadline)
             not_ready = not_ready_reason(check, self.client.model)
-        obs = await self.client.observe(session, headers, self.config.deadline)
-        raw = classify(obs, self.config.slow_threshold)
-        return self._record(obs, raw, since, not_ready, ready=asked and not_ready is None)
+        # vLLM's token counter now, alongside the probe: if the probe times out, did vLLM generate anything meanwhile?
+        before = asyncio.ensure_future(self._engine_load(session, headers))
+        try:
+            obs = await self.client.observe(session, headers, self.config.deadline)
+            raw = classify(obs, self.config.slow_threshold)
+            progress = await self._progress(session, headers, before) if raw == ProbeResult.TIMEOUT else None
+            result = self._record(obs, raw, since, not_ready, ready=asked and not_ready is None, progress=progress)
+            await before  # recorded already; let the read end (within metrics_timeout) rather than abort it midway
+            return result
+        finally:
+            before.cancel()  # only when stopping or on a bug
 
-    def _record(self, obs: Observation, raw: str, since: float, not_ready: str | None, *, ready: bool) -> str:
+    async def _engine_load(self, session: aiohttp.ClientSession,
+                           headers: dict[str, str]) -> tuple[EngineLoad | None, float]:
+        load = await self.client.engine_load(session, headers, self.config.metrics_timeout)
+        return load, self._clock()
+
+    async def _progress(self, session: aiohttp.ClientSession, headers: dict[str, str],
+                        before: asyncio.Future[tuple[EngineLoad | None, float]]) -> Progress | None:
+        """vLLM's token progress between the probe's start and its timeout (None: no evidence)."""
+        first, first_at = await before
+        if first is None:
+            return None
+        second, second_at = await self._engine_load(session, headers)
+        return token_progress(first, second, second_at - first_at)
+
+    def _record(self, obs: Observation, raw: str, since: float, not_ready: str | None, *, ready: bool,
+                progress: Progress | None = None) -> str:
+        detail = failure_detail(obs)
         with self._cond:
             previous = self._state
             result = settle(raw, previous, not_ready=not_ready, since_start=since,
                             startup_grace=self.config.startup_grace)
-            self._state = advance(previous, result, obs.ttft, ready=ready)
+            self._state = advance(previous, result, obs.ttft, ready=ready, detail=detail, progress=progress)
             self._count += 1
             self._last_ts = self._wall()
+            self._last_at = self._clock()
             self.results.labels(result).inc()
             if result in ANSWERED and obs.ttft is not None:
                 self.ttft.observe(obs.ttft)
@@ -197,7 +232,7 @@ class Prober:
             if result == ProbeResult.STARTING:
                 why = f": not ready ({not_ready})"
             else:
-                why = f": {obs.connect_error or obs.body[:200]}" if obs.connect_error or obs.body else ""
+                why = f": {detail}" if detail and result not in ANSWERED else ""
             log.log(level, "probe %s: %s (was %s)%s", self.base_url, result, previous.last_result, why)
         return result
 

@@ -1,4 +1,4 @@
-"""The exporter process in one object: its registry, NVML collector, prober and HTTP server."""
+"""The exporter process in one object: its registry, NVML collector, prober, agent check and HTTP server."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pynvml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from exporters.agent import Agent
 from exporters.nvml import NvmlCollector
 from exporters.prober import ProbeConfig, Prober
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
@@ -22,6 +23,10 @@ INDEX_PAGE = """<html><head><title>grayguard exporter</title></head><body>
 <h1>grayguard exporter</h1><p>Gray-failure signals of the vLLM at {vllm}: GPU health from NVML and
 a one-token micro-probe.</p><p><a href="/metrics">Metrics</a></p></body></html>
 """
+
+
+class AgentListenError(OSError):
+    """The agent check's listen address cannot be bound."""
 
 
 class _Timed:
@@ -61,13 +66,14 @@ class _NvmlDisabled:
 class Exporter:
     """One node's sidecar: `Exporter(vllm_url, port=0, nvml=FakeNvml(...)).start()`, then `.url`, `.stop()`.
 
-    nvml=None switches the GPU collector off; probe=None switches the prober off. Several exporters
-    can run in one process: each has its own registry, threads and port.
+    nvml=None switches the GPU collector off; probe=None switches the prober off. agent=(host, port) answers
+    HAProxy's agent check there (exporters/agent.py; off by default here, on by default in the CLI; off without
+    the prober). Several exporters can run in one process: each has its own registry, threads and ports.
     """
 
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
                  nvml: Any = pynvml, probe: ProbeConfig | None = DEFAULT_PROBE, nvml_read_timeout: float = 1.0,
-                 xid_events: bool = True):
+                 xid_events: bool = True, agent: tuple[str, int] | None = None):
         self.vllm_url = vllm_url
         self.registry = CollectorRegistry()
         self._host, self._port = host, port
@@ -78,6 +84,13 @@ class Exporter:
         else:
             self.registry.register(_NvmlDisabled())
         self.prober = Prober(vllm_url, probe, registry=self.registry) if probe is not None else None
+        self.agent: Agent | None = None
+        if agent is not None and self.prober is None:
+            log.info("agent check off: it answers from the probe, and probing is off")
+        elif agent is not None and self.prober is not None:
+            cfg = self.prober.config
+            self.agent = Agent(self.prober.snapshot, interval=cfg.interval, deadline=cfg.deadline, host=agent[0],
+                               port=agent[1], registry=self.registry)
         self._httpd: HttpServer | None = None
 
     @property
@@ -94,11 +107,19 @@ class Exporter:
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def start(self) -> Exporter:
-        """Bind the listen address (OSError if taken), init NVML, start probing and serving."""
+        """Bind the listen addresses (OSError if taken; AgentListenError for the agent's), init NVML, probe, serve."""
         # Metrics are collected at scrape time, in the request's thread: NVML reads are bounded by
         # nvml_read_timeout and probe results are cached, so a hung backend never slows a scrape.
         routes = {"GET /metrics": metrics_handler(self.registry, negotiate=True), "GET /": self._index}
         self._httpd = HttpServer((self._host, self._port), routes, name="exporter-http", logger=log)
+        if self.agent is not None:
+            try:
+                self.agent.start()
+            except OSError as e:
+                self._httpd.stop()  # not started yet: only releases the port
+                self._httpd = None
+                raise AgentListenError(e.errno, f"agent check {self.agent.address[0]}:{self.agent.address[1]}: "
+                                                f"{e.strerror or e}") from e
         if self.nvml is not None:
             self.nvml.start()
         if self.prober is not None:
@@ -112,6 +133,8 @@ class Exporter:
         if self._httpd is not None:
             self._httpd.stop()
             self._httpd = None
+        if self.agent is not None:
+            self.agent.stop()
         if self.prober is not None:
             self.prober.stop()
         if self.nvml is not None:

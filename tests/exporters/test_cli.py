@@ -34,6 +34,7 @@ def test_defaults():
     assert (args.probe_interval, args.probe_slow, args.probe_deadline) == (1.0, 0.3, 2.0)
     assert args.probe and args.nvml and args.xid
     assert args.probe_model is None and args.probe_key_env == "VLLM_API_KEY"
+    assert args.agent and args.agent_listen == ("127.0.0.1", 9401)
     assert cli.config_error(args) is None
 
 
@@ -52,9 +53,10 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--vllm.url", "--web.listen-address", "--probe.interval", "--probe.slow-threshold",
                  "--probe.deadline", "--probe.model", "--probe.api-key-env", "--probe.api-key-file",
-                 "--no-collector.nvml", "--no-probe", "--log.level"):
+                 "--no-collector.nvml", "--no-probe", "--log.level", "--agent.listen-address", "--no-agent"):
         assert flag in out
     assert cli.HELP and "\n" not in cli.HELP
+    assert "agent-port" in out and "':9401' = all interfaces" in out
 
 
 @pytest.mark.parametrize("text,seconds", [("300ms", 0.3), ("2s", 2), ("1m30s", 90), ("1h", 3600), ("0.5", 0.5)])
@@ -79,6 +81,9 @@ def test_parse_listen_address(text, addr):
     (["--probe.interval", "0s"], "--probe.interval"),
     (["--probe.slow-threshold", "3s"], "--probe.slow-threshold"),
     (["--probe.jitter", "1.5"], "--probe.jitter"),
+    (["--agent.listen-address", "127.0.0.1:9400"], "--agent.listen-address"),
+    (["--agent.listen-address", ":9400"], "--agent.listen-address"),
+    (["--web.listen-address", ":9401"], "--agent.listen-address"),
 ])
 def test_bad_configuration_names_the_flag_and_exits_2(argv, flag, caplog):
     args = parse(*argv)
@@ -145,3 +150,41 @@ def test_sigterm_shuts_down_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv", [["--agent.listen-address", "127.0.0.1:9400", "--no-agent"],
+                                  ["--agent.listen-address", "127.0.0.1:9400", "--no-probe"],
+                                  ["--agent.listen-address", "127.0.0.2:9400"]])
+def test_agent_address_checked_only_when_it_is_used(argv):
+    assert cli.config_error(parse(*argv)) is None
+
+
+def test_bad_agent_address_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("--agent.listen-address", "localhost")
+    assert e.value.code == 2 and "--agent.listen-address" in capsys.readouterr().err
+
+
+def test_agent_flags_reach_the_exporter():
+    args = parse("--web.listen-address", "127.0.0.1:0", "--agent.listen-address", "127.0.0.1:0",
+                 "--no-collector.nvml", "--vllm.url", "http://127.0.0.1:1")
+    with cli.build_exporter(args) as exporter, socket.create_connection(exporter.agent.address, timeout=5) as s:
+        assert s.recv(64) == b"up\n"  # no probe yet (or a refused vLLM): up
+    assert cli.build_exporter(parse("--no-agent")).agent is None
+
+
+def test_no_probe_switches_the_agent_off_and_says_so(caplog):
+    with caplog.at_level("INFO", logger="exporters.cli"):
+        exporter = cli.build_exporter(parse("--no-probe", "--no-collector.nvml"))
+    assert exporter.agent is None and exporter.prober is None
+    assert "agent check off: --no-probe" in caplog.text
+
+
+def test_taken_agent_address_exits_1_naming_the_flag(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        args = parse("--web.listen-address", "127.0.0.1:0", "--agent.listen-address",
+                     f"127.0.0.1:{s.getsockname()[1]}", "--no-collector.nvml", "--vllm.url", "http://127.0.0.1:1")
+        assert cli.run(args) == 1
+    assert "--agent.listen-address" in caplog.text and "cannot listen" in caplog.text

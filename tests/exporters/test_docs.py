@@ -24,9 +24,10 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
 
 
 def test_every_exporter_series_is_documented():
-    exporter = Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)]))
+    exporter = Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)]), agent=("127.0.0.1", 0))
     names = exposed_names(exporter.registry)
     assert len(names) >= 35
+    assert {"grayguard_agent_down", "grayguard_agent_answers_total"} <= names
     for name in sorted(names):
         assert f"`{name}`" in DOC, name
 
