@@ -111,10 +111,12 @@ class ExporterProcess:
 
     prober = None  # the probe state lives in the child: read it from /metrics
 
-    def __init__(self, vllm_url: str, port: int, gpu_index: int, probe_interval_s: float, log_path: Path):
+    def __init__(self, vllm_url: str, port: int, gpu_index: int, probe_interval_s: float, log_path: Path,
+                 agent_port: int):
         self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "localstack.stack", "exporter", "--gpu-index", str(gpu_index),
                 "--vllm.url", vllm_url, "--web.listen-address", f"127.0.0.1:{port}",
+                "--agent.listen-address", f"127.0.0.1:{agent_port}",
                 "--probe.interval", f"{probe_interval_s:g}", "--probe.deadline", "2s", "--probe.api-key-env", ""]
         self.proc = ManagedProcess(argv, log_path, env=_child_env(), cwd=REPO)
 
@@ -142,6 +144,7 @@ class LocalStack:
         self.gpus: dict[str, Any] = {}
         self._gpu_base: dict[str, dict] = {}
         self.exporters: dict[str, Any] = {}
+        self.agent_ports: dict[str, int] = {}  # node -> its exporter's agent-check port (the server's agent-port)
         self.haproxy: HaproxyProc | None = None  # the first of self.haproxies: the one the gateway URL reaches
         self.haproxies: list[HaproxyProc] = []
         self.gateway_url = ""
@@ -184,7 +187,7 @@ class LocalStack:
         self.nodes = self.fleet.start()
         self._start_exporters()
         self.progress("starting HAProxy" + (f" x{s.haproxies}" if s.haproxies > 1 else ""))
-        servers = [(n.name, n.address, 100) for n in self.nodes]
+        servers = [(n.name, n.address, 100, self.agent_ports[n.name]) for n in self.nodes]
         for i in range(s.haproxies):
             gw_port = free_port()
             hdir = self.dir / ("haproxy" if i == 0 else f"haproxy{i + 1}")
@@ -235,8 +238,10 @@ class LocalStack:
         if s.exporter_processes:
             self.progress("starting one exporter process per node (fake NVML, 1-token probes)")
             for i, n in enumerate(self.nodes):
+                self.agent_ports[n.name] = free_port()
                 self.exporters[n.name] = ExporterProcess(n.url, free_port(), i, s.probe_interval_s,
-                                                         self.dir / "exporters" / f"{n.name}.log")
+                                                         self.dir / "exporters" / f"{n.name}.log",
+                                                         self.agent_ports[n.name])
             for ex in self.exporters.values():
                 ex.wait_ready()
             return
@@ -245,7 +250,8 @@ class LocalStack:
             gpu = healthy_h100(i)
             self.gpus[n.name] = gpu
             self._gpu_base[n.name] = dict(vars(gpu))
-            ex = Exporter(n.url, port=0, nvml=FakeNvml([gpu]),
+            self.agent_ports[n.name] = free_port()
+            ex = Exporter(n.url, port=0, nvml=FakeNvml([gpu]), agent=("127.0.0.1", self.agent_ports[n.name]),
                           probe=ProbeConfig(interval=s.probe_interval_s, deadline=2.0, api_key_env=None))
             self.exporters[n.name] = ex.start()
 

@@ -71,3 +71,18 @@ def test_a_cuda_error_is_quarantined_and_pages_naming_cuda(tmp_path):
         during = [row for row in csv.DictReader(f) if float(row["start_s"]) >= r["fault_start_s"]]
     errors = [row for row in during if row["http_status"] and int(row["http_status"]) >= 500]
     assert during and len(errors) <= 3, (len(errors), len(during), errors[:5])
+
+
+def test_garbage_text_is_taken_out_by_the_agent_check_within_seconds(tmp_path):
+    """HAProxy cannot see a 200 with broken text; the node's exporter answers its agent check "down" after one
+    garbage probe, so the real HAProxy stops sending it requests about a second later, before any tick."""
+    r, log = scenario(tmp_path, "garbage", "node3", 26)
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 10, log
+    reason = quarantine_reason(r)
+    assert "agent check" in reason and "bad_response" in reason, reason
+    assert r["false_quarantines"] == [], log
+    with open(tmp_path / "report" / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    garbage = [float(row["start_s"]) - r["fault_start_s"] for row in rows if row["status"] == "garbage"]
+    # requests that reached node3 before its agent said down (probe every 0.5 s in the demo, agent-inter 1 s)
+    assert garbage and max(garbage) <= 4.0, sorted(garbage)
