@@ -22,7 +22,7 @@ from bench.lb import Gateway, make_balancer
 from bench.node import NodeObs, VirtualNode, observe
 from bench.policies import Assign, make_policy
 from bench.spec import FaultSpec, Scenario, make_arrivals
-from sim.model import Finished, FirstToken, ModelParams
+from sim.model import Finished, FirstToken, ModelParams, StepDone
 
 PENDING, OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER = range(6)
 STATUS_NAMES = ("pending", "ok", "timeout", "error", "garbage", "no_server")
@@ -47,7 +47,8 @@ class RunResult:
     canaries: int = 0
     wall_s: float = 0.0
     retried: bytearray = field(default_factory=bytearray)  # retries (redispatches) per request
-    # HAProxy's own state changes: (time, node index, marked down, why: error-limit | check fall | check rise)
+    # HAProxy's own state changes: (time, node index, marked down, why: error-limit | check fall | check rise |
+    # agent | agent up | agent disabled)
     gateway: list[tuple[float, int, bool, str]] = field(default_factory=list)
 
 
@@ -110,9 +111,13 @@ class Run:
         self.gw = Gateway(rx, len(self.nodes)) if rx is not None else None
         self.res.gateway = self.gw.events if self.gw is not None else []
         self.check_due: list[tuple[float, int]] = []  # HAProxy's active health checks (reflexes only)
+        self.agent_due: list[tuple[float, int]] = []  # HAProxy's agent checks of the exporters (reflexes only)
         if rx is not None:
             self.check_due = [(self.probe_rng.uniform(0, rx.check_inter_s), k) for k in range(len(self.nodes))]
             heapq.heapify(self.check_due)
+            if scn.probes:  # without its probe the exporter answers "up": the agent never changes anything
+                self.agent_due = [(self.probe_rng.uniform(0, rx.agent_inter_s), k) for k in range(len(self.nodes))]
+                heapq.heapify(self.agent_due)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def advance(self, k: int, t: float) -> None:
@@ -125,7 +130,12 @@ class Run:
         status = res.status
         for ev in evs:
             tp = type(ev)
+            if tp is StepDone:
+                if ev.generated:
+                    node.last_token = ev.time
+                continue
             if tp is FirstToken:
+                node.last_token = ev.time
                 rid = ev.req_id
                 if rid < 0:
                     f = node.faults.active  # the prober rejects garbage text as a bad response
@@ -160,11 +170,14 @@ class Run:
         self.apply(self.detector.on_result(self.nodes[k].spec.name, st in (OK, GARBAGE), t), t)
 
     def apply(self, changes: dict[str, Assign], t: float) -> None:
+        gw = self.gw
         for name, a in changes.items():
             k = self.index[name]
             if (a.weight, a.drained, a.state) != (self.weights[k], self.drained[k], self.state[k]):
                 self.weights[k], self.drained[k], self.state[k] = a.weight, a.drained, a.state
                 self.res.timeline.append((t, k, a.weight, a.drained, a.state))
+            if gw is not None:  # `enable agent` / `disable agent`
+                gw.set_agent(k, a.agent, t)
 
     # -- events -----------------------------------------------------------------------------------
     def _eligible(self, exclude: list[int]) -> list[bool]:
@@ -172,7 +185,7 @@ class Run:
         gw = self.gw
         if gw is None and not exclude:
             return self.drained
-        down = gw.down if gw is not None else [False] * len(self.nodes)
+        down = gw.out if gw is not None else [False] * len(self.nodes)
         return [d or g or j in exclude for j, (d, g) in enumerate(zip(self.drained, down, strict=True))]
 
     def _fails_at_once(self, node: VirtualNode, t: float) -> str | None:
@@ -198,7 +211,7 @@ class Run:
         tried: list[int] = []
         if gw is not None:
             gw.request(t)
-        k = pin if pin >= 0 and (gw is None or not gw.down[pin]) else self.lb.pick(self.weights, self._eligible([]))
+        k = pin if pin >= 0 and (gw is None or not gw.out[pin]) else self.lb.pick(self.weights, self._eligible([]))
         while True:
             if k is None:  # HAProxy answers 503 itself
                 res.status[i], res.e2e[i] = NO_SERVER, 0.0
@@ -249,6 +262,14 @@ class Run:
         self.gw.check(k, t, self.nodes[k].fault_name() != "refused")
         heapq.heappush(self.check_due, (t + self.gw.next_check_in(k), k))
 
+    def agent_check(self) -> None:
+        """HAProxy's agent check of one server: the exporter answers its verdict on its last probe, now."""
+        t, k = heapq.heappop(self.agent_due)
+        assert self.gw is not None
+        self.advance(k, t)  # every probe that ended by t is in the log
+        self.gw.agent(k, t, self.nodes[k].probes.agent_down)
+        heapq.heappush(self.agent_due, (t + self.gw.rx.agent_inter_s, k))
+
     def deadline(self) -> None:
         t, rid = self.deadlines.popleft()
         if self.res.status[rid] != PENDING:
@@ -266,7 +287,9 @@ class Run:
             if node.fault_name() == spec.fault:  # a scheduled clear only clears its own fault
                 node.faults.clear(t)
                 node.engine.resume(t)
+                self.apply(self.detector.on_fault(node.spec.name, t, clear=True), t)
             return
+        self.apply(self.detector.on_fault(node.spec.name, t, clear=False), t)
         was_hang = node.fault_name() == "hang"
         node.faults.set(spec.fault, spec.params, t)
         if spec.fault == "cuda_error":
@@ -280,8 +303,8 @@ class Run:
         for k in range(len(self.nodes)):
             self.advance(k, t)
         gw = self.gw
-        obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (gw.down[n.index], gw.hana[n.index]))
-               for n in self.nodes}
+        obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (
+            gw.out[n.index], gw.hana[n.index], gw.agent_down[n.index], not gw.agent_on[n.index])) for n in self.nodes}
         self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
         rounds = self.detector.canaries(t)
         if not rounds:
@@ -333,11 +356,15 @@ class Run:
         t, rid = self.probe_deadlines.popleft()
         if rid not in self.probe_inflight:
             return
-        k, _sent = self.probe_inflight[rid]
+        k, sent = self.probe_inflight[rid]
         self.advance(k, t)
         if self.probe_inflight.pop(rid, None) is not None:
-            self.nodes[k].engine.abort(rid)
-            self.nodes[k].probes.finish(t, "timeout", None)
+            node = self.nodes[k]
+            # the exporter's hang evidence: vLLM holds requests (the probe's at least) and made no token since
+            # the probe was sent; a loaded node that still makes tokens is slow, not hung
+            hung = node.last_token <= sent and node.engine.num_running + getattr(node.engine, "num_waiting", 0) > 0
+            node.engine.abort(rid)
+            node.probes.finish(t, "timeout", None, hung=hung)
 
     def canary_step(self, t: float) -> None:
         c = self.canary
@@ -400,12 +427,15 @@ class Run:
             t_probe = self.probe_due[0][0] if self.probe_due and self.probe_due[0][0] < end else inf
             t_pdead = self.probe_deadlines[0][0] if self.probe_deadlines else inf
             t_check = self.check_due[0][0] if self.check_due and self.check_due[0][0] < end else inf
-            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check)
+            t_agent = self.agent_due[0][0] if self.agent_due and self.agent_due[0][0] < end else inf
+            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check, t_agent)
             if t == inf or t >= until:
                 break
             self.now = t
             if t == t_check:
                 self.health_check()
+            elif t == t_agent:
+                self.agent_check()
             elif t == t_pdead:
                 self.probe_deadline()
             elif t == t_probe:

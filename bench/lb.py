@@ -104,8 +104,14 @@ class Gateway:
       `check_inter_s` (no fastinter is configured). A mark-down by error-limit does not reschedule the check
       already planned (HAProxy requeues it only when fastinter is set), so a server marked down for errors
       whose /health answers 200 is back after at most about check_inter_s * check_rise.
+    - the agent check (`agent-check agent-port ... agent-inter ...`): every `agent_inter_s` HAProxy reads one
+      line from the node's exporter; "down" marks the server DOWN (agent) at once (no fall count), "up" lifts
+      that at once (the health check's own verdict still applies). While the agent check is disabled
+      (runtime API `disable agent`, what the controller does past its cap) its answers are ignored and the
+      server follows its health check alone.
     - what the controller can read (`show servers state`): the server is DOWN, and whether the last verdict
-      was the error-limit one (check_status HANA) -- until the next health check overwrites it.
+      was the error-limit one (check_status HANA) -- until the next health check overwrites it; DOWN (agent),
+      and whether its agent check is disabled.
     - the retry budget: the backend's failed responses (what its clients got: a 5xx after the retries, or
       its own 503; a retried-then-served request is no failure, as the stick table's http_fail_rate counts
       them) over its requests in the last `budget_window_s`; while that exceeds `retry_budget`, L7 retries
@@ -120,6 +126,9 @@ class Gateway:
         self.errors = [0] * n  # consecutive failed answers (observe layer7)
         self.checks = [0] * n  # consecutive check results against the current state (toward rise or fall)
         self.hana = [False] * n  # down by error-limit, and no health check has run since (check_status HANA)
+        self.agent_down = [False] * n  # the agent's last answer was "down" (only while the agent is enabled)
+        self.agent_on = [True] * n  # the agent check is enabled (runtime API `enable agent` / `disable agent`)
+        self.out = [False] * n  # out of rotation: DOWN by its health check or error-limit, or DOWN (agent)
         self.requests: deque[float] = deque()
         self.failures: deque[float] = deque()
         self.events: list[tuple[float, int, bool, str]] = []  # (time, server, down, why)
@@ -129,7 +138,26 @@ class Gateway:
         self.checks[k] = 0
         self.errors[k] = 0
         self.hana[k] = why == "error-limit"
+        self.out[k] = down or self.agent_down[k]
         self.events.append((t, k, down, why))
+
+    def agent(self, k: int, t: float, down: bool) -> None:
+        """An agent check of server k at t: the exporter answered "down" (down=True) or "up"."""
+        if not self.agent_on[k] or down == self.agent_down[k]:
+            return
+        self.agent_down[k] = down
+        self.out[k] = down or self.down[k]
+        self.events.append((t, k, down, "agent" if down else "agent up"))
+
+    def set_agent(self, k: int, on: bool, t: float) -> None:
+        """Enable or disable server k's agent check; disabled, its last "down" no longer holds the server."""
+        if on == self.agent_on[k]:
+            return
+        self.agent_on[k] = on
+        if not on and self.agent_down[k]:
+            self.agent_down[k] = False
+            self.out[k] = self.down[k]
+            self.events.append((t, k, False, "agent disabled"))
 
     def request(self, t: float) -> None:
         """A client request entered the backend."""

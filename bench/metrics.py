@@ -9,6 +9,8 @@ Definitions (docs/benchmarks.md):
   counts that as an error too) as the client deadline: a failure is no better than the slowest acceptable
   answer, so a policy cannot improve its P99 by failing requests fast. A timed-out request that got its
   first token keeps that TTFT.
+- agent mark-downs: HAProxy marked a server DOWN (agent) because its exporter answered "down"; a false one
+  is on a node without a fault (or before its fault), at any time of the run.
 - capacity kept: time average over the window of sum(capacity x min(1, weight/base)) over the nodes
   WITHOUT a fault, divided by their total capacity (1.0: nothing healthy was cut).
 """
@@ -136,6 +138,19 @@ def summarize(res: RunResult) -> dict:
         q_abs = [fault_at[scn.nodes[k].name] + first["quarantine"][scn.nodes[k].name] for k in faulty_idx
                  if scn.nodes[k].name in first["quarantine"]]
         t_bad_drain = max(0.0, min(q_abs) - first_bad) if q_abs else None
+        # out of rotation by any means: drained, or DOWN (agent) once the fault started
+        out_abs = q_abs + [t for t, k, down, why in res.gateway if down and why == "agent" and k in faulty_idx
+                           and t >= fault_at[scn.nodes[k].name]]
+        t_bad_out = max(0.0, min(out_abs) - first_bad) if out_abs else None
+    else:
+        t_bad_out = None
+    agent_downs = [(t, k) for t, k, down, why in res.gateway if down and why == "agent"]
+    false_agent = sum(1 for t, k in agent_downs if t < fault_at.get(scn.nodes[k].name, math.inf))
+    agent_first: dict[str, float] = {}  # from each faulty node's fault to its first DOWN (agent)
+    for t, k in agent_downs:
+        name = scn.nodes[k].name
+        if t >= fault_at.get(name, math.inf):
+            agent_first.setdefault(name, t - fault_at[name])
     settled = None  # P99 TTFT once every faulty node was drained: what is left is the capacity cost
     t_q = max(first["quarantine"].values()) if fault_at and len(first["quarantine"]) == len(fault_at) else None
     if t_q is not None:
@@ -150,6 +165,7 @@ def summarize(res: RunResult) -> dict:
         "scenario": scn.name, "policy": res.policy, "group": scn.group, **scn.tag,
         "window": [lo, hi], "nodes": len(scn.nodes),
         "t_cut_s": worst(first["cut"]), "t_quarantine_s": worst(first["quarantine"]),
+        "t_agent_down_s": worst(agent_first),
         "faulty_cut": len(first["cut"]), "faulty_quarantined": len(first["quarantine"]),
         "false_cuts": false_cuts, "false_quarantines": false_quarantines,
         "ttft_p99_settled": settled,
@@ -160,8 +176,9 @@ def summarize(res: RunResult) -> dict:
         "failed_share": (counts["error"] + counts["no_server"]) / n if n else None,
         "garbage_share": counts["garbage"] / n if n else None,
         "retried": retried, "retries": retries, "retried_share": retried / n if n else None,
-        "t_garbage_to_drain_s": t_bad_drain,
-        "gateway_downs": sum(1 for _t, _k, down, _w in res.gateway if down and lo <= _t < hi),
+        "t_garbage_to_drain_s": t_bad_drain, "t_garbage_to_out_s": t_bad_out,
+        "gateway_downs": sum(1 for _t, _k, down, why in res.gateway if down and why != "agent" and lo <= _t < hi),
+        "agent_downs": sum(1 for t, _k in agent_downs if lo <= t < hi), "false_agent_downs": false_agent,
         "on_faulty_share": on_faulty / n if n else None,
         "capacity_kept": capacity_kept(res, lo, hi),
         "canaries": res.canaries, "wall_s": round(res.wall_s, 3),

@@ -89,8 +89,13 @@ class NodeObs:
     probe_result: str | None = None  # the exporter's last probe class
     probe_ttft: float | None = None  # TTFT of its last answered probe
     probe_failures: int | None = None  # its consecutive failed probes
-    down: bool = False  # HAProxy has it DOWN (error-limit or its health check): read from the runtime API
+    down: bool = False  # HAProxy has it DOWN (error-limit, its health check, or its agent): read from the runtime API
     gateway_marked_down: bool = False  # DOWN by error-limit, and no health check has overwritten that yet
+    agent_down: bool = False  # DOWN (agent): the exporter answered HAProxy's agent check "down"
+    agent_off: bool = False  # its agent check is disabled (the controller released it)
+
+
+AGENT_DOWN_RESULTS = frozenset({"bad_response", "cuda_error"})  # one strike: neither is load
 
 
 class ProbeLog:
@@ -100,14 +105,19 @@ class ProbeLog:
         self.history: deque[tuple[float, str, float | None, int]] = deque()  # (time, result, last ttft, failures)
         self.failures = 0
         self.last_ttft: float | None = None
+        self.agent_down = False  # the exporter's agent verdict after its last probe (exporters/agent.py)
 
-    def finish(self, t: float, result: str, ttft: float | None) -> None:
-        """One probe ended at t with result (ok, slow, timeout, cuda_error, bad_response)."""
+    def finish(self, t: float, result: str, ttft: float | None, hung: bool = False) -> None:
+        """One probe ended at t with result (ok, slow, timeout, cuda_error, bad_response, connect_error).
+
+        hung: a timeout during which vLLM made no token progress while it had requests (a hang, not load).
+        """
         if result in ("ok", "slow"):
             self.failures = 0
             self.last_ttft = ttft
         else:
             self.failures += 1
+        self.agent_down = result in AGENT_DOWN_RESULTS or (result == "timeout" and hung)
         self.history.append((t, result, self.last_ttft, self.failures))
 
     def at(self, t: float) -> tuple[str, float | None, int] | None:
@@ -140,6 +150,7 @@ class VirtualNode:
         self.errors: deque[float] = deque()  # times of requests that ended in an error (CUDA)
         self.probes = ProbeLog()
         self.xid_at: float | None = None  # when a cuda_error fault emitted its XID
+        self.last_token = -math.inf  # when the engine last produced a token (the agent's hang evidence)
 
     def slowdown(self, now: float) -> Slowdown:
         sd = self.faults.slowdown(now)
@@ -164,13 +175,15 @@ class VirtualNode:
             err.popleft()
 
 
-def observe(node: VirtualNode, now: float, scn: Scenario, gateway: tuple[bool, bool] | None = None) -> NodeObs:
+def observe(node: VirtualNode, now: float, scn: Scenario,
+            gateway: tuple[bool, bool, bool, bool] | None = None) -> NodeObs:
     """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
     that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
-    KV cache, GPU flags) are read as of now - gauge_lag. gateway: (DOWN, DOWN by error-limit) as HAProxy's
-    runtime API shows them now, for a policy behind HAProxy's reflexes (bench.lb.Gateway); None: no reflexes.
+    KV cache, GPU flags) are read as of now - gauge_lag. gateway: (DOWN, DOWN by error-limit, DOWN (agent),
+    agent disabled) as HAProxy's runtime API shows them now, for a policy behind HAProxy's reflexes
+    (bench.lb.Gateway); None: no reflexes.
     """
     hi = now - scn.signal_lag_s
     lo = hi - scn.window_s
@@ -200,6 +213,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario, gateway: tuple[bool, b
         probe_failures=probe[2] if probe else None,
         down=gateway is not None and gateway[0],
         gateway_marked_down=gateway is not None and gateway[1],
+        agent_down=gateway is not None and gateway[2],
+        agent_off=gateway is not None and gateway[3],
     )
 
 

@@ -4,7 +4,8 @@ A detector sees what its real counterpart sees (per-request outcomes for Envoy, 
 the latency-based ones) and sets per-server weights: 0..256, or drained. Names: `roundrobin`, `leastconn`
 (no detector: the status quo), `seeds`, `envoy`, `envoy-one` (always_eject_one_host), `haproxy` (leastconn
 with HAProxy's reflexes of grayguard.reflexes, no controller), `grayguard` (the controller behind the same
-reflexes); the detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
+reflexes), `oracle` (the reference floor: behind the same reflexes, drains each faulty node exactly while its
+fault lasts); the detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.node import NodeObs, node_input
 from bench.spec import NodeSpec, Scenario
@@ -30,6 +31,7 @@ class Assign:
     weight: int
     drained: bool = False
     state: str = "healthy"
+    agent: bool = True  # the server's agent check is enabled (the controller disables it past the cap)
 
 
 class Detector:
@@ -45,6 +47,10 @@ class Detector:
 
     def on_result(self, node: str, ok: bool, now: float) -> dict[str, Assign]:
         """A client-visible request outcome (an answer, an HTTP error, a timeout)."""
+        return {}
+
+    def on_fault(self, node: str, now: float, clear: bool) -> dict[str, Assign]:
+        """A scheduled fault starts (or ends) on node: only a reference that knows the schedule may look."""
         return {}
 
     def canaries(self, now: float) -> list[tuple[str, list[str]]]:
@@ -176,6 +182,8 @@ class Grayguard(Detector):
         self.interval_s = scn.tick_s
         self.policy = policy or Policy()
         self.states: dict[str, NodeState] = {}
+        # what the engine was last told per node (it starts at base weight, in rotation, agent enabled)
+        self.last = {n.name: Assign(n.base_weight) for n in nodes}
 
     def canaries(self, now):
         groups = {n.name: n.peer_group for n in self.nodes}
@@ -197,11 +205,25 @@ class Grayguard(Detector):
         inputs = {n: node_input(self.spec[n], obs.get(n), est.get(n)) for n in self.names}
         d = decide_pool(self.states, inputs, self.policy, now)
         self.states = {n: nd.state for n, nd in d.nodes.items()}
+        off = getattr(d, "agent_off", frozenset())
         out = {}
         for n, nd in d.nodes.items():
+            agent = n not in off  # level-triggered: every node's agent is enabled unless the decision says off
             if nd.weight is not None:
-                out[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state)
+                out[n] = self.last[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state, agent)
+            elif self.last[n].agent != agent:  # weight held: keep the last assignment, write only the agent
+                out[n] = self.last[n] = replace(self.last[n], agent=agent)
         return out
+
+
+class Oracle(Detector):
+    """The floor no detector can beat: knows the fault schedule, drains each faulty node exactly at its fault's
+    start (weight 0, drained) and puts it back at its end, nothing else. What the lost capacity alone costs."""
+
+    def on_fault(self, node, now, clear):
+        if clear:
+            return {node: Assign(self.spec[node].base_weight, False, "healthy")}
+        return {node: Assign(0, True, "quarantined")}
 
 
 DETECTORS = {
@@ -212,11 +234,13 @@ DETECTORS = {
     "envoy-one": (Envoy, "leastconn", {"always_eject_one_host": True}),
     "haproxy": (Detector, "leastconn", {}),
     "grayguard": (Grayguard, "leastconn", {}),
+    "oracle": (Oracle, "leastconn", {}),
 }
-# Policies behind HAProxy's reflexes as shipped (grayguard.reflexes): grayguard's gateway, and that gateway
-# without a controller. roundrobin / leastconn / seeds are the status quo without them; Envoy has its own
-# outlier detection (its defaults) and no retry policy (Envoy's default).
-WITH_REFLEXES = frozenset({"haproxy", "grayguard"})
+# Policies behind HAProxy's reflexes as shipped (grayguard.reflexes, the agent check included): grayguard's
+# gateway, that gateway without a controller, and the oracle reference behind it. roundrobin / leastconn / seeds
+# are the status quo without them; Envoy has its own outlier detection (its defaults) and no retry policy
+# (Envoy's default).
+WITH_REFLEXES = frozenset({"haproxy", "grayguard", "oracle"})
 
 
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:

@@ -6,7 +6,8 @@ import statistics
 
 from sim.faults import LATENCY_FAULTS
 
-POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard")
+POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard", "oracle")
+REFERENCES = frozenset({"oracle"})  # knows the fault schedule: a floor to read against, not a rival to beat
 FAULTED = ("fault", "sensitivity", "double", "linkerd", "pool")
 FAST_FAILS = ("cuda_error", "refused")  # faults HAProxy's reflexes see: the node answers 500 or refuses
 RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
@@ -78,10 +79,14 @@ def targets(rows: list[dict]) -> list[dict]:
     gg = [r for r in rows if r["policy"] == GG]
     out = []
     benign = [r for r in gg if r["group"] == "benign"]
-    bad = [r for r in benign if r["false_quarantines"]]
+    # a DOWN (agent) takes a node out of rotation as surely as a drain: it counts as a false quarantine here
+    bad = [r for r in benign if r["false_quarantines"] or r.get("false_agent_downs")]
     out.append(_target("zero false quarantines in every benign scenario", None if not benign else not bad,
-                       f"{sum(r['false_quarantines'] for r in benign)} false quarantine(s) in {len(benign)} scenarios",
-                       ", ".join(f"{r['scenario']} ({r['false_quarantines']})" for r in bad)))
+                       f"{sum(r['false_quarantines'] for r in benign)} false quarantine(s) and "
+                       f"{sum(r.get('false_agent_downs', 0) for r in benign)} agent mark-down(s) in {len(benign)} "
+                       "scenarios",
+                       ", ".join(f"{r['scenario']} ({r['false_quarantines']}, agent {r.get('false_agent_downs', 0)})"
+                                 for r in bad)))
     slow = [r for r in gg if r["group"] in ("fault", "sensitivity") and (r.get("slowdown") or 0) >= 2]
     missed = [r for r in slow if r["t_quarantine_s"] is None]
     sizes = sorted({r["size"] for r in slow})
@@ -98,7 +103,7 @@ def targets(rows: list[dict]) -> list[dict]:
                        f"over {len(lat)}; the others (requests fail): {_f(_med(r['ttft_p99_x'] for r in other))}x "
                        f"over {len(other)}"))
     by = {(r["scenario"], r["policy"]): r for r in rows}
-    others = _order({r["policy"] for r in rows if r["group"] == "fault"} - {GG})
+    others = _order({r["policy"] for r in rows if r["group"] == "fault"} - {GG} - REFERENCES)
     parts, ok, losses, e2e = [], True, [], []
     for p in others:
         rel = [_ratio(r["ttft_p99"], by[(r["scenario"], p)]["ttft_p99"]) for r in faults if (r["scenario"], p) in by]
@@ -258,15 +263,20 @@ def _reflexes(rows: list[dict]) -> list[str]:
                          f"{max((_failed(r) / r['requests'] for r in sub if r['requests']), default=0.0) * 100:.2f} %",
                          f"{sum(r['garbage'] for r in sub)} ({_pct2(_share(sum(r['garbage'] for r in sub), req))})",
                          f"{sum(r['retried'] for r in sub)} ({_pct2(_share(sum(r['retried'] for r in sub), req))})",
-                         sum(r["gateway_downs"] for r in sub), _f(_med(r["ttft_p99_x"] for r in sub)),
+                         sum(r["gateway_downs"] for r in sub), sum(r.get("agent_downs", 0) for r in sub),
+                         _f(_med(r["ttft_p99_x"] for r in sub)),
                          _f(max((r["ttft_p99_x"] or 0.0 for r in sub), default=None)),
-                         _f(_med(r["t_garbage_to_drain_s"] for r in sub), 1, " s")])
+                         _f(_med(r["t_garbage_to_drain_s"] for r in sub), 1, " s"),
+                         _f(_med(r.get("t_garbage_to_out_s") for r in sub), 1, " s")])
     return ["### Fast failures and garbage: what reached the clients (sums over sizes, mixes, loads)", "",
             "failed = HTTP errors + HAProxy 503s + timeouts; retried = client requests HAProxy retried on another "
-            "server; marked down = HAProxy's own mark-downs (error-limit, failed checks). Only `haproxy` and "
-            "`grayguard` have HAProxy's reflexes.", ""] + _table(
+            "server; marked down = HAProxy's own mark-downs (error-limit, failed checks); agent down = DOWN (agent) "
+            "mark-downs (the exporter's verdict); garbage to out = from the first garbage answer to the node's leaving "
+            "rotation (drained, or DOWN (agent)). Only `haproxy`, `grayguard` and `oracle` have HAProxy's reflexes.",
+            ""] + _table(
         ["fault", "policy", "scenarios", "requests", "failed", "worst scenario", "garbage answers", "retried",
-         "marked down", "median P99 TTFT x", "worst P99 TTFT x", "garbage to drain"], body) + [""]
+         "marked down", "agent down", "median P99 TTFT x", "worst P99 TTFT x", "garbage to drain", "garbage to out"],
+        body) + [""]
 
 
 def _pool(rows: list[dict]) -> list[str]:
@@ -308,10 +318,12 @@ def _benign(rows: list[dict]) -> list[str]:
             r = by.get((scn, p))
             row.append("–" if r is None else f"{r['false_cuts']} / {r['false_quarantines']}")
         g = by.get((scn, GG))
-        row += [_f(g["ttft_p99_vs_lc"]) if g else "–", _pct(g["capacity_kept"]) if g else "–"]
+        row += [_f(g["ttft_p99_vs_lc"]) if g else "–", _pct(g["capacity_kept"]) if g else "–",
+                g.get("false_agent_downs", 0) if g else "–"]
         body.append(row)
     return ["### Benign scenarios (must trigger nothing): false cuts / false quarantines", ""] + _table(
-        ["scenario"] + pols + ["grayguard P99 TTFT vs leastconn", "grayguard capacity kept"], body) + [""]
+        ["scenario"] + pols + ["grayguard P99 TTFT vs leastconn", "grayguard capacity kept",
+                               "grayguard agent mark-downs"], body) + [""]
 
 
 def _double(rows: list[dict]) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from bench.engine import ERROR, NO_SERVER, OK, Run
 from bench.lb import Gateway
-from bench.policies import make_policy
+from bench.policies import Assign, make_policy
 from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
 from grayguard.reflexes import DEFAULT as RX
 
@@ -79,7 +79,7 @@ def test_only_haproxy_and_grayguard_have_the_reflexes_and_they_are_the_shipped_o
     scn = scenario("cuda_error")
     for name in ("roundrobin", "leastconn", "seeds", "envoy"):
         assert make_policy(name, scn.nodes, scn)[0].reflexes is None
-    for name in ("haproxy", "grayguard", "grayguard@roundrobin"):
+    for name in ("haproxy", "grayguard", "grayguard@roundrobin", "oracle"):
         assert make_policy(name, scn.nodes, scn)[0].reflexes is RX
 
 
@@ -97,7 +97,9 @@ def test_a_node_answering_500_costs_clients_nothing_behind_the_reflexes():
 
 def test_health_checks_put_a_500_node_back_unless_the_controller_drained_it():
     scn = scenario("cuda_error")
-    alone = Run(scn, "haproxy").execute()
+    run = Run(scn, "haproxy")
+    run.apply({"node0": Assign(100, agent=False)}, 0.0)  # without the agent check (tests/bench/test_agent.py)
+    alone = run.execute()
     downs = [e for e in alone.gateway if e[2]]
     rises = [e for e in alone.gateway if not e[2]]
     assert len(downs) >= 5 and len(rises) >= 4  # /health is 200: it comes back and fails again, all run long
@@ -106,6 +108,15 @@ def test_health_checks_put_a_500_node_back_unless_the_controller_drained_it():
     drained = min(t for t, k, _w, d, _s in gg.timeline if k == 0 and d)
     assert drained - 30.0 <= scn.tick_s + 1e-9
     assert [e for e in gg.gateway if e[2] and e[0] > drained] == []  # drained: no more traffic, no more errors
+
+
+def test_the_agent_keeps_a_500_node_out_after_its_health_check_puts_it_back():
+    scn = scenario("cuda_error")
+    res = Run(scn, "haproxy").execute()
+    agent = [t for t, k, down, why in res.gateway if k == 0 and down and why == "agent"]
+    assert agent and agent[0] < 30.0 + 1.2 * scn.probe_interval_s + RX.agent_inter_s  # its probe got a 500
+    assert [e for e in res.gateway if e[0] > agent[0] and e[3] == "error-limit"] == []  # it gets nothing more
+    assert [t for t, k in zip(res.t, res.node, strict=True) if k == 0 and t > agent[0]] == []
 
 
 def test_a_refusing_node_is_marked_down_and_its_requests_are_retried_elsewhere():
@@ -119,7 +130,9 @@ def test_a_refusing_node_is_marked_down_and_its_requests_are_retried_elsewhere()
 
 def test_a_whole_pool_failing_does_not_multiply_the_load():
     scn = scenario("cuda_error", every=True)
+    no_agents = {n.name: Assign(100, agent=False) for n in scn.nodes}  # the budget alone (agents: test_agent.py)
     run = Run(scn, "haproxy")
+    run.apply(no_agents, 0.0)
     res = run.execute()
     n = len(in_window(res))
     retried = sum(1 for i in in_window(res) if res.retried[i])
@@ -128,6 +141,7 @@ def test_a_whole_pool_failing_does_not_multiply_the_load():
     free = Run(scn, "haproxy")
     free.gw = Gateway(replace(RX, retry_budget=1e9), len(free.nodes))
     free.res.gateway = free.gw.events
+    free.apply(no_agents, 0.0)
     res_free = free.execute()
     assert sum(1 for i in in_window(res_free) if res_free.retried[i]) > 2 * retried
 
