@@ -1,6 +1,6 @@
 """HAProxy's agent check: one line per connection, "up" or "down #why", from the prober's last probe.
 
-HAProxy (`agent-check agent-port 9401 agent-inter 1s` on a server line) connects every agent-inter and reads a
+HAProxy (`agent-check agent-port 9401 agent-inter 500ms` on a server line) connects every agent-inter and reads a
 line: "down" marks the server DOWN (agent) at once, "up" lets its health check decide again. A node that
 answers 200 with broken text is invisible to HAProxy's own checks; this takes it out of rotation about a second
 after the probe saw it, before any controller tick. docs/exporters.md, "Agent check", has the rules.
@@ -72,8 +72,8 @@ def verdict(state: ProbeState, last_at: float | None, now: float, *, interval: f
         return Verdict(True, clean(f"probe {result}{detail}"), result)
     progress = state.last_progress
     if result == ProbeResult.TIMEOUT and progress is not None and progress.hung:
-        return Verdict(True, clean(f"hang: no token in {progress.window:.1f}s with {progress.running:g} running"),
-                       "hang")
+        others = f"{progress.running:g} other requests in the engine"
+        return Verdict(True, clean(f"hang: no token in {progress.window:.1f}s ({others})"), "hang")
     if result == ProbeResult.TIMEOUT:
         why = "no hang evidence" if progress is None else f"{progress.tokens:g} tokens in {progress.window:.1f}s"
         return Verdict(False, f"probe timeout ({why})")

@@ -69,13 +69,14 @@ def test_stale_state_is_up(age, down):
     (HUNG, True),
     (None, False),  # no evidence: /metrics missing, unparsable or the counter went back
     (Progress(tokens=17, running=3, window=2.0), False),  # tokens flow: an overload, not a hang
-    (Progress(tokens=0, running=0, window=2.0), False),  # idle: nothing should have moved
+    (Progress(tokens=0, running=0, window=2.0), True),  # idle: it would have prefilled the probe
 ])
 def test_timeout_is_down_only_with_hang_evidence(progress, down):
     v = at(ProbeState(last_result="timeout", last_progress=progress, consecutive_failures=1))
     assert v.down is down
     if down:
-        assert v.text == "down #hang: no token in 2.0s with 3 running" and v.cause == "hang"
+        others = f"{progress.running:g} other requests in the engine"
+        assert v.text == f"down #hang: no token in 2.0s ({others})" and v.cause == "hang"
 
 
 @pytest.mark.parametrize("result", [r for r in RESULTS if r != "timeout"])
@@ -120,7 +121,16 @@ vllm:request_success_total{engine="0",finished_reason="stop",model_name="a b}c"}
 
 
 def test_parse_engine_load_sums_label_sets():
-    assert parse_engine_load(VLLM_METRICS) == EngineLoad(generation_tokens=1300.0, running=3.0)
+    assert parse_engine_load(VLLM_METRICS) == EngineLoad(generation_tokens=1300.0, running=3.0, waiting=9.0)
+
+
+def test_prefill_counts_as_progress_and_waiting_as_load():
+    before = EngineLoad(generation_tokens=100, running=0, prompt_tokens=500, waiting=0)
+    prefilling = EngineLoad(generation_tokens=100, running=1, prompt_tokens=8692, waiting=2)
+    p = token_progress(before, prefilling, 2.0)
+    assert p == Progress(8192, 3, 2.0) and not p.hung  # a long prefill steps: no hang
+    restarted = EngineLoad(generation_tokens=100, running=1, prompt_tokens=10, waiting=0)
+    assert token_progress(before, restarted, 2.0) is None  # a counter went back: no evidence
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -153,7 +163,7 @@ def test_token_progress(before, after, expected):
 
 def test_only_no_token_with_requests_running_is_a_hang():
     assert Progress(0, 1, 2.0).hung
-    assert not Progress(1, 5, 2.0).hung and not Progress(0, 0, 2.0).hung
+    assert not Progress(1, 5, 2.0).hung and Progress(0, 0, 2.0).hung  # the probe itself waited for the engine
 
 
 # --- the TCP server ---------------------------------------------------------------------------------------
