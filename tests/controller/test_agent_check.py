@@ -152,7 +152,7 @@ def test_plan_disables_and_re_enables_agents_level_triggered():
 
 def test_the_shipped_backend_has_an_agent_check():
     line = next(ln for ln in backend_lines() if ln.startswith("default-server"))
-    assert f"agent-check agent-port {DEFAULT.agent_port} agent-inter 1s" in line
+    assert f"agent-check agent-port {DEFAULT.agent_port} agent-inter 500ms" in line
 
 
 # -- with a real HAProxy ----------------------------------------------------------------------------------------
