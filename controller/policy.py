@@ -57,6 +57,11 @@ class NodeInput:
     probe_ttft: float | None = None  # seconds, last answered probe
     probe_failures: int | None = None  # the exporter's consecutive failures (None: counted per tick)
     error_ratio: float | None = None  # share of requests that finished with an error (0-1)
+    # Live signals (issue 13), from the exporter's fast path: seconds, None: no data. They see a slowdown while
+    # requests run, not when they finish.
+    live_itl: float | None = None  # mean inter-token latency of the tokens vLLM produced in the last few seconds
+    live_ttft: float | None = None  # mean TTFT of the requests whose first token came in the last few seconds
+    probe_ttft_median: float | None = None  # median TTFT of the node's last few answered probes
     kv_cache_usage: float | None = None  # 0-1
     gpu_throttled: bool | None = None  # thermal/power throttling under load
     pcie_degraded: bool | None = None  # link generation or width below its maximum under load
