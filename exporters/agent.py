@@ -102,7 +102,8 @@ class Agent:
                                ["verdict"], registry=r)
         for v in ("up", "down"):
             self.answers.labels(v)
-        r.register(_DownCollector(self))
+        self.down_collector = _DownCollector(self)
+        r.register(self.down_collector)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -28,6 +28,9 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
   * A micro-probe: every --probe.interval a one-token streamed completion with a random prefix
     (no prefix-cache hit) and the header X-LLM-Probe: true. Its time to first token and its
     result (ok, slow, timeout, connect_error, http_error, cuda_error, bad_response, starting).
+  * The live fast path, also on /metrics/fast (scrape it every second): vLLM's inter-token latency,
+    TTFT and tokens/s over the last --live.window, read from its /metrics at every probe, its queues,
+    and the median TTFT of the last probes.
 
   * HAProxy's agent check on --agent.listen-address: every connection gets one line, "down #why"
     when the last probe saw garbage text, a CUDA error or a hang (no token generated while requests
@@ -97,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "not 200 or /v1/models lacks the model: a model loading), failures count as 'starting', "
                    "at most this long (default %(default)s; 0: never)")
     g.add_argument("--no-probe", dest="probe", action="store_false", help="do not probe vLLM")
+    lv = p.add_argument_group("live fast path (/metrics/fast)")
+    lv.add_argument("--live.window", dest="live_window", type=parse_duration, default="5s", metavar="DURATION",
+                    help="W: live inter-token latency, TTFT and tokens/s are deltas of vLLM's /metrics (read at every "
+                    "probe) over about this span; the probe TTFT median takes probes of the last 2 W "
+                    "(default %(default)s)")
     ag = p.add_argument_group("agent check (HAProxy)")
     port = REFLEXES.agent_port  # HAProxy's agent-port in the shipped config (grayguard/reflexes.py)
     ag.add_argument("--agent.listen-address", dest="agent_listen", type=parse_listen_address,
@@ -129,6 +137,8 @@ def config_error(args: argparse.Namespace) -> str | None:
         return "--probe.deadline must be positive"
     if not 0 < args.probe_slow < args.probe_deadline:
         return "--probe.slow-threshold must be positive and below --probe.deadline"
+    if args.live_window <= 0:
+        return "--live.window must be positive"
     if args.nvml_timeout <= 0:
         return "--collector.nvml.timeout must be positive"
     if args.agent and args.probe and _same_port(args.agent_listen, args.listen):
@@ -148,7 +158,7 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
     probe = ProbeConfig(interval=args.probe_interval, jitter=args.probe_jitter, slow_threshold=args.probe_slow,
                         deadline=args.probe_deadline, model=args.probe_model, prompt=args.probe_prompt,
                         api_key_env=args.probe_key_env or None, api_key_file=args.probe_key_file,
-                        startup_grace=args.probe_grace) if args.probe else None
+                        startup_grace=args.probe_grace, live_window=args.live_window) if args.probe else None
     if args.agent and probe is None:
         log.info("agent check off: --no-probe (the agent answers from the probe)")
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,

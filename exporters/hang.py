@@ -9,57 +9,9 @@ no evidence, never a hang; the prompt-token series widens what counts as progres
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-VLLM_TOKENS = "vllm:generation_tokens_total"  # counter: tokens generated (V0 and V1 engines)
-VLLM_RUNNING = "vllm:num_requests_running"  # gauge: requests in the running batch
-VLLM_PROMPT = "vllm:prompt_tokens_total"  # counter: prefill tokens processed
-VLLM_WAITING = "vllm:num_requests_waiting"  # gauge: requests queued for the batch
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """Series of the local vLLM's /metrics, summed over their label sets; None: absent or unparsable."""
-
-    generation_tokens: float | None = None
-    running: float | None = None
-    prompt_tokens: float | None = None
-    waiting: float | None = None
-
-
-def parse_engine_load(text: str) -> EngineLoad:
-    """The token counters and request gauges of a /metrics text (absent is not zero)."""
-    names = (VLLM_TOKENS, VLLM_RUNNING, VLLM_PROMPT, VLLM_WAITING)
-    sums: dict[str, float | None] = dict.fromkeys(names)
-    broken: set[str] = set()
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, value = _sample(line)
-        if name not in sums:
-            continue
-        if value is None:
-            broken.add(name)  # one unreadable sample spoils the sum: no evidence rather than a wrong one
-        else:
-            sums[name] = (sums[name] or 0.0) + value
-    tokens, running, prompt, waiting = (None if n in broken else sums[n] for n in names)
-    return EngineLoad(generation_tokens=tokens, running=running, prompt_tokens=prompt, waiting=waiting)
-
-
-def _sample(line: str) -> tuple[str, float | None]:
-    """(name, value) of one exposition line; value None when it is not a finite number."""
-    brace = line.find("{")
-    if brace >= 0:
-        name, rest = line[:brace], line[line.rfind("}") + 1:]
-    else:
-        name, _, rest = line.partition(" ")
-    fields = rest.split()
-    try:
-        value = float(fields[0]) if fields else None
-    except ValueError:
-        value = None
-    return name.strip(), value if value is not None and math.isfinite(value) else None
+from exporters.engineload import EngineLoad
 
 
 @dataclass(frozen=True)

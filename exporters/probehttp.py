@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from exporters.hang import EngineLoad, parse_engine_load
+from exporters.engineload import EngineLoad, parse_engine_load
 from exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class VllmClient:
 
     async def engine_load(self, session: aiohttp.ClientSession, headers: dict[str, str],
                           timeout: float) -> EngineLoad | None:
-        """vLLM's token counter and running batch from its /metrics within timeout seconds; None on any failure."""
+        """vLLM's engine series from its /metrics (exporters/engineload.py) within timeout s; None on failure."""
         plain = {k: v for k, v in headers.items() if k.lower() not in ("accept", "x-llm-probe")}
         try:
             async with asyncio.timeout(timeout):

@@ -16,7 +16,10 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from exporters.hang import EngineLoad, Progress, token_progress
+from exporters.engineload import EngineLoad
+from exporters.fastpath import LiveCollector
+from exporters.hang import Progress, token_progress
+from exporters.live import LIVE_WINDOW_S, Answer, LiveSignals, Reading, add_answer, add_reading, live_signals
 from exporters.probe import (
     ANSWERED,
     RESULTS,
@@ -55,6 +58,8 @@ class ProbeConfig:
     startup_grace: float | None = 1800.0
     # longest wait for vLLM's /metrics, read at each probe's start and again when it times out: the hang evidence
     metrics_timeout: float = 1.0
+    # W (s): the live values are deltas of those /metrics readings over about this span (exporters/live.py)
+    live_window: float = LIVE_WINDOW_S
 
 
 class Prober:
@@ -72,6 +77,8 @@ class Prober:
         self._last_ts: float | None = None
         self._last_at: float | None = None  # clock() when the last probe ended (the wall time is for the metric)
         self._started = clock()
+        self._readings: tuple[Reading, ...] = ()  # vLLM's /metrics over the live window (exporters/live.py)
+        self._answers: tuple[Answer, ...] = ()  # the last answered probes, for the probe TTFT median
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -87,7 +94,10 @@ class Prober:
             self.results.labels(result)
         for kind in ERROR_KINDS:
             self.errors.labels(kind)
-        r.register(_StateCollector(self))
+        self.state_collector = _StateCollector(self)
+        self.live_collector = LiveCollector(self.live)
+        r.register(self.state_collector)
+        r.register(self.live_collector)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +146,12 @@ class Prober:
         """The state after the last probe and when it ended (clock(), None before the first), read together."""
         with self._cond:
             return self._state, self._last_at
+
+    def live(self) -> LiveSignals:
+        """The live values now (exporters/live.py), from the recent /metrics readings and answered probes."""
+        with self._cond:
+            readings, answers = self._readings, self._answers
+        return live_signals(readings, answers, self._clock(), self.config.live_window)
 
     def wait_for_probes(self, count: int, timeout: float) -> bool:
         """Block until at least count probes have completed; False on timeout."""
@@ -201,7 +217,10 @@ class Prober:
     async def _engine_load(self, session: aiohttp.ClientSession,
                            headers: dict[str, str]) -> tuple[EngineLoad | None, float]:
         load = await self.client.engine_load(session, headers, self.config.metrics_timeout)
-        return load, self._clock()
+        at = self._clock()
+        with self._cond:  # every read, failed ones too (no series: no live values), feeds the live window
+            self._readings = add_reading(self._readings, Reading(at, load or EngineLoad()), self.config.live_window)
+        return load, at
 
     async def _progress(self, session: aiohttp.ClientSession, headers: dict[str, str],
                         before: asyncio.Future[tuple[EngineLoad | None, float]]) -> Progress | None:
@@ -226,6 +245,7 @@ class Prober:
             self.results.labels(result).inc()
             if result in ANSWERED and obs.ttft is not None:
                 self.ttft.observe(obs.ttft)
+                self._answers = add_answer(self._answers, Answer(self._last_at, obs.ttft))
             self._cond.notify_all()
         if result != previous.last_result:
             level = logging.WARNING if result not in ANSWERED and result != ProbeResult.STARTING else logging.INFO

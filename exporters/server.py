@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporters.agent import Agent
+from exporters.fastpath import fast_registry
 from exporters.nvml import NvmlCollector
 from exporters.prober import ProbeConfig, Prober
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
@@ -21,7 +22,8 @@ DEFAULT_PROBE = ProbeConfig()
 
 INDEX_PAGE = """<html><head><title>grayguard exporter</title></head><body>
 <h1>grayguard exporter</h1><p>Gray-failure signals of the vLLM at {vllm}: GPU health from NVML and
-a one-token micro-probe.</p><p><a href="/metrics">Metrics</a></p></body></html>
+a one-token micro-probe.</p><p><a href="/metrics">Metrics</a></p>
+<p><a href="/metrics/fast">Live fast path</a> (scrape every second)</p></body></html>
 """
 
 
@@ -91,6 +93,10 @@ class Exporter:
             cfg = self.prober.config
             self.agent = Agent(self.prober.snapshot, interval=cfg.interval, deadline=cfg.deadline, host=agent[0],
                                port=agent[1], registry=self.registry)
+        p, a = self.prober, self.agent
+        # /metrics/fast: the live values and the verdict gauges only, for a 1 s scrape (exporters/fastpath.py)
+        self.fast_registry = fast_registry(p.live_collector if p else None, p.state_collector if p else None,
+                                           a.down_collector if a else None)
         self._httpd: HttpServer | None = None
 
     @property
@@ -110,7 +116,8 @@ class Exporter:
         """Bind the listen addresses (OSError if taken; AgentListenError for the agent's), init NVML, probe, serve."""
         # Metrics are collected at scrape time, in the request's thread: NVML reads are bounded by
         # nvml_read_timeout and probe results are cached, so a hung backend never slows a scrape.
-        routes = {"GET /metrics": metrics_handler(self.registry, negotiate=True), "GET /": self._index}
+        routes = {"GET /metrics": metrics_handler(self.registry, negotiate=True),
+                  "GET /metrics/fast": metrics_handler(self.fast_registry, negotiate=True), "GET /": self._index}
         self._httpd = HttpServer((self._host, self._port), routes, name="exporter-http", logger=log)
         if self.agent is not None:
             try:

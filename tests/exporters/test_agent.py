@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from exporters.agent import Agent, Verdict, clean, verdict
-from exporters.hang import EngineLoad, Progress, parse_engine_load, token_progress
+from exporters.engineload import EngineLoad, parse_engine_load
+from exporters.hang import Progress, token_progress
 from exporters.probe import RESULTS, ProbeState
 
 INTERVAL, DEADLINE = 1.0, 2.0

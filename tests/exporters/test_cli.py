@@ -53,7 +53,8 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--vllm.url", "--web.listen-address", "--probe.interval", "--probe.slow-threshold",
                  "--probe.deadline", "--probe.model", "--probe.api-key-env", "--probe.api-key-file",
-                 "--no-collector.nvml", "--no-probe", "--log.level", "--agent.listen-address", "--no-agent"):
+                 "--no-collector.nvml", "--no-probe", "--log.level", "--agent.listen-address", "--no-agent",
+                 "--live.window", "/metrics/fast"):
         assert flag in out
     assert cli.HELP and "\n" not in cli.HELP
     assert "agent-port" in out and "':9401' = all interfaces" in out
@@ -81,6 +82,7 @@ def test_parse_listen_address(text, addr):
     (["--probe.interval", "0s"], "--probe.interval"),
     (["--probe.slow-threshold", "3s"], "--probe.slow-threshold"),
     (["--probe.jitter", "1.5"], "--probe.jitter"),
+    (["--live.window", "0s"], "--live.window"),
     (["--agent.listen-address", "127.0.0.1:9400"], "--agent.listen-address"),
     (["--agent.listen-address", ":9400"], "--agent.listen-address"),
     (["--web.listen-address", ":9401"], "--agent.listen-address"),
@@ -107,6 +109,13 @@ def test_build_exporter_takes_an_injected_nvml():
         session.trust_env = False
         text = session.get(exporter.url + "/metrics", timeout=5).text
     assert healthy_h100(0).uuid in text
+
+
+def test_live_window_flag_reaches_the_prober():
+    assert parse().live_window == 5.0
+    args = parse("--web.listen-address", "127.0.0.1:0", "--no-collector.nvml", "--no-agent", "--live.window", "2500ms")
+    exporter = cli.build_exporter(args)
+    assert exporter.prober is not None and exporter.prober.config.live_window == 2.5
 
 
 def test_the_grayguard_dispatcher_offers_the_exporter():

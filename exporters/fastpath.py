@@ -1,0 +1,81 @@
+"""The live fast path's series, and /metrics/fast: the few series Prometheus scrapes every second.
+
+The full /metrics (NVML, histograms, counters) keeps its usual scrape interval; /metrics/fast carries only the
+live values (exporters/live.py) and the probe's and agent's verdict gauges, a couple of dozen samples, so a 1 s
+scrape of it costs little (docs/exporters.md, "Live fast path").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from exporters.live import LiveSignals
+
+# the prober's and agent's gauges /metrics/fast carries besides the live series
+FAST_PROBE_SERIES = ("grayguard_probe_last_result", "grayguard_probe_consecutive_failures")
+FAST_AGENT_SERIES = ("grayguard_agent_down",)
+
+
+class LiveCollector:
+    """Exports a node's live values; each gauge is absent while its value is unknown (absent is not zero)."""
+
+    def __init__(self, source: Callable[[], LiveSignals]):
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return [fam for fam, _ in self._families(LiveSignals())]
+
+    def collect(self) -> Iterator[Metric]:
+        pairs = self._families(self._source())
+        for fam, value in pairs:
+            if value is not None:
+                fam.add_metric([], value)
+        return iter([fam for fam, _ in pairs])
+
+    @staticmethod
+    def _families(s: LiveSignals) -> list[tuple[GaugeMetricFamily, float | None]]:
+        g = GaugeMetricFamily
+        return [
+            (g("grayguard_live_itl_seconds", "Mean inter-token latency of vLLM over the live window: delta of "
+               "the histogram's sum over delta of its count"), s.itl),
+            (g("grayguard_live_ttft_seconds", "Mean time to first token of the first tokens vLLM produced over "
+               "the live window"), s.ttft),
+            (g("grayguard_live_generation_tokens_per_second", "Tokens vLLM generated per second over the live "
+               "window"), s.tokens_per_second),
+            (g("grayguard_live_requests_running", "vLLM's running requests at its newest reading"), s.running),
+            (g("grayguard_live_requests_waiting", "vLLM's waiting requests at its newest reading"), s.waiting),
+            (g("grayguard_probe_ttft_median_seconds", "Median TTFT of the last 5 answered probes within twice the "
+               "live window (at least 3)"), s.probe_ttft_median),
+            (g("grayguard_live_window_seconds", "Seconds between the two vLLM readings the live values are taken "
+               "over"), s.span),
+        ]
+
+
+class Only:
+    """Wraps a collector and yields only its families with the given names (for the fast registry)."""
+
+    def __init__(self, inner: Any, names: Collection[str]):
+        self._inner, self._names = inner, frozenset(names)
+
+    def describe(self) -> list[Metric]:
+        return [fam for fam in self._inner.describe() if fam.name in self._names]
+
+    def collect(self) -> Iterator[Metric]:
+        return iter([fam for fam in self._inner.collect() if fam.name in self._names])
+
+
+def fast_registry(live: Any | None, probe_state: Any | None, agent_down: Any | None) -> CollectorRegistry:
+    """The registry behind /metrics/fast: the live collector, the probe's last result and failure streak, the
+    agent's verdict; a part that is off (None) is left out."""
+    r = CollectorRegistry()
+    if live is not None:
+        r.register(live)
+    if probe_state is not None:
+        r.register(Only(probe_state, FAST_PROBE_SERIES))
+    if agent_down is not None:
+        r.register(Only(agent_down, FAST_AGENT_SERIES))
+    return r

@@ -1,0 +1,142 @@
+"""The live fast path end to end: a simulated vLLM node under load, its exporter, /metrics/fast.
+
+A thermal slowdown (every engine phase x k) shows in the live inter-token latency within seconds: the exporter
+reads vLLM's /metrics at every probe and takes deltas over the live window, not over finished requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import requests
+
+from exporters.fakenvml import FakeNvml, healthy_h100
+from exporters.prober import ProbeConfig
+from exporters.server import Exporter
+from sim.fleet import FleetThread
+from sim.node import DEFAULT_MODEL
+
+W = 2.0  # a short live window, so the test runs in seconds
+CFG = ProbeConfig(interval=0.25, jitter=0.1, slow_threshold=0.5, deadline=3.0, api_key_env=None, live_window=W)
+K = 4.0  # the thermal slowdown
+WAIT_S = 30.0  # generous: every wait polls and returns as soon as its condition holds
+LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
+        "grayguard_live_requests_running", "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds",
+        "grayguard_live_window_seconds")
+
+
+@pytest.fixture(scope="module")
+def sim():
+    with FleetThread(n=1, seed=11) as ft:
+        yield ft
+
+
+@pytest.fixture
+def node_under_load(sim):
+    """(node, exporter): the node serves 4 closed-loop streams; its exporter probes it and answers the agent."""
+    node = sim.nodes[0]
+    with Exporter(node.url, port=0, nvml=FakeNvml([healthy_h100(0)]), probe=CFG, agent=("127.0.0.1", 0)) as exp, \
+            Load(node.url, streams=4):
+        try:
+            yield node, exp
+        finally:
+            sim.clear_fault(node.name)
+
+
+def scrape(exporter: Exporter, path: str = "/metrics/fast") -> dict[str, float]:
+    """Sample line (name and labels) -> value."""
+    with requests.Session() as s:
+        s.trust_env = False
+        text = s.get(exporter.url + path, timeout=5).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_for(what: str, cond: Callable[[], object], timeout: float = WAIT_S) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def full_window(exporter: Exporter) -> Callable[[], dict[str, float] | None]:
+    """The fast page once its live values span a full window."""
+    def check():
+        fast = scrape(exporter)
+        itl = fast.get("grayguard_live_itl_seconds")
+        return fast if itl and fast.get("grayguard_live_window_seconds", 0) >= W else None
+    return check
+
+
+def test_fast_page_has_the_live_series_and_nothing_else(node_under_load):
+    _node, exporter = node_under_load
+    fast = wait_for("a full live window", full_window(exporter))
+    assert set(LIVE) <= set(fast)
+    assert 0.005 < fast["grayguard_live_itl_seconds"] < 1.0
+    assert fast["grayguard_live_generation_tokens_per_second"] > 0
+    assert fast["grayguard_live_requests_running"] >= 1
+    assert fast["grayguard_probe_ttft_median_seconds"] > 0
+    assert fast['grayguard_probe_last_result{result="ok"}'] + fast['grayguard_probe_last_result{result="slow"}'] == 1
+    assert fast["grayguard_probe_consecutive_failures"] == 0 and fast["grayguard_agent_down"] == 0
+    names = {key.split("{")[0] for key in fast}
+    assert names == {*LIVE, "grayguard_probe_last_result", "grayguard_probe_consecutive_failures",
+                     "grayguard_agent_down"}
+    full = scrape(exporter, "/metrics")
+    assert set(LIVE) <= set(full)  # the full page has them too
+    assert len(fast) == 17 and len(full) > 5 * len(fast), (len(fast), len(full))
+
+
+def test_thermal_slowdown_shows_in_live_itl_within_seconds(sim, node_under_load):
+    node, exporter = node_under_load
+    wait_for("a full live window", full_window(exporter))
+    base = sorted(scrape(exporter)["grayguard_live_itl_seconds"] for _ in range(5))[2]
+    sim.set_fault(node.name, "thermal", k=K)
+    t0 = time.monotonic()
+
+    def ratio() -> float:
+        return scrape(exporter).get("grayguard_live_itl_seconds", 0.0) / base
+
+    wait_for(f"live ITL x{K * 0.7:g}", lambda: ratio() >= 0.7 * K)
+    took = time.monotonic() - t0
+    assert took < 3 * W + 4, f"{took:.1f}s from the fault to the live ITL rising"  # ~ W plus a probe interval
+    # every reading of the window now follows the fault: the ratio is about k
+    wait_for("a window after the fault", lambda: time.monotonic() > t0 + W + 1.0)
+    settled = ratio()
+    assert 0.6 * K <= settled <= 1.6 * K, settled
+
+
+class Load:
+    """Closed-loop load: `streams` threads each stream one completion after another until exit."""
+
+    def __init__(self, url: str, streams: int, max_tokens: int = 200):
+        self.url, self.max_tokens, self._stop = url, max_tokens, threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def _run(self) -> None:
+        body = {"model": DEFAULT_MODEL, "prompt": "Tell a story", "max_tokens": self.max_tokens, "stream": True}
+        with requests.Session() as s:
+            s.trust_env = False
+            while not self._stop.is_set():
+                try:
+                    with s.post(self.url + "/v1/completions", json=body, stream=True, timeout=60) as resp:
+                        for _ in resp.iter_lines():
+                            if self._stop.is_set():
+                                break
+                except requests.RequestException:
+                    time.sleep(0.1)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
