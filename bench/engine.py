@@ -133,6 +133,9 @@ class Run:
             if tp is StepDone:
                 if ev.generated:
                     node.last_token = ev.time
+                if ev.itls:  # vLLM observes one ITL per decoding sequence per step
+                    node.itl_sum += sum(ev.itls)
+                    node.itl_count += len(ev.itls)
                 continue
             if tp is FirstToken:
                 node.last_token = ev.time
@@ -148,8 +151,16 @@ class Run:
                                            "slow" if ttft > self.scn.probe_slow_s else "ok", ttft)
                     elif c is not None and rid in c.requests:
                         name, _k, sent = c.requests[rid]
-                        c.ttft[name] = None if bad else ev.time - sent
-                elif status[rid] == PENDING:
+                        ttft = ev.time - sent
+                        c.ttft[name] = None if bad else ttft
+                    else:
+                        continue
+                    node.ttft_sum += ttft  # vLLM's TTFT histogram sees probes and canaries too
+                    node.ttft_count += 1
+                    continue
+                node.ttft_sum += ev.time - res.t[rid]  # submitted at its arrival (retries: the same instant)
+                node.ttft_count += 1
+                if status[rid] == PENDING:
                     res.ttft[rid] = ev.time - res.t[rid]
                     if self.gw is not None:  # the status line (200) reached HAProxy
                         self.gw.answered(k)
@@ -223,6 +234,7 @@ class Run:
             why = self._fails_at_once(node, t)
             if why is None:
                 break
+            self.lb.failed_at_once(k)  # sent to the server all the same: HAProxy's stot counts it
             if gw is None:
                 res.status[i], res.e2e[i] = ERROR, 0.0
                 self.apply(self.detector.on_result(node.spec.name, False, t), t)
@@ -302,9 +314,10 @@ class Run:
     def tick(self, t: float) -> None:
         for k in range(len(self.nodes)):
             self.advance(k, t)
-        gw = self.gw
+        gw, lb = self.gw, self.lb
         obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (
-            gw.out[n.index], gw.hana[n.index], gw.agent_down[n.index], not gw.agent_on[n.index])) for n in self.nodes}
+            gw.out[n.index], gw.hana[n.index], gw.agent_down[n.index], not gw.agent_on[n.index]),
+            (lb.active[n.index], lb.stot[n.index])) for n in self.nodes}
         self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
         rounds = self.detector.canaries(t)
         if not rounds:
@@ -332,16 +345,20 @@ class Run:
         return self._synthetic_id
 
     def probe_send(self) -> None:
-        """The exporter's micro-probe: 1 token, 2 s deadline; the next one probe_interval_s +-20 % later."""
+        """The exporter's micro-probe: 1 token, 2 s deadline; the next one probe_interval_s +-20 % later.
+
+        As it starts a probe the exporter also reads vLLM's /metrics for its live signals (VirtualNode.read_metrics).
+        """
         t, k = heapq.heappop(self.probe_due)
         scn = self.scn
         heapq.heappush(self.probe_due, (t + scn.probe_interval_s * self.probe_rng.uniform(0.8, 1.2), k))
         node = self.nodes[k]
         self.advance(k, t)
         f = node.faults.active
-        if f is not None and f.name == "refused":
+        if f is not None and f.name == "refused":  # /metrics refuses too: no reading, the last values stay
             node.probes.finish(t, "connect_error", None)
             return
+        node.read_metrics(t)  # the exporter's fast path reads vLLM's /metrics as each probe starts
         if f is not None and f.name == "cuda_error" and f.params["mode"] == "http" \
                 and node.rng.random() < f.params["rate"]:
             node.probes.finish(t, "cuda_error", None)

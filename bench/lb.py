@@ -2,7 +2,8 @@
 
 Pure and clock-free. A server with weight 0 or in drain gets no new requests (as in HAProxy; stick-table
 persistence is modelled by the engine's pinned requests, which bypass the balancer). `pick()` returns
-the chosen index, or None when no server is eligible (HAProxy answers 503).
+the chosen index, or None when no server is eligible (HAProxy answers 503). Each balancer also keeps what
+HAProxy's `show stat` shows per server: `active` (scur) and `stot` (requests sent, failed attempts included).
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from collections import deque
 from collections.abc import Sequence
 
 
-class LeastConn:
+class _Stat:
+    """HAProxy's per-server session counters (`show stat` scur and stot)."""
+
+    def __init__(self, n: int) -> None:
+        self.active = [0] * n  # scur: requests on the server now
+        self.stot = [0] * n  # stot: requests sent to the server so far
+
+    def failed_at_once(self, i: int) -> None:
+        """An attempt on server i failed before it was served (HTTP 500, refused): stot counts it, scur does not."""
+        self.stot[i] += 1
+
+
+class LeastConn(_Stat):
     """HAProxy `balance leastconn`: the eligible server with the lowest (active + 1) / weight.
 
     HAProxy keeps servers in a tree keyed by (served + 1) * SRV_EWGHT_MAX / weight; among equal keys the
@@ -23,7 +36,7 @@ class LeastConn:
     name = "leastconn"
 
     def __init__(self, n: int) -> None:
-        self.active = [0] * n
+        super().__init__(n)
         self._seq: list[tuple[float, int]] = [(-1.0, i) for i in range(n)]  # initial order: by position
 
     def _touch(self, i: int, t: float) -> None:
@@ -45,6 +58,7 @@ class LeastConn:
     def started(self, i: int, t: float = 0.0) -> None:
         """A request was sent to server i at time t."""
         self.active[i] += 1
+        self.stot[i] += 1
         self._touch(i, t)
 
     def ended(self, i: int, t: float = 0.0) -> None:
@@ -53,7 +67,7 @@ class LeastConn:
         self._touch(i, t)
 
 
-class RoundRobin:
+class RoundRobin(_Stat):
     """HAProxy `balance roundrobin` (dynamic weights), modelled as smooth weighted round robin.
 
     Each pick adds every eligible server's weight to its credit and takes the server with the most credit,
@@ -64,7 +78,7 @@ class RoundRobin:
     name = "roundrobin"
 
     def __init__(self, n: int) -> None:
-        self.active = [0] * n
+        super().__init__(n)
         self._credit = [0] * n
 
     def pick(self, weights: Sequence[int], drained: Sequence[bool]) -> int | None:
@@ -85,6 +99,7 @@ class RoundRobin:
 
     def started(self, i: int, t: float = 0.0) -> None:
         self.active[i] += 1
+        self.stot[i] += 1
 
     def ended(self, i: int, t: float = 0.0) -> None:
         self.active[i] -= 1

@@ -4,7 +4,9 @@
 replica) with its fault state and the per-node record the recording rules are computed from.
 `observe()` is the single place that turns a node into per-tick observations; `node_input()` maps them
 onto the controller's NodeInput, passing every optional signal NodeInput declares (probe results, error
-ratio, KV usage, GPU flags) as soon as the controller grows those fields.
+ratio, KV usage, GPU flags, the exporter's live signals) as soon as the controller grows those fields.
+`LiveSignals` models the exporter's fast path: vLLM's ITL and TTFT histograms read at every probe start,
+differenced over the last few seconds, and scraped by Prometheus every `fast_scrape_s`.
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ class NodeObs:
     probe_result: str | None = None  # the exporter's last probe class
     probe_ttft: float | None = None  # TTFT of its last answered probe
     probe_failures: int | None = None  # its consecutive failed probes
+    # the exporter's fast path (LiveSignals), as Prometheus last scraped it: seconds, None: no data
+    live_itl: float | None = None  # mean ITL of the tokens vLLM produced over the exporter's last live window
+    live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes included)
+    probe_ttft_median: float | None = None  # median TTFT of the last answered probes (3 to 5 of them)
+    # HAProxy's `show stat` for the server, read at the tick (no scrape): None without a balancer model
+    gateway_sessions: int | None = None  # scur: client requests on the server now
+    gateway_started: int | None = None  # stot: cumulative requests sent to the server (failed attempts included)
     down: bool = False  # HAProxy has it DOWN (error-limit, its health check, or its agent): read from the runtime API
     gateway_marked_down: bool = False  # DOWN by error-limit, and no health check has overwritten that yet
     agent_down: bool = False  # DOWN (agent): the exporter answered HAProxy's agent check "down"
@@ -98,11 +107,16 @@ class NodeObs:
 AGENT_DOWN_RESULTS = frozenset({"bad_response", "cuda_error"})  # one strike: neither is load
 
 
+PROBE_MEDIAN_OF = 5  # the exporter's probe TTFT median: over its last 5 answered probes,
+PROBE_MEDIAN_MIN = 3  # at least 3 of them, ended within the last 2 live windows
+
+
 class ProbeLog:
     """The exporter's micro-probe state for one node over time, as its gauges would be scraped."""
 
     def __init__(self) -> None:
         self.history: deque[tuple[float, str, float | None, int]] = deque()  # (time, result, last ttft, failures)
+        self.answered: deque[tuple[float, float]] = deque(maxlen=PROBE_MEDIAN_OF)  # (end, ttft) of ok / slow probes
         self.failures = 0
         self.last_ttft: float | None = None
         self.agent_down = False  # the exporter's agent verdict after its last probe (exporters/agent.py)
@@ -115,10 +129,20 @@ class ProbeLog:
         if result in ("ok", "slow"):
             self.failures = 0
             self.last_ttft = ttft
+            if ttft is not None:
+                self.answered.append((t, ttft))
         else:
             self.failures += 1
         self.agent_down = result in AGENT_DOWN_RESULTS or (result == "timeout" and hung)
         self.history.append((t, result, self.last_ttft, self.failures))
+
+    def ttft_median(self, t: float, horizon_s: float) -> float | None:
+        """Median TTFT of the last answered probes that ended in (t - horizon_s, t]; None with fewer than 3."""
+        recent = sorted(ttft for end, ttft in self.answered if t - horizon_s < end <= t)
+        n = len(recent)
+        if n < PROBE_MEDIAN_MIN:
+            return None
+        return recent[n // 2] if n % 2 else (recent[n // 2 - 1] + recent[n // 2]) / 2
 
     def at(self, t: float) -> tuple[str, float | None, int] | None:
         """The gauges as of time t (None before the first probe ended)."""
@@ -128,6 +152,59 @@ class ProbeLog:
         if not h or h[0][0] > t:
             return None
         return h[0][1], h[0][2], h[0][3]
+
+
+class LiveSignals:
+    """The exporter's fast path for one node, and what Prometheus scraped of it.
+
+    At every probe start the exporter reads vLLM's cumulative ITL and TTFT histograms (sum, count) and computes
+    mean = delta(sum) / delta(count) between that reading and the newest one at least `window_s` old (else the
+    oldest one at least window_s / 2 old; else no value); no token in between is no data, not zero. Prometheus
+    scrapes the exporter every `scrape_s` from a per-node phase; the controller reads the latest scrape, so at
+    tick t it sees the exporter's last computation before the node's last scrape before t. Amortized O(1).
+    """
+
+    def __init__(self, window_s: float, scrape_s: float, phase: float) -> None:
+        self.window_s = window_s
+        self.scrape_s = scrape_s
+        self.phase = phase  # first scrape, in [0, scrape_s)
+        self.readings: deque[tuple[float, float, int, float, int]] = deque()  # (t, itl sum, count, ttft sum, count)
+        self.computed: deque[tuple[float, float | None, float | None, float | None]] = deque()  # (t, itl, ttft, med)
+
+    def read(self, t: float, itl_sum: float, itl_count: int, ttft_sum: float, ttft_count: int,
+             probe_median: float | None) -> None:
+        """One reading of vLLM's /metrics at t, and the exporter's computation from it."""
+        r = self.readings
+        r.append((t, itl_sum, itl_count, ttft_sum, ttft_count))
+        old = t - self.window_s
+        while len(r) > 1 and r[1][0] <= old:  # keep the newest reading at least a window old as the base
+            r.popleft()
+        itl = ttft = None
+        base = r[0]
+        if t - base[0] >= self.window_s / 2:
+            dn = itl_count - base[2]
+            itl = (itl_sum - base[1]) / dn if dn else None
+            dn = ttft_count - base[4]
+            ttft = (ttft_sum - base[3]) / dn if dn else None
+        self.computed.append((t, itl, ttft, probe_median))
+
+    def last_scrape(self, now: float) -> float | None:
+        """The node's last scrape at or before now (None before the first)."""
+        if now < self.phase:
+            return None
+        return self.phase + math.floor((now - self.phase) / self.scrape_s) * self.scrape_s
+
+    def at(self, now: float) -> tuple[float | None, float | None, float | None]:
+        """(live ITL, live TTFT, probe TTFT median) as the controller reads them at now (ticks move forward)."""
+        s = self.last_scrape(now)
+        c = self.computed
+        if s is None:
+            return None, None, None
+        while len(c) > 1 and c[1][0] <= s:
+            c.popleft()
+        if not c or c[0][0] > s:
+            return None, None, None
+        return c[0][1], c[0][2], c[0][3]
 
 
 class VirtualNode:
@@ -151,6 +228,11 @@ class VirtualNode:
         self.probes = ProbeLog()
         self.xid_at: float | None = None  # when a cuda_error fault emitted its XID
         self.last_token = -math.inf  # when the engine last produced a token (the agent's hang evidence)
+        # vLLM's cumulative ITL and TTFT histograms (sum, count), what the exporter's fast path reads
+        self.itl_sum = self.ttft_sum = 0.0
+        self.itl_count = self.ttft_count = 0
+        phase = random.Random(seed ^ 0x5C4A9E).uniform(0.0, scn.fast_scrape_s)  # its own stream: nothing else moves
+        self.live = LiveSignals(scn.live_window_s, scn.fast_scrape_s, phase)
 
     def slowdown(self, now: float) -> Slowdown:
         sd = self.faults.slowdown(now)
@@ -166,6 +248,12 @@ class VirtualNode:
         """A request finished (vLLM's per-request histograms observe it)."""
         self.finished.append((stats.last_token, stats.e2e, stats.prompt_tokens, stats.generation_tokens))
 
+    def read_metrics(self, t: float) -> None:
+        """The exporter reads vLLM's /metrics at t (a probe start) and recomputes its live signals."""
+        w = self.live.window_s
+        self.live.read(t, self.itl_sum, self.itl_count, self.ttft_sum, self.ttft_count,
+                       self.probes.ttft_median(t, 2 * w))
+
     def forget_before(self, t: float) -> None:
         """Drop records older than t (ticks only move forward)."""
         fin, err = self.finished, self.errors
@@ -176,14 +264,16 @@ class VirtualNode:
 
 
 def observe(node: VirtualNode, now: float, scn: Scenario,
-            gateway: tuple[bool, bool, bool, bool] | None = None) -> NodeObs:
+            gateway: tuple[bool, bool, bool, bool] | None = None,
+            stat: tuple[int, int] | None = None) -> NodeObs:
     """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
     that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
     KV cache, GPU flags) are read as of now - gauge_lag. gateway: (DOWN, DOWN by error-limit, DOWN (agent),
     agent disabled) as HAProxy's runtime API shows them now, for a policy behind HAProxy's reflexes
-    (bench.lb.Gateway); None: no reflexes.
+    (bench.lb.Gateway); None: no reflexes. stat: (scur, stot) of the server in HAProxy's `show stat` now
+    (the balancer's model); None: unknown. The live signals are the exporter's, as last scraped (LiveSignals).
     """
     hi = now - scn.signal_lag_s
     lo = hi - scn.window_s
@@ -200,6 +290,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
+    live_itl, live_ttft, probe_median = node.live.at(now)
     return NodeObs(
         latency=e2e / weighted if weighted > 0 else None,
         request_rate=n / scn.window_s,
@@ -211,6 +302,11 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
         probe_result=probe[0] if probe else None,
         probe_ttft=probe[1] if probe else None,
         probe_failures=probe[2] if probe else None,
+        live_itl=live_itl,
+        live_ttft=live_ttft,
+        probe_ttft_median=probe_median,
+        gateway_sessions=stat[0] if stat is not None else None,
+        gateway_started=stat[1] if stat is not None else None,
         down=gateway is not None and gateway[0],
         gateway_marked_down=gateway is not None and gateway[1],
         agent_down=gateway is not None and gateway[2],

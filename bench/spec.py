@@ -111,6 +111,8 @@ class Scenario:
     probe_interval_s: float = 1.0  # exporter ProbeConfig defaults: every 1 s +-20 %, 2 s deadline,
     probe_deadline_s: float = 2.0  # slower than 0.3 s is `slow`
     probe_slow_s: float = 0.3
+    live_window_s: float = 5.0  # the exporter's fast path: ITL / TTFT means over its last 5 s of /metrics readings
+    fast_scrape_s: float = 1.0  # Prometheus scrapes the exporter's fast endpoint this often (per-node phase)
     drift: float = 0.0  # amplitude of a slow sinusoidal speed drift per node (0.02 = +-2 %)
     drift_period_s: float = 120.0
     measure_from_s: float | None = None  # start of the measurement window (default: first fault, or 30 s)
