@@ -22,7 +22,7 @@ POOL_LABEL = "pool"  # the target label that names a series' pool (README: Prome
 
 # the optional signals (signals.<name>_query); a failing or empty one is absent, never zero
 OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
-            "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group")
+            "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group", "live_itl", "live_ttft", "probe_ttft_median")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class PoolData:
     # or of unknown age), unmatched (no series of the pool names it), idle (no latency, or too few requests)
     without: dict[str, str]
     held: str | None = None  # why the pool holds every weight (not one node has fresh data), None: decide
+    latency_at: dict[str, float] = field(default_factory=dict)  # node -> its latency sample's own timestamp
 
 
 def _ident(labels: Mapping[str, str]) -> frozenset:
@@ -125,10 +126,12 @@ def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Map
     """
     vals: dict[str, dict[str, float]] = {"latency": {}, "rate": {}}
     without: dict[str, str] = {}
+    latency_at: dict[str, float] = {}
     for name in ("latency", "rate"):
         by_key = own_series(pool, samples.get(name, ()))
         ts = samples.get(f"{name}_timestamp")
         ages = None if ts is None else {_ident(s.labels): s.timestamp - s.value for s in ts}
+        stamps = {} if ts is None else {_ident(s.labels): s.value for s in ts}
         for n, srv in servers.items():
             got = _matched(by_key, series_keys(pool, srv))
             if len(got) > 1:
@@ -139,6 +142,9 @@ def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Map
                     without[n] = "stale"
                 else:
                     vals[name][n] = got[0].value
+                    at = stamps.get(_ident(got[0].labels))
+                    if name == "latency" and at is not None and math.isfinite(at):
+                        latency_at[n] = at
     with_data = []
     for n in servers:
         if n in without:
@@ -157,7 +163,8 @@ def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Map
                 "series for one node", "unmatched": "unmatched: no series of the pool names the server"}
         counts = {r: sum(1 for v in without.values() if v == r) for r in what}
         held = "no node has fresh data (" + "; ".join(f"{c} {what[r]}" for r, c in counts.items() if c) + ")"
-    return PoolData(vals["latency"], vals["rate"], tuple(with_data), dict(sorted(without.items())), held)
+    latency_at = {n: a for n, a in latency_at.items() if n in vals["latency"]}
+    return PoolData(vals["latency"], vals["rate"], tuple(with_data), dict(sorted(without.items())), held, latency_at)
 
 
 def canary_groups(pool: PoolConfig, servers: Mapping[str, ServerState]) -> dict[str, str | None]:
@@ -214,7 +221,8 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
         key = n  # every map above is by node name (pool_data and signal_maps match series keys)
         o = pool.servers.get(n)
         inputs[n] = NodeInput(
-            base_weight=s.initial_weight, latency=lat.get(key), request_rate=rate.get(key),
+            base_weight=s.initial_weight, latency=lat.get(key), latency_at=data.latency_at.get(key),
+            request_rate=rate.get(key),
             peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
             canary=canaries.get(n), hold=s.maint, down=s.down, gateway_marked_down=s.marked_down_for_errors,
             gateway_errors=s.hanafail, agent_down=s.agent_down, agent_off=s.agent_off,
@@ -223,7 +231,9 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
             probe_failures=_int(sig["probe_failures"].get(key)),
             error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),
             gpu_throttled=_flag(sig["gpu_throttled"].get(key)), pcie_degraded=_flag(sig["pcie_degraded"].get(key)),
-            gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)))
+            gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)),
+            live_itl=finite(sig["live_itl"].get(key)), live_ttft=finite(sig["live_ttft"].get(key)),
+            probe_ttft_median=finite(sig["probe_ttft_median"].get(key)))
     return inputs
 
 

@@ -18,7 +18,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from controller import peers, signals
+from controller import live, peers, signals
+from controller.live import LiveMemory
 from controller.scoring import ema, usable
 from controller.signals import SignalMemory
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
@@ -49,6 +50,9 @@ class NodeInput:
 
     base_weight: int  # the server's configured HAProxy weight
     latency: float | None = None  # normalized latency; None, NaN or Inf: no data this tick
+    # the latency sample's own timestamp (Prometheus' rule evaluation): a tick that sees the same sample again (ticks
+    # faster than the rules) does not count it twice; None: unknown, every tick counts
+    latency_at: float | None = None
     request_rate: float | None = None  # req/s; None: unknown (not checked)
     peer_group: str | None = None
     canary: float | None = None  # a canary ran this tick: its latency estimate (inf: it failed)
@@ -104,6 +108,9 @@ class NodeState:
     ramp_start: float | None = None  # slow start ramps from here (a new node's warm-up ends here)
     gone_since: float | None = None  # absent from HAProxy since
     gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
+    latency_seen_at: float | None = None  # latency_at of the last latency sample counted
+    live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
+    live_probe: LiveMemory = field(default_factory=LiveMemory)  # the probe TTFT median's
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,10 @@ GATEWAY_REASON = ("HAProxy marked it DOWN for errors (observe layer7 error-limit
 # the reason of a node its agent check marked DOWN (the exporter's probe saw garbage, a CUDA error or a hang)
 AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage text, a CUDA error or a hang); "
                 "quarantined until canaries pass")
+
+# the live signals (NodeInput field -> what the reasons call it); each has its LiveMemory in NodeState
+LIVE_SIGNALS = {"live_itl": "live ITL", "probe_ttft_median": "probe TTFT (median of the last probes)"}
+_LIVE_MEMORY = {"live_itl": "live_itl", "probe_ttft_median": "live_probe"}
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -238,18 +249,27 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
     fresh: dict[str, float] = {}
+    renewed: set[str] = set()  # nodes whose latency sample is new since the last tick
     for n in names:
         i, s = inputs[n], st[n]
         if i.hold or s.state in EJECTED or not usable(i.latency):
             continue
         if i.request_rate is not None and i.request_rate < t.min_request_rate:
             continue
-        st[n] = replace(s, ema=ema(s.ema, i.latency, t.ema_alpha))  # type: ignore[arg-type]
+        if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
+                or s.ema is None:
+            st[n] = replace(s, ema=ema(s.ema, i.latency, t.ema_alpha),  # type: ignore[arg-type]
+                            latency_seen_at=i.latency_at)
+            renewed.add(n)
         fresh[n] = st[n].ema  # type: ignore[assignment]
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
     probe_ttfts = {n: inputs[n].probe_ttft for n in names if inputs[n].probe_ttft is not None
                    and st[n].state in IN_ROTATION and not inputs[n].hold}
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
+    live_scores = {name: peers.scores({n: v for n in names if inputs[n].hold is False and st[n].state in IN_ROTATION
+                                       and usable(v := getattr(inputs[n], name))}, groups, t.min_peers, t.min_spread,
+                                      policy.group_speed)
+                   for name in LIVE_SIGNALS}
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -272,7 +292,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
-                                   t, r, now, calm_gap)
+                                   t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
+                                   renewed=n in renewed)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
@@ -381,11 +402,20 @@ def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
 
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
-                 calm_gap: float) -> tuple[NodeState, tuple | None]:
-    """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any."""
+                 calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
+                 renewed: bool = True) -> tuple[NodeState, tuple | None]:
+    """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
+
+    renewed: its latency sample is new since the last tick; a sample seen before moves nothing (its score,
+    counters and factor are held as the last new sample left them).
+    """
     lat_reason = ""
     prev_factors, prev_lat = s.factors, s.lat_degraded
-    if sc is None:
+    if sc is not None and not renewed:
+        lat_reason = (f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
+                      if s.ratio is not None and s.score is not None else "")
+        sc = None  # no new evidence: no latency transition, no latency candidacy this tick
+    elif sc is None:
         s = replace(s, score=None, ratio=None)
     else:
         outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
@@ -400,15 +430,26 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence))
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
+    lf, l_reasons, l_quarantine = 1.0, [], None
+    for name, what in LIVE_SIGNALS.items():
+        lsc = (live_sc or {}).get(name)
+        lm, f, why_l, q = live.assess(getattr(s, _LIVE_MEMORY[name]), lsc, t, what)
+        s = replace(s, **{_LIVE_MEMORY[name]: lm})
+        lf = min(lf, f)
+        if why_l:
+            l_reasons.append(why_l)
+        if q and l_quarantine is None:
+            l_quarantine = (lsc.z if lsc else math.inf, q)
     factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
-                                (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason))
+                                (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
+                                (Signal.LIVE, lf, "; ".join(l_reasons)))
                     if f[1] < 1.0 and (f[0] != Signal.LATENCY or s.lat_degraded))
     s = replace(s, signals=mem, factors=factors)
     why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""]
                     + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
-    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0
+    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0 or lf < 1.0
     if s.state == SLOW_START and degraded:
         s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, lat_degraded=s.lat_degraded)
     elif s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
@@ -419,7 +460,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat else set())
         cleared = [text for key, text in (
             (Signal.LATENCY, f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
-            (Signal.PROBE, f"{t.probe_ok_to_clear} good probes"), (Signal.ERRORS, "errors below the threshold"))
+            (Signal.PROBE, f"{t.probe_ok_to_clear} good probes"), (Signal.ERRORS, "errors below the threshold"),
+            (Signal.LIVE, "live signals back to the peers'"))
             if key in was]
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif s.state == DEGRADED or s.state == HEALTHY:
@@ -429,6 +471,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
         ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.probe_slow_ratio
         return s, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")
+    if l_quarantine is not None:
+        tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
+        return s, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)
     sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
     if sc is not None and s.hot_ticks >= sustain:
         tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
@@ -454,5 +499,5 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     if ok >= r.canary_successes:
         s = replace(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
                     ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
-                    signals=SignalMemory(), ramp_start=None)
+                    signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory(), live_probe=LiveMemory())
     return s

@@ -20,6 +20,7 @@ import types
 import typing
 from pathlib import Path
 
+from controller.live import LiveMemory
 from controller.policy import NodeState
 from controller.signals import SignalMemory
 from grayguard.vocab import DrainCause, State
@@ -88,8 +89,8 @@ def _value(tp: object, v: object, where: str) -> object:
         if v is None and type(None) in args:
             return None
         return _value(next(a for a in args if a is not type(None)), v, where)
-    if tp is SignalMemory:
-        return SignalMemory(**_fields(SignalMemory, v, where))
+    if tp in (SignalMemory, LiveMemory):
+        return tp(**_fields(tp, v, where))  # type: ignore[operator]
     if tp is bool:
         if not isinstance(v, bool):
             raise StateError(f"{where}: expected true or false, got {_kind(v)}")

@@ -214,6 +214,10 @@ class SignalsConfig:
         "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
     gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"
     peer_group_query: str = "max by (pool, instance, name) (grayguard_gpu_info)"
+    # live signals: the exporter's fast path (scraped every second, docs/exporters.md)
+    live_itl_query: str = "max by (pool, instance) (grayguard_live_itl_seconds)"
+    live_ttft_query: str = "max by (pool, instance) (grayguard_live_ttft_seconds)"
+    probe_ttft_median_query: str = "max by (pool, instance) (grayguard_probe_ttft_median_seconds)"
 
     def validate(self, path: str) -> None:
         """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
@@ -250,6 +254,15 @@ class ThresholdsConfig:
     # KV-cache saturation: load, not sickness (no quarantine, no page)
     kv_saturated: float = 0.95  # usage at which the node gets no new traffic...
     kv_drained: float = 0.85  # ...until it falls below this
+    # live signals (controller/live.py): the exporter's live ITL and probe TTFT median against the peers'
+    live_cut_ratio: float = 1.5  # ratio to the peer median that, on live_confirm_ticks ticks in a row, cuts
+    live_confirm_ticks: int = 2
+    live_quarantine_ratio: float = 2.0  # ratio that, for live_sustain_ticks ticks in a row, quarantines
+    live_sustain_ticks: int = 5
+    live_drift: float = 1.1  # the CUSUM's allowance: a ratio below this pulls it back toward 0
+    live_cusum_cut: float = 2.0  # CUSUM of log(ratio / live_drift) that cuts (a 1.5x node: ~7 ticks)
+    live_cusum_quarantine: float = 5.0  # ...and that quarantines (a 1.5x node: ~16 ticks)
+    live_calm_ratio: float = 1.15  # a cut clears after recover_ticks ticks below this with the CUSUM at 0
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
@@ -271,6 +284,15 @@ class ThresholdsConfig:
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
+        for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio"):
+            _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
+        _check(self.live_quarantine_ratio >= self.live_cut_ratio, p + "live_quarantine_ratio",
+               f"must be >= {p}live_cut_ratio")
+        for name in ("live_confirm_ticks", "live_sustain_ticks"):
+            _check(getattr(self, name) >= 1, p + name, "must be >= 1")
+        _check(self.live_cusum_cut > 0, p + "live_cusum_cut", "must be > 0")
+        _check(self.live_cusum_quarantine >= self.live_cusum_cut, p + "live_cusum_quarantine",
+               f"must be >= {p}live_cusum_cut")
         for name in ("probe_slow_factor", "error_factor"):
             _check(0 < getattr(self, name) <= 1, p + name, "must be in (0, 1]")
         _check(self.probe_slow_ratio >= self.min_relative_gap, p + "probe_slow_ratio", "must be >= min_relative_gap")

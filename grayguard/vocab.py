@@ -58,6 +58,7 @@ class Signal(StrEnum):
     PROBE = "probe"
     ERRORS = "errors"
     KV_CACHE = "kv_cache"
+    LIVE = "live"  # the live ITL or probe TTFT median against the peers' (controller/live.py)
 
 
 class DrainCause(StrEnum):

@@ -43,7 +43,7 @@ def test_the_words():
     assert STATES == ("healthy", "degraded", "quarantined", "canary", "slow_start")
     assert PROBE_RESULTS == ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
                              "starting")
-    assert set(Signal) == {"latency", "probe", "errors", "kv_cache"}
+    assert set(Signal) == {"latency", "probe", "errors", "kv_cache", "live"}
     assert set(DrainCause) == {"latency", "probe", "errors", "gateway", "seeded"}
     # seeded: found drained by a controller with no state; gateway: HAProxy's error-limit fired
     assert set(DrainCause) - {"seeded", "gateway"} <= set(Signal)

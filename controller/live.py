@@ -1,0 +1,72 @@
+"""Live signals, pure: a slow node seen while its requests run, not when they finish (issue 13).
+
+The exporter beside each node reads its vLLM every second and exports, over the last few seconds, the mean
+inter-token latency of the tokens vLLM produced and the median TTFT of its last probes (docs/exporters.md,
+"live fast path"). Each is compared with the node's peers (controller/peers.py: leave-one-out score and
+ratio to the peer median, within the peer group or speed-normalized). Two tests run on the ratio:
+
+- a **fast test**: the ratio at or above `live_cut_ratio` with a peer score at or above `degrade_score` on
+  `live_confirm_ticks` ticks in a row cuts the weight; at or above `live_quarantine_ratio` with a score at or
+  above `quarantine_score` for `live_sustain_ticks` ticks quarantines;
+- a **sequential test** for small persistent gaps (a 1.25-1.5x node that one tick cannot tell from noise):
+  a one-sided CUSUM of log(ratio) - log(live_drift), S = max(0, S + log(ratio) - log(drift)), cuts at
+  `live_cusum_cut` and quarantines at `live_cusum_quarantine`. A healthy node's log ratio averages about 0,
+  below the drift, so S stays near 0; a node k times slower climbs by log(k / drift) a tick.
+
+A node with no live value this tick (no token produced, no peers, stale) holds what it had: absent is not
+zero. A calm tick (ratio below `live_calm_ratio`) halves S; a cut clears after `recover_ticks` calm ticks in
+a row once S is below half of `live_cusum_cut`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from controller.peers import Score
+from grayguard.config import ThresholdsConfig
+
+
+@dataclass(frozen=True)
+class LiveMemory:
+    """One live signal's memory for one node (a part of NodeState)."""
+
+    hot: int = 0  # consecutive ticks at or above live_cut_ratio (and degrade_score)
+    hot_q: int = 0  # consecutive ticks at or above live_quarantine_ratio (and quarantine_score)
+    cusum: float = 0.0  # one-sided CUSUM of log(ratio / live_drift)
+    cut: bool = False  # the weight cut is in force
+    calm: int = 0  # consecutive calm ticks while cut
+    z: float = 0.0  # the score that set the cut (its factor holds while the node has no data)
+
+
+def factor(z: float) -> float:
+    """2^-(z-2), z rounded down to half points and floored at 2 (the latency signal's curve)."""
+    q = max(2.0, math.floor(z * 2) / 2)
+    return 2.0 ** -(q - 2.0)
+
+
+def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
+           ) -> tuple[LiveMemory, float, str, str | None]:
+    """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick."""
+    if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
+        return m, (factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
+    ratio, z = sc.ratio, sc.z
+    ceiling = 2.0 * t.live_cusum_quarantine  # bounded, so that S falls back within a few calm ticks
+    cusum = min(ceiling, max(0.0, m.cusum + math.log(ratio) - math.log(t.live_drift)))
+    quiet = ratio < t.live_calm_ratio
+    if quiet:  # a calm tick halves what is left, so a recovered node is not held for tens of ticks
+        cusum /= 2.0
+    hot = m.hot + 1 if ratio >= t.live_cut_ratio and z >= t.degrade_score else 0
+    hot_q = m.hot_q + 1 if ratio >= t.live_quarantine_ratio and z >= t.quarantine_score else 0
+    fires = hot >= t.live_confirm_ticks or cusum >= t.live_cusum_cut
+    calm = m.calm + 1 if m.cut and quiet else 0
+    cut = fires or (m.cut and (calm < t.recover_ticks or cusum >= t.live_cusum_cut / 2))
+    zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
+    m = replace(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)
+    reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, cusum {cusum:.1f})" if cut else ""
+    quarantine = None
+    if hot_q >= t.live_sustain_ticks:
+        quarantine = f"{what} {ratio:.2f}x peer median, score {z:.1f} for {hot_q} tick(s)"
+    elif cusum >= t.live_cusum_quarantine:
+        quarantine = f"{what} persistently {ratio:.2f}x peer median (cusum {cusum:.1f})"
+    return m, (factor(zz) if cut else 1.0), reason, quarantine

@@ -1,0 +1,117 @@
+"""Live signals (controller/live.py): a slow node seen while its requests run; small persistent gaps by CUSUM."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from controller.live import LiveMemory, assess
+from controller.peers import Score
+from controller.policy import DEGRADED, HEALTHY, QUARANTINED, NodeInput, NodeState, Policy, decide_pool
+from grayguard.config import ThresholdsConfig
+from grayguard.vocab import DrainCause
+
+T = ThresholdsConfig()
+
+
+def _score(ratio: float) -> Score:
+    return Score(z=math.log(ratio) / T.min_spread, ratio=ratio, peer_median=0.02)
+
+
+def _run(ratios, m=None):
+    m = m or LiveMemory()
+    out = []
+    for r in ratios:
+        m, f, why, q = assess(m, None if r is None else _score(r), T, "live ITL")
+        out.append((m, f, why, q))
+    return out
+
+
+def test_healthy_noise_never_cuts():
+    noise = [1.0, 1.08, 0.95, 1.12, 0.9, 1.05, 1.1, 0.97] * 20
+    assert all(f == 1.0 and q is None and not m.cut for m, f, _, q in _run(noise))
+
+
+def test_a_2x_node_is_cut_in_two_ticks_and_quarantined_after_the_sustain():
+    steps = _run([2.5] * T.live_sustain_ticks)
+    assert not steps[0][0].cut and steps[1][0].cut and steps[1][1] < 1.0
+    assert "live ITL 2.50x" in steps[1][2]
+    assert [q is not None for *_, q in steps] == [False] * (T.live_sustain_ticks - 1) + [True]
+
+
+def test_a_small_persistent_gap_is_found_by_the_cusum():
+    steps = _run([1.3] * 60)  # below live_cut_ratio: only the sequential test sees it
+    cut_at = next(k for k, (m, *_ ) in enumerate(steps) if m.cut)
+    q_at = next(k for k, (*_, q) in enumerate(steps) if q)
+    step = math.log(1.3 / T.live_drift)
+    assert cut_at + 1 == math.ceil(T.live_cusum_cut / step)
+    assert q_at + 1 == math.ceil(T.live_cusum_quarantine / step) and "persistently" in steps[q_at][3]
+
+
+def test_no_data_holds_and_calm_clears():
+    steps = _run([3.0, 3.0, None, None])
+    assert steps[2][0].cut and steps[3][1] < 1.0 and "(held)" in steps[3][2]
+    m = steps[-1][0]
+    calm = _run([1.0] * 20, m)
+    cleared = next(k for k, (mm, *_ ) in enumerate(calm) if not mm.cut)
+    assert calm[cleared][1] == 1.0 and cleared + 1 >= T.recover_ticks and cleared < 5  # seconds, not tens
+
+
+def _inputs(live: dict[str, float]) -> dict[str, NodeInput]:
+    return {n: NodeInput(base_weight=100, latency=0.02, request_rate=5.0, live_itl=v) for n, v in live.items()}
+
+
+def test_decide_pool_cuts_and_quarantines_on_the_live_itl_before_the_30s_window_moves():
+    pol = Policy()
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}  # n0 3x slower per token, now
+    seen = []
+    for tick in range(pol.thresholds.live_sustain_ticks):
+        d = decide_pool(states, _inputs(live), pol, 100.0 + tick)
+        states = {n: nd.state for n, nd in d.nodes.items()}
+        seen.append((states["n0"].state, d.nodes["n0"].weight))
+    assert seen[0] == (HEALTHY, 100) and seen[1][0] == DEGRADED and seen[1][1] < 50
+    assert seen[-1][0] == QUARANTINED and states["n0"].cause == DrainCause.LATENCY
+    assert "live ITL" in states["n0"].reason
+    assert all(states[n].state == HEALTHY for n in ("n1", "n2", "n3"))
+
+
+def test_a_whole_pool_slowing_together_is_no_outlier():
+    pol = Policy()
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    for tick in range(30):
+        slow = 2.0 if tick >= 5 else 1.0
+        d = decide_pool(states, _inputs({f"n{i}": 0.02 * slow * (1 + 0.05 * ((i + tick) % 3)) for i in range(4)}),
+                        pol, 100.0 + tick)
+        states = {n: nd.state for n, nd in d.nodes.items()}
+        assert all(nd.state.state == HEALTHY and nd.weight == 100 for nd in d.nodes.values())
+
+
+def test_live_memory_survives_the_state_file(tmp_path):
+    from controller.statefile import StateFile
+    s = replace(NodeState(since=1.0), live_itl=LiveMemory(hot=2, cusum=1.5, cut=True, z=4.0))
+    f = StateFile(tmp_path / "state.json")
+    f.save({"chat": {"n0": s}})
+    assert f.load()["chat"]["n0"].live_itl == s.live_itl
+
+
+def test_a_latency_sample_seen_again_is_not_counted_twice():
+    """Ticks faster than the rule evaluation see each 30 s-window sample several times: it is one sample."""
+    pol = Policy()
+    slow = {"n0": 0.08, "n1": 0.02, "n2": 0.021, "n3": 0.019}
+
+    def run(stamps):
+        states = {f"n{i}": NodeState(since=0.0, ema=v) for i, v in enumerate(slow.values())}
+        for k, at in enumerate(stamps):
+            inputs = {n: NodeInput(base_weight=100, latency=v, latency_at=at, request_rate=5.0)
+                      for n, v in slow.items()}
+            d = decide_pool(states, inputs, pol, 100.0 + k)
+            states = {n: nd.state for n, nd in d.nodes.items()}
+        return states["n0"]
+    # five 1 s ticks over one 5 s rule evaluation: one sample, one hot tick
+    once = run([95.0] * 5)
+    assert once.hot_ticks == 1 and once.state != QUARANTINED
+    # three evaluations: sustain_ticks (3) samples, quarantined
+    thrice = run([95.0] * 5 + [100.0] * 5 + [105.0])
+    assert thrice.state == QUARANTINED and "3 tick(s)" in thrice.reason
+    assert run([None] * 3).state == QUARANTINED  # unknown timestamps: every tick counts, as before
