@@ -133,6 +133,7 @@ class Run:
             if tp is StepDone:
                 if ev.generated:
                     node.last_token = ev.time
+                node.prompt_total += ev.prompt_tokens  # vLLM's prompt_tokens_total: prompts whose first token came
                 if ev.itls:  # vLLM observes one ITL per decoding sequence per step
                     node.itl_sum += sum(ev.itls)
                     node.itl_count += len(ev.itls)

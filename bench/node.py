@@ -95,6 +95,8 @@ class NodeObs:
     live_itl: float | None = None  # mean ITL of the tokens vLLM produced over the exporter's last live window
     live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes included)
     probe_ttft_median: float | None = None  # median TTFT of the last answered probes (3 to 5 of them)
+    live_prefill_rate: float | None = None  # prompt tokens prefilled per second over the live window
+    latency_at: float | None = None  # the rule evaluation the latency (and rate, errors) come from
     # HAProxy's `show stat` for the server, read at the tick (no scrape): None without a balancer model
     gateway_sessions: int | None = None  # scur: client requests on the server now
     gateway_started: int | None = None  # stot: cumulative requests sent to the server (failed attempts included)
@@ -168,25 +170,28 @@ class LiveSignals:
         self.window_s = window_s
         self.scrape_s = scrape_s
         self.phase = phase  # first scrape, in [0, scrape_s)
-        self.readings: deque[tuple[float, float, int, float, int]] = deque()  # (t, itl sum, count, ttft sum, count)
-        self.computed: deque[tuple[float, float | None, float | None, float | None]] = deque()  # (t, itl, ttft, med)
+        # (t, itl sum, count, ttft sum, count, prompt tokens)
+        self.readings: deque[tuple[float, float, int, float, int, int]] = deque()
+        # (t, itl, ttft, probe median, prompt tokens/s)
+        self.computed: deque[tuple[float, float | None, float | None, float | None, float | None]] = deque()
 
     def read(self, t: float, itl_sum: float, itl_count: int, ttft_sum: float, ttft_count: int,
-             probe_median: float | None) -> None:
+             probe_median: float | None, prompt_total: int = 0) -> None:
         """One reading of vLLM's /metrics at t, and the exporter's computation from it."""
         r = self.readings
-        r.append((t, itl_sum, itl_count, ttft_sum, ttft_count))
+        r.append((t, itl_sum, itl_count, ttft_sum, ttft_count, prompt_total))
         old = t - self.window_s
         while len(r) > 1 and r[1][0] <= old:  # keep the newest reading at least a window old as the base
             r.popleft()
-        itl = ttft = None
+        itl = ttft = prefill = None
         base = r[0]
         if t - base[0] >= self.window_s / 2:
             dn = itl_count - base[2]
             itl = (itl_sum - base[1]) / dn if dn else None
             dn = ttft_count - base[4]
             ttft = (ttft_sum - base[3]) / dn if dn else None
-        self.computed.append((t, itl, ttft, probe_median))
+            prefill = (prompt_total - base[5]) / (t - base[0])
+        self.computed.append((t, itl, ttft, probe_median, prefill))
 
     def last_scrape(self, now: float) -> float | None:
         """The node's last scrape at or before now (None before the first)."""
@@ -194,17 +199,18 @@ class LiveSignals:
             return None
         return self.phase + math.floor((now - self.phase) / self.scrape_s) * self.scrape_s
 
-    def at(self, now: float) -> tuple[float | None, float | None, float | None]:
-        """(live ITL, live TTFT, probe TTFT median) as the controller reads them at now (ticks move forward)."""
+    def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None]:
+        """(live ITL, live TTFT, probe TTFT median, prompt tokens/s) as the controller reads them at now (ticks move
+        forward)."""
         s = self.last_scrape(now)
         c = self.computed
         if s is None:
-            return None, None, None
+            return None, None, None, None
         while len(c) > 1 and c[1][0] <= s:
             c.popleft()
         if not c or c[0][0] > s:
-            return None, None, None
-        return c[0][1], c[0][2], c[0][3]
+            return None, None, None, None
+        return c[0][1], c[0][2], c[0][3], c[0][4]
 
 
 class VirtualNode:
@@ -231,6 +237,7 @@ class VirtualNode:
         # vLLM's cumulative ITL and TTFT histograms (sum, count), what the exporter's fast path reads
         self.itl_sum = self.ttft_sum = 0.0
         self.itl_count = self.ttft_count = 0
+        self.prompt_total = 0  # vLLM's prompt_tokens_total
         phase = random.Random(seed ^ 0x5C4A9E).uniform(0.0, scn.fast_scrape_s)  # its own stream: nothing else moves
         self.live = LiveSignals(scn.live_window_s, scn.fast_scrape_s, phase)
 
@@ -252,7 +259,7 @@ class VirtualNode:
         """The exporter reads vLLM's /metrics at t (a probe start) and recomputes its live signals."""
         w = self.live.window_s
         self.live.read(t, self.itl_sum, self.itl_count, self.ttft_sum, self.ttft_count,
-                       self.probes.ttft_median(t, 2 * w))
+                       self.probes.ttft_median(t, 2 * w), self.prompt_total)
 
     def forget_before(self, t: float) -> None:
         """Drop records older than t (ticks only move forward)."""
@@ -275,7 +282,9 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     (bench.lb.Gateway); None: no reflexes. stat: (scur, stot) of the server in HAProxy's `show stat` now
     (the balancer's model); None: unknown. The live signals are the exporter's, as last scraped (LiveSignals).
     """
-    hi = now - scn.signal_lag_s
+    # the recording rule is evaluated every rule_eval_s: a tick reads its last evaluation at least signal_lag old
+    # (with 5 s ticks on the evaluation grid this is now - signal_lag); latency_at says which one it is
+    hi = math.floor((now - scn.signal_lag_s) / scn.rule_eval_s + 1e-9) * scn.rule_eval_s
     lo = hi - scn.window_s
     node.forget_before(lo)
     e2e = weighted = 0.0
@@ -290,7 +299,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
-    live_itl, live_ttft, probe_median = node.live.at(now)
+    live_itl, live_ttft, probe_median, prefill_rate = node.live.at(now)
     return NodeObs(
         latency=e2e / weighted if weighted > 0 else None,
         request_rate=n / scn.window_s,
@@ -305,6 +314,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
         live_itl=live_itl,
         live_ttft=live_ttft,
         probe_ttft_median=probe_median,
+        live_prefill_rate=prefill_rate,
+        latency_at=hi,
         gateway_sessions=stat[0] if stat is not None else None,
         gateway_started=stat[1] if stat is not None else None,
         down=gateway is not None and gateway[0],

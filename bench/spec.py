@@ -106,6 +106,7 @@ class Scenario:
     window_s: float = 30.0  # rate window of the normalized-latency recording rule
     omega: float = 0.25  # prompt-token weight in normalized latency
     signal_lag_s: float = 5.0  # age of the rate-window data the controller reads (scrape + rule evaluation)
+    rule_eval_s: float = 5.0  # Prometheus' evaluation interval of the control rules: the 30 s window moves in steps
     gauge_lag_s: float = 2.5  # age of scraped gauges (probe results, KV usage): half a 5 s scrape interval
     probes: bool = True  # the exporter's 1-token micro-probe runs against every node (a little load)
     probe_interval_s: float = 1.0  # exporter ProbeConfig defaults: every 1 s +-20 %, 2 s deadline,

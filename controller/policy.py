@@ -66,6 +66,7 @@ class NodeInput:
     live_itl: float | None = None  # mean inter-token latency of the tokens vLLM produced in the last few seconds
     live_ttft: float | None = None  # mean TTFT of the requests whose first token came in the last few seconds
     probe_ttft_median: float | None = None  # median TTFT of the node's last few answered probes
+    live_prefill_rate: float | None = None  # prompt tokens/s prefilled over the live window (load, not sickness)
     kv_cache_usage: float | None = None  # 0-1
     gpu_throttled: bool | None = None  # thermal/power throttling under load
     pcie_degraded: bool | None = None  # link generation or width below its maximum under load
@@ -110,7 +111,6 @@ class NodeState:
     gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
     latency_seen_at: float | None = None  # latency_at of the last latency sample counted
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
-    live_probe: LiveMemory = field(default_factory=LiveMemory)  # the probe TTFT median's
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,38 @@ GATEWAY_REASON = ("HAProxy marked it DOWN for errors (observe layer7 error-limit
 AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage text, a CUDA error or a hang); "
                 "quarantined until canaries pass")
 
-# the live signals (NodeInput field -> what the reasons call it); each has its LiveMemory in NodeState
-LIVE_SIGNALS = {"live_itl": "live ITL", "probe_ttft_median": "probe TTFT (median of the last probes)"}
-_LIVE_MEMORY = {"live_itl": "live_itl", "probe_ttft_median": "live_probe"}
+# the live signals (NodeInput field -> what the reasons call it); each has its LiveMemory in NodeState. The probe
+# TTFT median is not among them: too noisy alone (heavy-tailed prompts queue ahead of a probe), it confirms.
+LIVE_SIGNALS = {"live_itl": "live ITL"}
+_LIVE_MEMORY = {"live_itl": "live_itl"}
+PROBE_MEDIAN = "probe_ttft_median"
+
+
+def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
+                 groups: Mapping[str, str | None], policy: Policy
+                 ) -> tuple[dict[str, dict[str, peers.Score]], set[str]]:
+    """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation.
+
+    A node prefilling far more prompt tokens than its peers (live_prefill_gate) has its live ITL left out this
+    tick: long prompts share its steps and inflate the ITL of its decodes (a tenant pinned to it, a burst of long
+    prompts), which is load, not sickness; its slow probes (queued behind those prompts) are not counted either.
+    A slow node under leastconn gets fewer requests, so it is never gated for having more. Returns the scores and
+    the gated (prefill-heavy) nodes.
+    """
+    t = policy.thresholds
+    live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
+    prefill = {n: p for n in live if (p := inputs[n].live_prefill_rate) is not None and math.isfinite(p) and p >= 0}
+    gated = set()
+    for n, p in prefill.items():
+        m = peers.peer_median(n, prefill, groups)
+        if m is not None and p > t.live_prefill_gate * m:
+            gated.add(n)
+    out = {}
+    for name in (*LIVE_SIGNALS, PROBE_MEDIAN):
+        vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
+                and usable(v := getattr(inputs[n], name))}
+        out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+    return out, gated
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -266,10 +295,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     probe_ttfts = {n: inputs[n].probe_ttft for n in names if inputs[n].probe_ttft is not None
                    and st[n].state in IN_ROTATION and not inputs[n].hold}
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
-    live_scores = {name: peers.scores({n: v for n in names if inputs[n].hold is False and st[n].state in IN_ROTATION
-                                       and usable(v := getattr(inputs[n], name))}, groups, t.min_peers, t.min_spread,
-                                      policy.group_speed)
-                   for name in LIVE_SIGNALS}
+    live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -293,7 +319,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
                                    t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
-                                   renewed=n in renewed)
+                                   renewed=n in renewed, prefill_heavy=n in prefill_heavy)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
@@ -403,7 +429,7 @@ def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: bool = True) -> tuple[NodeState, tuple | None]:
+                 renewed: bool = True, prefill_heavy: bool = False) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
 
     renewed: its latency sample is new since the last tick; a sample seen before moves nothing (its score,
@@ -427,7 +453,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                     lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
         lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
-    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
+    # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
+    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
+                                                    None if prefill_heavy else i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence))
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     lf, l_reasons, l_quarantine = 1.0, [], None
@@ -439,7 +467,12 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         if why_l:
             l_reasons.append(why_l)
         if q and l_quarantine is None:
-            l_quarantine = (lsc.z if lsc else math.inf, q)
+            probe = (live_sc or {}).get(PROBE_MEDIAN)
+            if probe is not None and probe.ratio >= t.live_probe_confirm:
+                l_quarantine = (lsc.z if lsc else math.inf, f"{q}; probes agree ({probe.ratio:.2f}x peers')")
+            else:
+                why_p = "no probe data" if probe is None else f"probes {probe.ratio:.2f}x peers'"
+                l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
     factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
                                 (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
                                 (Signal.LIVE, lf, "; ".join(l_reasons)))
@@ -499,5 +532,5 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     if ok >= r.canary_successes:
         s = replace(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
                     ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
-                    signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory(), live_probe=LiveMemory())
+                    signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory())
     return s

@@ -46,6 +46,8 @@ class LiveCollector:
                "the live window"), s.ttft),
             (g("grayguard_live_generation_tokens_per_second", "Tokens vLLM generated per second over the live "
                "window"), s.tokens_per_second),
+            (g("grayguard_live_prompt_tokens_per_second", "Prompt tokens vLLM prefilled per second over the live "
+               "window"), s.prompt_tokens_per_second),
             (g("grayguard_live_requests_running", "vLLM's running requests at its newest reading"), s.running),
             (g("grayguard_live_requests_waiting", "vLLM's waiting requests at its newest reading"), s.waiting),
             (g("grayguard_probe_ttft_median_seconds", "Median TTFT of the last 5 answered probes within twice the "

@@ -17,7 +17,7 @@ from exporters.engineload import EngineLoad
 LIVE_WINDOW_S = 5.0  # W: the span the live values are measured over (--live.window)
 MEDIAN_PROBES = 5  # the probe median takes the last this many answered probes ...
 MEDIAN_MIN_PROBES = 3  # ... that ended within 2 W, and needs at least this many of them
-_COUNTERS = ("generation_tokens", "itl_sum", "itl_count", "ttft_sum", "ttft_count")
+_COUNTERS = ("generation_tokens", "prompt_tokens", "itl_sum", "itl_count", "ttft_sum", "ttft_count")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class LiveSignals:
     itl: float | None = None  # s: mean gap between two tokens of a request over the span
     ttft: float | None = None  # s: mean time to first token of the first tokens produced over the span
     tokens_per_second: float | None = None  # tokens generated per second over the span
+    prompt_tokens_per_second: float | None = None  # prompt tokens prefilled per second over the span (the load
+    # that inflates the ITL of the decodes sharing its steps: the controller does not count a prefill-heavy node's ITL)
     running: float | None = None  # requests in the running batch at the newest reading
     waiting: float | None = None  # requests waiting at the newest reading
     span: float | None = None  # s between the two readings the deltas are taken over
@@ -107,8 +109,10 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
     old = readings[i]
     span = new.at - old.at
     tokens = _delta(old.load.generation_tokens, new.load.generation_tokens)
+    prompt = _delta(old.load.prompt_tokens, new.load.prompt_tokens)
     return LiveSignals(itl=_mean(old.load, new.load, "itl"), ttft=_mean(old.load, new.load, "ttft"),
                        tokens_per_second=tokens / span if tokens is not None else None,
+                       prompt_tokens_per_second=prompt / span if prompt is not None else None,
                        running=new.load.running, waiting=new.load.waiting, span=span, probe_ttft_median=median)
 
 

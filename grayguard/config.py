@@ -218,6 +218,7 @@ class SignalsConfig:
     live_itl_query: str = "max by (pool, instance) (grayguard_live_itl_seconds)"
     live_ttft_query: str = "max by (pool, instance) (grayguard_live_ttft_seconds)"
     probe_ttft_median_query: str = "max by (pool, instance) (grayguard_probe_ttft_median_seconds)"
+    live_prefill_rate_query: str = "max by (pool, instance) (grayguard_live_prompt_tokens_per_second)"
 
     def validate(self, path: str) -> None:
         """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
@@ -262,7 +263,13 @@ class ThresholdsConfig:
     live_drift: float = 1.1  # the CUSUM's allowance: a ratio below this pulls it back toward 0
     live_cusum_cut: float = 2.0  # CUSUM of log(ratio / live_drift) that cuts (a 1.5x node: ~7 ticks)
     live_cusum_quarantine: float = 5.0  # ...and that quarantines (a 1.5x node: ~16 ticks)
-    live_calm_ratio: float = 1.15  # a cut clears after recover_ticks ticks below this with the CUSUM at 0
+    live_calm_ratio: float = 1.15  # a cut clears after recover_ticks calm ticks below this
+    # a node prefilling this many times its peers' median prompt tokens/s has its live ITL inflated by the prompts
+    # sharing its steps (load, not sickness): its live ITL is not scored that tick
+    live_prefill_gate: float = 1.5
+    # a live-ITL quarantine needs the node's probe TTFT median at least this many times its peers' (the probes are
+    # noisier, so they only confirm: without them the live signal cuts but does not drain)
+    live_probe_confirm: float = 1.2
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
@@ -284,7 +291,8 @@ class ThresholdsConfig:
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
-        for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio"):
+        for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio", "live_prefill_gate",
+                     "live_probe_confirm"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_quarantine_ratio >= self.live_cut_ratio, p + "live_quarantine_ratio",
                f"must be >= {p}live_cut_ratio")

@@ -57,8 +57,11 @@ def test_no_data_holds_and_calm_clears():
     assert calm[cleared][1] == 1.0 and cleared + 1 >= T.recover_ticks and cleared < 5  # seconds, not tens
 
 
-def _inputs(live: dict[str, float]) -> dict[str, NodeInput]:
-    return {n: NodeInput(base_weight=100, latency=0.02, request_rate=5.0, live_itl=v) for n, v in live.items()}
+def _inputs(live: dict[str, float], probes: dict[str, float] | None = None,
+            prefill: dict[str, float] | None = None) -> dict[str, NodeInput]:
+    probes = probes if probes is not None else {n: 0.05 * v / 0.02 for n, v in live.items()}
+    return {n: NodeInput(base_weight=100, latency=0.02, request_rate=5.0, live_itl=v, probe_ttft_median=probes.get(n),
+                         live_prefill_rate=(prefill or {}).get(n, 1000.0)) for n, v in live.items()}
 
 
 def test_decide_pool_cuts_and_quarantines_on_the_live_itl_before_the_30s_window_moves():
@@ -115,3 +118,33 @@ def test_a_latency_sample_seen_again_is_not_counted_twice():
     thrice = run([95.0] * 5 + [100.0] * 5 + [105.0])
     assert thrice.state == QUARANTINED and "3 tick(s)" in thrice.reason
     assert run([None] * 3).state == QUARANTINED  # unknown timestamps: every tick counts, as before
+
+
+def _ticks(live, n, **kw):
+    pol = Policy()
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    out = []
+    for tick in range(n):
+        d = decide_pool(states, _inputs(live, **kw), pol, 100.0 + tick)
+        states = {k: nd.state for k, nd in d.nodes.items()}
+        out.append((states["n0"], d.nodes["n0"].weight))
+    return out
+
+
+def test_without_the_probes_agreeing_the_live_signal_cuts_but_does_not_drain():
+    live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+    even = {n: 0.05 for n in live}  # the probes see nothing
+    out = _ticks(live, 12, probes=even)
+    assert all(s.state != QUARANTINED for s, _ in out) and out[-1][0].state == DEGRADED and out[-1][1] < 50
+    assert "quarantine waits for the probes to agree (probes 1.00x peers')" in out[-1][0].reason
+    out = _ticks(live, 12, probes={})  # no probe data at all: the same
+    assert all(s.state != QUARANTINED for s, _ in out) and "no probe data" in out[-1][0].reason
+
+
+def test_a_node_prefilling_far_more_than_its_peers_is_not_scored_on_its_itl():
+    """A tenant pinned to n0 sends 3k-token prompts: its decodes share steps with long prefills, its ITL is 3x."""
+    live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+    out = _ticks(live, 12, prefill={"n0": 4000.0, "n1": 900.0, "n2": 1000.0, "n3": 1100.0})
+    assert all(s.state == HEALTHY and w == 100 for s, w in out)
+    out = _ticks(live, 12, prefill={"n0": 1200.0, "n1": 900.0, "n2": 1000.0, "n3": 1100.0})  # not far more
+    assert out[-1][0].state == QUARANTINED

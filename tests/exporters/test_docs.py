@@ -34,7 +34,8 @@ def test_every_exporter_series_is_documented():
 
 def test_the_fast_page_carries_the_live_series_and_the_verdict_gauges_only():
     exporter = Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)]), agent=("127.0.0.1", 0))
-    live = {"grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
+    live = {"grayguard_live_itl_seconds", "grayguard_live_ttft_seconds",
+            "grayguard_live_generation_tokens_per_second", "grayguard_live_prompt_tokens_per_second",
             "grayguard_live_requests_running", "grayguard_live_requests_waiting",
             "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds"}
     fast = exposed_names(exporter.fast_registry)

@@ -24,6 +24,7 @@ CFG = ProbeConfig(interval=0.25, jitter=0.1, slow_threshold=0.5, deadline=3.0, a
 K = 4.0  # the thermal slowdown
 WAIT_S = 30.0  # generous: every wait polls and returns as soon as its condition holds
 LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
+        "grayguard_live_prompt_tokens_per_second",
         "grayguard_live_requests_running", "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds",
         "grayguard_live_window_seconds")
 
@@ -89,7 +90,7 @@ def test_fast_page_has_the_live_series_and_nothing_else(node_under_load):
                      "grayguard_agent_down"}
     full = scrape(exporter, "/metrics")
     assert set(LIVE) <= set(full)  # the full page has them too
-    assert len(fast) == 17 and len(full) > 5 * len(fast), (len(fast), len(full))
+    assert len(fast) == 18 and len(full) > 5 * len(fast), (len(fast), len(full))
 
 
 def test_thermal_slowdown_shows_in_live_itl_within_seconds(sim, node_under_load):
