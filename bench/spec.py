@@ -101,7 +101,7 @@ class Scenario:
     duration_s: float = 150.0  # arrivals stop here; answers are awaited up to the client timeout
     seed: int = 1
     group: str = "fault"  # fault | benign | double | linkerd | sensitivity (how the report reads it)
-    tick_s: float = 5.0  # control tick
+    tick_s: float = 1.0  # control tick (grayguard.example.yaml tick_interval_s)
     control_start_s: float = 0.0  # first control tick (0: one tick after start); traffic starts at 0
     window_s: float = 30.0  # rate window of the normalized-latency recording rule
     omega: float = 0.25  # prompt-token weight in normalized latency

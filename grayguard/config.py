@@ -417,7 +417,7 @@ class Config:
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
-    tick_interval_s: float = 5.0
+    tick_interval_s: float = 1.0  # the live signals move every second; the 30 s window once per rule evaluation
     stale_after_s: float = 60.0  # older Prometheus data holds every weight as it is
     state_file: str | None = "grayguard-state.json"
     listen_address: str = "127.0.0.1:9300"  # the controller's /metrics and /status
