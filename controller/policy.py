@@ -153,6 +153,7 @@ AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage t
 LIVE_SIGNALS = {"live_itl": "live ITL"}
 _LIVE_MEMORY = {"live_itl": "live_itl"}
 PROBE_MEDIAN = "probe_ttft_median"
+LIVE_TTFT = "live_ttft"  # with the live ITL, the present that can veto the 30 s window's past
 
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
@@ -175,7 +176,7 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
         if m is not None and p > t.live_prefill_gate * m:
             gated.add(n)
     out = {}
-    for name in (*LIVE_SIGNALS, PROBE_MEDIAN):
+    for name in (*LIVE_SIGNALS, PROBE_MEDIAN, LIVE_TTFT):
         vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
                 and usable(v := getattr(inputs[n], name))}
         out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
@@ -446,12 +447,22 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     else:
         outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
         hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
+        # the window counts requests that finished in the last 30 s; the live signals say how the node is now.
+        # When both say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
+        # on. Absent live data vetoes nothing.
+        li, lt = (live_sc or {}).get("live_itl"), (live_sc or {}).get(LIVE_TTFT)
+        if (outlier or hot) and li is not None and lt is not None and li.ratio < t.live_veto_ratio \
+                and lt.ratio < t.live_veto_ratio:
+            outlier = hot = False
+            lat_vetoed = f"; live ITL {li.ratio:.2f}x and TTFT {lt.ratio:.2f}x peers': not acted on"
+        else:
+            lat_vetoed = ""
         calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
         calm_ticks = s.calm_ticks + 1 if calm else 0
         lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks)
         s = replace(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
                     lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
-        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}"
+        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
     # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,

@@ -257,7 +257,7 @@ class ThresholdsConfig:
     kv_drained: float = 0.85  # ...until it falls below this
     # live signals (controller/live.py): the exporter's live ITL and probe TTFT median against the peers'
     live_cut_ratio: float = 1.5  # ratio to the peer median that, on live_confirm_ticks ticks in a row, cuts
-    live_confirm_ticks: int = 2
+    live_confirm_ticks: int = 1
     live_quarantine_ratio: float = 2.0  # ratio that, for live_sustain_ticks ticks in a row, quarantines
     live_sustain_ticks: int = 5
     live_drift: float = 1.1  # the CUSUM's allowance: a ratio below this pulls it back toward 0
@@ -270,6 +270,9 @@ class ThresholdsConfig:
     # a live-ITL quarantine needs the node's probe TTFT median at least this many times its peers' (the probes are
     # noisier, so they only confirm: without them the live signal cuts but does not drain)
     live_probe_confirm: float = 1.2
+    # the 30 s window's outlier is not acted on while the live ITL and TTFT are both below this multiple of the
+    # peers' (the window is the past: a few heavy requests in a thin window; the live signals are the present)
+    live_veto_ratio: float = 1.1
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
@@ -292,7 +295,7 @@ class ThresholdsConfig:
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
         for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio", "live_prefill_gate",
-                     "live_probe_confirm"):
+                     "live_probe_confirm", "live_veto_ratio"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_quarantine_ratio >= self.live_cut_ratio, p + "live_quarantine_ratio",
                f"must be >= {p}live_cut_ratio")
