@@ -100,6 +100,18 @@ class Run:
         interval = self.detector.interval_s
         self.next_tick = (scn.control_start_s or interval) if interval else math.inf
         self._schedule_faults(0.0)
+        # pool membership (Scenario.absent): (time, node index, joins, its Absence); absent nodes are not in HAProxy
+        self.absent = [False] * len(self.nodes)
+        self.member_events = []
+        for a in scn.absent:
+            k = self.index[a.node]
+            if a.from_s <= 0:
+                self.absent[k] = True
+            else:
+                self.member_events.append((a.from_s, k, False, a))
+            self.member_events.append((a.until_s, k, True, a))
+        self.member_events.sort(key=lambda x: (x[0], x[2], x[1]))
+        self.mi = 0
         self.probe_inflight: dict[int, tuple[int, float]] = {}  # rid -> (node index, sent)
         self.probe_deadlines: deque[tuple[float, int]] = deque()
         self.probe_rng = random.Random(scn.seed * 31 + 5)
@@ -193,11 +205,14 @@ class Run:
 
     # -- events -----------------------------------------------------------------------------------
     def _eligible(self, exclude: list[int]) -> list[bool]:
-        """The `drained` list the balancer sees: drained, marked down by HAProxy, or already tried."""
+        """The `drained` list the balancer sees: drained, marked down by HAProxy, absent, or already tried."""
         gw = self.gw
-        if gw is None and not exclude:
+        absent = self.absent if True in self.absent else None
+        if gw is None and not exclude and absent is None:
             return self.drained
         down = gw.out if gw is not None else [False] * len(self.nodes)
+        if absent is not None:
+            down = [g or a for g, a in zip(down, absent, strict=True)]
         return [d or g or j in exclude for j, (d, g) in enumerate(zip(self.drained, down, strict=True))]
 
     def _fails_at_once(self, node: VirtualNode, t: float) -> str | None:
@@ -223,7 +238,8 @@ class Run:
         tried: list[int] = []
         if gw is not None:
             gw.request(t)
-        k = pin if pin >= 0 and (gw is None or not gw.out[pin]) else self.lb.pick(self.weights, self._eligible([]))
+        sticky = pin >= 0 and not self.absent[pin] and (gw is None or not gw.out[pin])  # else: balanced
+        k = pin if sticky else self.lb.pick(self.weights, self._eligible([]))
         while True:
             if k is None:  # HAProxy answers 503 itself
                 res.status[i], res.e2e[i] = NO_SERVER, 0.0
@@ -272,6 +288,9 @@ class Run:
         """HAProxy's active check of one server (GET /health): 200 unless the process refuses connections."""
         t, k = heapq.heappop(self.check_due)
         assert self.gw is not None
+        if self.absent[k]:  # not in the backend: nothing to check
+            heapq.heappush(self.check_due, (t + self.gw.rx.check_inter_s, k))
+            return
         self.gw.check(k, t, self.nodes[k].fault_name() != "refused")
         heapq.heappush(self.check_due, (t + self.gw.next_check_in(k), k))
 
@@ -279,6 +298,9 @@ class Run:
         """HAProxy's agent check of one server: the exporter answers its verdict on its last probe, now."""
         t, k = heapq.heappop(self.agent_due)
         assert self.gw is not None
+        if self.absent[k]:
+            heapq.heappush(self.agent_due, (t + self.gw.rx.agent_inter_s, k))
+            return
         self.advance(k, t)  # every probe that ended by t is in the log
         self.gw.agent(k, t, self.nodes[k].probes.agent_down)
         heapq.heappush(self.agent_due, (t + self.gw.rx.agent_inter_s, k))
@@ -312,13 +334,29 @@ class Run:
         elif was_hang:
             node.engine.resume(t)
 
+    def member(self, t: float, k: int, joins: bool, a) -> None:
+        """Node k leaves the pool (removed from HAProxy's backend) or joins it (added, at its base weight)."""
+        self.advance(k, t)
+        self.absent[k] = not joins
+        if not joins:
+            return
+        node = self.nodes[k]
+        if a.from_s > 0:  # it was running before: vLLM restarted
+            node.restart()
+        if self.gw is not None:
+            self.gw.rejoin(k)
+        base = node.spec.base_weight
+        if (self.weights[k], self.drained[k]) != (base, False):
+            self.weights[k], self.drained[k], self.state[k] = base, False, "healthy"
+            self.res.timeline.append((t, k, base, False, "healthy"))
+
     def tick(self, t: float) -> None:
         for k in range(len(self.nodes)):
             self.advance(k, t)
         gw, lb = self.gw, self.lb
         obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (
             gw.out[n.index], gw.hana[n.index], gw.agent_down[n.index], not gw.agent_on[n.index]),
-            (lb.active[n.index], lb.stot[n.index])) for n in self.nodes}
+            (lb.active[n.index], lb.stot[n.index])) for n in self.nodes if not self.absent[n.index]}
         self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
         rounds = self.detector.canaries(t)
         if not rounds:
@@ -353,6 +391,8 @@ class Run:
         t, k = heapq.heappop(self.probe_due)
         scn = self.scn
         heapq.heappush(self.probe_due, (t + scn.probe_interval_s * self.probe_rng.uniform(0.8, 1.2), k))
+        if self.absent[k]:  # its exporter starts with it
+            return
         node = self.nodes[k]
         self.advance(k, t)
         f = node.faults.active
@@ -446,11 +486,16 @@ class Run:
             t_pdead = self.probe_deadlines[0][0] if self.probe_deadlines else inf
             t_check = self.check_due[0][0] if self.check_due and self.check_due[0][0] < end else inf
             t_agent = self.agent_due[0][0] if self.agent_due and self.agent_due[0][0] < end else inf
-            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check, t_agent)
+            t_member = self.member_events[self.mi][0] if self.mi < len(self.member_events) else inf
+            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check, t_agent, t_member)
             if t == inf or t >= until:
                 break
             self.now = t
-            if t == t_check:
+            if t == t_member:
+                _t, k, joins, a = self.member_events[self.mi]
+                self.mi += 1
+                self.member(t, k, joins, a)
+            elif t == t_check:
                 self.health_check()
             elif t == t_agent:
                 self.agent_check()

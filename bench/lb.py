@@ -206,6 +206,12 @@ class Gateway:
             return self.rx.check_downinter_s
         return self.rx.check_inter_s
 
+    def rejoin(self, k: int) -> None:
+        """Server k was added to the backend again: UP, no counts, its agent check enabled."""
+        self.down[k] = self.hana[k] = self.agent_down[k] = self.out[k] = False
+        self.errors[k] = self.checks[k] = 0
+        self.agent_on[k] = True
+
     def check(self, k: int, t: float, healthy: bool) -> None:
         """An active health check of server k at t: GET /health answered 200 (healthy) or not."""
         self.hana[k] = False  # the check's own verdict replaces the error-limit one

@@ -9,6 +9,8 @@ Definitions (docs/benchmarks.md):
   counts that as an error too) as the client deadline: a failure is no better than the slowest acceptable
   answer, so a policy cannot improve its P99 by failing requests fast. A timed-out request that got its
   first token keeps that TTFT.
+- a node that joins the pool (Scenario.absent) and is held in slow start from its join is warming up, not cut,
+  until it first leaves slow start or reaches full weight; a node absent from the pool has no weight at all.
 - agent mark-downs: HAProxy marked a server DOWN (agent) because its exporter answered "down"; a false one
   is on a node without a fault (or before its fault), at any time of the run.
 - capacity kept: time average over the window of sum(capacity x min(1, weight/base)) over the nodes
@@ -44,12 +46,24 @@ def _kind(weight: int, drained: bool, state: str, base: int) -> str:
 
 
 def transitions(res: RunResult) -> list[tuple[float, int, str]]:
-    """(time, node, 'cut' | 'quarantine') each time a node newly enters a cut or quarantine."""
-    bases = [n.base_weight for n in res.scenario.nodes]
+    """(time, node, 'cut' | 'quarantine') each time a node newly enters a cut or quarantine.
+
+    The slow start of a node that joined the pool (a new node's warm-up) is not a cut while it lasts.
+    """
+    scn = res.scenario
+    bases = [n.base_weight for n in scn.nodes]
+    joins = [sorted(scn.joins(n.name)) for n in scn.nodes]
+    seen_join = [-math.inf] * len(bases)  # the last join already taken into account, per node
+    warming = [False] * len(bases)
     kind = ["full"] * len(bases)
     out = []
     for t, k, w, d, st in res.timeline:
-        new = _kind(w, d, st, bases[k])
+        j = max((x for x in joins[k] if x <= t), default=-math.inf)
+        if j > seen_join[k]:
+            seen_join[k], warming[k] = j, True
+        if st != "slow_start" or d or w >= bases[k]:
+            warming[k] = False
+        new = "full" if warming[k] else _kind(w, d, st, bases[k])
         if new != kind[k] and new != "full" and (new == "quarantine" or kind[k] == "full"):
             out.append((t, k, new))
         kind[k] = new

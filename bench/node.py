@@ -223,6 +223,8 @@ class VirtualNode:
         self.drift = scn.drift
         self.drift_w = 2 * math.pi / scn.drift_period_s
         self.drift_phase = 2 * math.pi * index / max(1, len(scn.nodes))
+        self.pool_slow = scn.pool_slowdown if scn.slowdown_all else None  # benign: the whole pool slower together
+        self.cold = [a for a in scn.absent if a.node == spec.name and a.warmup_k > 1.0]  # warm-ups after a join
         seed = scn.seed * 7_919 + index
         if spec.backend == "fixed":
             self.engine = FixedBackend(spec.fixed_latency_s, self.slowdown)
@@ -243,10 +245,25 @@ class VirtualNode:
 
     def slowdown(self, now: float) -> Slowdown:
         sd = self.faults.slowdown(now)
+        k = 1.0
         if self.drift:
             k = 1.0 + self.drift * math.sin(self.drift_w * now + self.drift_phase)
+        if self.pool_slow is not None:
+            k *= self.pool_slow(now)
+        for a in self.cold:
+            k *= a.warmup(now)
+        if k != 1.0:
             sd = Slowdown(sd.prefill * k, sd.decode * k, sd.kv_fraction)
         return sd
+
+    def restart(self) -> None:
+        """vLLM restarted: its counters start from zero, and so does the exporter's view of it."""
+        self.itl_sum = self.ttft_sum = 0.0
+        self.itl_count = self.ttft_count = 0
+        self.prompt_total = 0
+        self.last_token = -math.inf
+        self.probes = ProbeLog()
+        self.live = LiveSignals(self.live.window_s, self.live.scrape_s, self.live.phase)
 
     def fault_name(self) -> str | None:
         return self.faults.active.name if self.faults.active is not None else None

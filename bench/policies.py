@@ -187,7 +187,8 @@ class Grayguard(Detector):
 
     def canaries(self, now):
         groups = {n.name: n.peer_group for n in self.nodes}
-        return canary.canary_rounds(self.names, self.states, groups, now, self.policy.recovery)
+        present = [n for n in self.names if n not in self.states or self.states[n].gone_since is None]
+        return canary.canary_rounds(present, self.states, groups, now, self.policy.recovery)
 
     def canary_estimates(self, now: float, canary_ttft: Mapping[str, float | None]) -> dict[str, float]:
         """The live loop's estimate (controller.canary.canary_estimate) for every round due now."""
@@ -202,9 +203,11 @@ class Grayguard(Detector):
 
     def tick(self, now, obs, canary_ttft):
         est = self.canary_estimates(now, canary_ttft) if canary_ttft else {}
-        inputs = {n: node_input(self.spec[n], obs.get(n), est.get(n)) for n in self.names}
+        # the pool is what HAProxy shows: a node absent from it (obs has none) is not an input, as in the live loop
+        inputs = {n: node_input(self.spec[n], obs[n], est.get(n)) for n in self.names if n in obs}
         d = decide_pool(self.states, inputs, self.policy, now)
-        self.states = {n: nd.state for n, nd in d.nodes.items()}
+        # as controller/decide.py: the states of nodes gone from HAProxy are kept (forget_after_s) for their return
+        self.states = {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}
         off = getattr(d, "agent_off", frozenset())
         out = {}
         for n, nd in d.nodes.items():

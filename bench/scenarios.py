@@ -14,12 +14,14 @@ from typing import Any
 
 import yaml
 
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
 from sim.faults import FaultError, nominal_slowdown
 from sim.loadgen import LengthDist
+from sim.model import ModelParams
 
 SCENARIO_DIR = Path(__file__).parent / "suites"
 _SCENARIO_FIELDS = {f.name for f in fields(Scenario)} - {"name", "nodes", "load", "faults", "policies", "tags", "group"}
+MAX_MODEL_LEN = ModelParams().max_model_len  # vLLM rejects prompt + completion above it: a spec must fit
 _LOAD_FIELDS = {f.name for f in fields(LoadSpec)}
 MATRIX_KEYS = ("fault", "benign", "size", "mix", "load")
 
@@ -42,6 +44,47 @@ def _dist(d: Any, where: str) -> LengthDist:
         raise SuiteError(f"{where}: bad length distribution {d!r} ({e})") from None
 
 
+def _fits(prompt: LengthDist, completion: LengthDist, where: str) -> None:
+    if prompt.hi + completion.hi > MAX_MODEL_LEN:
+        raise SuiteError(f"{where}: prompt hi {prompt.hi} + completion hi {completion.hi} exceeds max_model_len "
+                         f"{MAX_MODEL_LEN}: vLLM would reject the largest requests")
+
+
+def _node_name(node: Any, nodes: tuple[NodeSpec, ...], where: str) -> str:
+    if isinstance(node, int):
+        if not 0 <= node < len(nodes):
+            raise SuiteError(f"{where}: node {node} is not in a pool of {len(nodes)}")
+        return nodes[node].name
+    return str(node)
+
+
+def _absent(entries: Any, nodes: tuple[NodeSpec, ...], where: str) -> tuple[Absence, ...]:
+    """`absent: [{node, from_s, until_s, warmup_k?, warmup_tau_s?}, ...]` (node: an index or a name)."""
+    out = []
+    for j, a in enumerate(entries or []):
+        w = f"{where}.absent[{j}]"
+        unknown = set(a) - {"node", "from_s", "until_s", "warmup_k", "warmup_tau_s"}
+        if unknown:
+            raise SuiteError(f"{w}: unknown key(s) {sorted(unknown)}")
+        ab = Absence(_node_name(a["node"], nodes, w), float(a.get("from_s", 0.0)), float(a["until_s"]),
+                     float(a.get("warmup_k", 1.0)), float(a.get("warmup_tau_s", 10.0)))
+        if not (ab.from_s < ab.until_s and ab.warmup_k >= 1.0 and ab.warmup_tau_s > 0):
+            raise SuiteError(f"{w}: need from_s < until_s, warmup_k >= 1 and warmup_tau_s > 0")
+        out.append(ab)
+    return tuple(out)
+
+
+def _slowdown_all(entries: Any, where: str) -> tuple[tuple[float, float, float], ...]:
+    """`slowdown_all: [[start_s, end_s, k], ...]`: every node's steps x k together."""
+    out = []
+    for e in entries or []:
+        start, end, k = (float(x) for x in e)
+        if not (start < end and k > 0):
+            raise SuiteError(f"{where}.slowdown_all: need start_s < end_s and k > 0, got {e!r}")
+        out.append((start, end, k))
+    return tuple(out)
+
+
 def _load(d: dict, nodes: tuple[NodeSpec, ...], where: str) -> LoadSpec:
     d = dict(d)
     kw: dict[str, Any] = {}
@@ -57,15 +100,19 @@ def _load(d: dict, nodes: tuple[NodeSpec, ...], where: str) -> LoadSpec:
     for j, p in enumerate(d.pop("pinned", []) or []):
         w = f"{where}.pinned[{j}]"
         node = p["node"]
-        name = nodes[node].name if isinstance(node, int) else str(node)
-        pinned.append(PinnedLoad(name, float(p["start_s"]), float(p["end_s"]), float(p["rate"]),
-                                 _dist(p["prompt"], w + ".prompt"), _dist(p["completion"], w + ".completion")))
+        name = _node_name(node, nodes, w)
+        pl = PinnedLoad(name, float(p["start_s"]), float(p["end_s"]), float(p["rate"]),
+                        _dist(p["prompt"], w + ".prompt"), _dist(p["completion"], w + ".completion"))
+        _fits(pl.prompt, pl.completion, w)
+        pinned.append(pl)
     kw["pinned"] = tuple(pinned)
     unknown = set(d) - _LOAD_FIELDS
     if unknown:
         raise SuiteError(f"{where}: unknown load key(s) {sorted(unknown)}")
     kw.update(d)
-    return LoadSpec(**kw)
+    load = LoadSpec(**kw)
+    _fits(load.prompt, load.completion, where)
+    return load
 
 
 def _nodes(composition: list, node_spec: dict) -> tuple[NodeSpec, ...]:
@@ -176,6 +223,10 @@ def _one(spec: dict, g: dict, c: dict, base: dict, node_spec: dict, fault_at: fl
     if unknown:
         raise SuiteError(f"{where}: unknown scenario key(s) {sorted(unknown)}")
     kw["seed"] = seed
+    if "absent" in kw:
+        kw["absent"] = _absent(kw["absent"], nodes, where)
+    if "slowdown_all" in kw:
+        kw["slowdown_all"] = _slowdown_all(kw["slowdown_all"], where)
     tags = {"fault": c.get("fault") or benign or group_name(g), "size": size, "mix": mix, "load": str(load_name),
             "slowdown": slowdown}
     scn = Scenario(name="/".join(parts), nodes=nodes, load=load, faults=faults, group=g["group"],

@@ -59,6 +59,29 @@ class PinnedLoad:
 
 
 @dataclass(frozen=True)
+class Absence:
+    """A node out of the pool (not in HAProxy's backend) over [from_s, until_s); it joins (again) at until_s.
+
+    While absent it gets no requests, no probes and no checks, and the controller does not see it. Its
+    requests in flight when it leaves run to completion (a graceful restart: the server is removed first).
+    It joins cold: every step is slowed by warmup_k, decaying to 1 with time constant warmup_tau_s (empty
+    caches, first-call compilation); with from_s > 0 vLLM restarted, so its counters and the exporter start over.
+    """
+
+    node: str
+    from_s: float
+    until_s: float
+    warmup_k: float = 1.0
+    warmup_tau_s: float = 10.0
+
+    def warmup(self, t: float) -> float:
+        """The cold-start step-time multiplier at t (1 before the join)."""
+        if t < self.until_s or self.warmup_k <= 1.0:
+            return 1.0
+        return 1.0 + (self.warmup_k - 1.0) * math.exp(-(t - self.until_s) / self.warmup_tau_s)
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """Open-loop Poisson arrivals; the mean rate is `rate`, or `utilization` of the pool's capacity."""
 
@@ -116,6 +139,9 @@ class Scenario:
     fast_scrape_s: float = 1.0  # Prometheus scrapes the exporter's fast endpoint this often (per-node phase)
     drift: float = 0.0  # amplitude of a slow sinusoidal speed drift per node (0.02 = +-2 %)
     drift_period_s: float = 120.0
+    # (start_s, end_s, k): every node's step time x k together (a shared dependency, a hot datacenter); benign
+    slowdown_all: tuple[tuple[float, float, float], ...] = ()
+    absent: tuple[Absence, ...] = ()  # nodes out of the pool for an interval (a restart, a late join); benign
     measure_from_s: float | None = None  # start of the measurement window (default: first fault, or 30 s)
     measure_to_s: float | None = None  # end (default: duration_s)
     policies: tuple[str, ...] = ()  # empty: the suite's default list
@@ -140,6 +166,18 @@ class Scenario:
             start = min((f.at_s for f in self.faults), default=30.0)
         end = self.measure_to_s if self.measure_to_s is not None else self.duration_s
         return start, end
+
+    def pool_slowdown(self, t: float) -> float:
+        """The whole pool's step-time multiplier at t (slowdown_all)."""
+        k = 1.0
+        for start, end, f in self.slowdown_all:
+            if start <= t < end:
+                k *= f
+        return k
+
+    def joins(self, node: str) -> list[float]:
+        """When `node` joins the pool after an absence."""
+        return [a.until_s for a in self.absent if a.node == node]
 
     @property
     def faulty(self) -> frozenset[str]:

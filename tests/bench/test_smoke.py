@@ -69,7 +69,7 @@ def test_default_suite_is_the_full_cross_product():
     scenarios, spec = load_suite("default")
     groups = Counter(s.group for s in scenarios)
     assert groups["fault"] == 8 * 3 * 2 * 2
-    assert groups["benign"] == 5 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
+    assert groups["benign"] == 10 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
     assert all(len(s.faults) == len(s.nodes) for s in scenarios if s.group == "pool")
     faults = [s for s in scenarios if s.group == "fault"]
     assert {s.tag["fault"] for s in faults} == {"thermal", "pcie", "kv_thrash", "hang", "cuda_error", "garbage",
