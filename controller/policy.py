@@ -110,6 +110,7 @@ class NodeState:
     gone_since: float | None = None  # absent from HAProxy since
     gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
     latency_seen_at: float | None = None  # latency_at of the last latency sample counted
+    was_down: bool = False  # DOWN in HAProxy (its health check) at the last tick: back UP, it warms up
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
 
 
@@ -254,13 +255,27 @@ def seed(i: NodeInput, joined: bool, t: ThresholdsConfig, r: RecoveryConfig, now
     return NodeState(since=now)
 
 
+def warm_up(s: NodeState, now: float, t: ThresholdsConfig, r: RecoveryConfig, why: str) -> NodeState:
+    """A node back from a restart (gone from HAProxy, or DOWN by its health check): cold caches and CUDA graphs
+    make its first seconds slow, so it holds slow_start_initial for new_node_warmup_s, then slow-starts (HAProxy's
+    own `slowstart` does the same after a server comes back UP). Its signals start over."""
+    return replace(_move(s, SLOW_START, now, f"{why}: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then "
+                         "slow start"), ramp_start=now + t.new_node_warmup_s, gone_since=None, was_down=False,
+                   lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(), live_itl=LiveMemory())
+
+
 def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
                 r: RecoveryConfig, now: float) -> tuple[dict[str, NodeState], dict[str, NodeState]]:
     """States of the present nodes (unknown ones seeded from HAProxy) and of the recently gone ones."""
     st, retained = {}, {}
     for n in names:
         s = prev.get(n)
-        st[n] = replace(s, gone_since=None) if s is not None else seed(inputs[n], bool(prev), t, r, now)
+        if s is None:
+            st[n] = seed(inputs[n], bool(prev), t, r, now)
+        elif s.gone_since is not None and s.state in IN_ROTATION and not inputs[n].hold:
+            st[n] = warm_up(s, now, t, r, f"back in HAProxy after {now - s.gone_since:.0f}s away")
+        else:
+            st[n] = replace(s, gone_since=None)
     for n, s in prev.items():
         if n not in st:
             gone = s.gone_since if s.gone_since is not None else now
@@ -275,6 +290,13 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     t, r = policy.thresholds, policy.recovery
     names = sorted(inputs)
     st, retained = _membership(prev, inputs, names, t, r, now)
+    for n in names:  # back UP after its health check had it DOWN: a restart, cold (not a reflex's mark-down)
+        i, s = inputs[n], st[n]
+        check_down = i.down and not i.hold and not i.gateway_marked_down and not i.agent_down
+        if s.was_down and not i.down and not i.hold and s.state in IN_ROTATION:
+            st[n] = warm_up(s, now, t, r, "back UP after its health check had it DOWN")
+        elif s.was_down != check_down:
+            st[n] = replace(st[n], was_down=check_down)
     groups = {n: inputs[n].peer_group for n in names}
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
@@ -494,8 +516,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
     degraded = s.lat_degraded or pf < 1.0 or ef < 1.0 or lf < 1.0
-    if s.state == SLOW_START and degraded:
-        s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, lat_degraded=s.lat_degraded)
+    if s.state == SLOW_START and degraded:  # the factors apply on top of the ramp: a flag never raises its weight
+        s = replace(s, reason=why)
     elif s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
         s = _move(s, HEALTHY, now, "slow start complete")
     elif s.state == HEALTHY and degraded:

@@ -9,7 +9,7 @@ import pytest
 
 from controller.live import LiveMemory, assess
 from controller.peers import Score
-from controller.policy import DEGRADED, HEALTHY, QUARANTINED, NodeInput, NodeState, Policy, decide_pool
+from controller.policy import DEGRADED, HEALTHY, QUARANTINED, SLOW_START, NodeInput, NodeState, Policy, decide_pool
 from grayguard.config import ThresholdsConfig
 from grayguard.vocab import DrainCause
 
@@ -166,3 +166,44 @@ def test_a_past_outlier_is_not_acted_on_while_the_live_signals_say_the_node_is_l
     vetoed = tick(0.02, 0.05)
     assert vetoed.state.state == HEALTHY and vetoed.weight == 100 and vetoed.state.ratio == pytest.approx(1.5)
     assert tick(None, None).state.state == DEGRADED  # absent live data vetoes nothing
+
+
+def _pool(**kw) -> dict[str, NodeInput]:
+    out = {f"n{i}": NodeInput(base_weight=100, latency=0.02, request_rate=5.0) for i in range(4)}
+    for n, f in kw.items():
+        out[n] = replace(out[n], **f)
+    return out
+
+
+def test_a_node_back_from_a_restart_warms_up_like_a_new_one():
+    pol = Policy()
+    t, r = pol.thresholds, pol.recovery
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    d = decide_pool(states, _pool(n1={"down": True}), pol, 100.0)  # its health check: DOWN (vLLM restarting)
+    assert d.nodes["n1"].state.was_down and d.nodes["n1"].state.state == HEALTHY
+    d = decide_pool({n: x.state for n, x in d.nodes.items()}, _pool(), pol, 110.0)  # UP again, cold
+    nd = d.nodes["n1"]
+    assert nd.state.state == SLOW_START and nd.weight == round(100 * r.slow_start_initial)
+    assert "back UP" in nd.state.reason and nd.state.ramp_start == 110.0 + t.new_node_warmup_s
+    # gone from HAProxy for a while (redeployed), then back: the same
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    d = decide_pool(states, {n: i for n, i in _pool().items() if n != "n2"}, pol, 100.0)
+    assert "n2" in d.retained
+    d = decide_pool({**d.retained, **{n: x.state for n, x in d.nodes.items()}}, _pool(), pol, 112.0)
+    assert d.nodes["n2"].state.state == SLOW_START and "after 12s away" in d.nodes["n2"].state.reason
+
+
+def test_a_reflex_mark_down_is_no_restart_and_a_flag_never_raises_a_warming_nodes_weight():
+    pol = Policy()
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(6)}
+    everyone = {f"n{i}": {"down": True, "gateway_marked_down": True} for i in range(6)}
+    d = decide_pool(states, {**_pool(), **{n: NodeInput(base_weight=100, **f) for n, f in everyone.items()}}, pol,
+                    100.0)
+    assert not any(nd.state.was_down for nd in d.nodes.values())
+    warming = replace(NodeState(since=90.0, ema=0.02), state=SLOW_START, ramp_start=120.0)
+    states = {**{f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}, "n0": warming}
+    slow = {"n0": {"live_itl": 0.06, "probe_ttft_median": 0.15}, **{f"n{i}": {"live_itl": 0.02,
+                                                                              "probe_ttft_median": 0.05}
+                                                                    for i in (1, 2, 3)}}
+    d = decide_pool(states, _pool(**slow), pol, 100.0)
+    assert d.nodes["n0"].state.state == SLOW_START and d.nodes["n0"].weight <= 10  # flagged: lower, never higher
