@@ -20,6 +20,7 @@ import requests
 from exporters.prober import ProbeConfig
 from exporters.server import Exporter
 from localstack.haproxy import HaproxyProc
+from localstack.procs import wait_until
 from sim.fleet import FleetThread
 from sim.node import DEFAULT_MODEL
 
@@ -72,13 +73,7 @@ def show_stat(hap: HaproxyProc) -> dict[str, str]:
 
 
 def wait_for(what: str, cond: Callable[[], object], timeout: float = WAIT_S) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    return wait_until(cond, timeout, interval_s=0.05, what=what)
 
 
 def status_is(hap: HaproxyProc, status: str) -> Callable[[], dict[str, str] | None]:

@@ -16,6 +16,7 @@ import requests
 from exporters.fakenvml import FakeNvml, healthy_h100
 from exporters.prober import ProbeConfig
 from exporters.server import Exporter
+from localstack.procs import wait_until
 from sim.fleet import FleetThread
 from sim.node import DEFAULT_MODEL
 
@@ -57,13 +58,7 @@ def scrape(exporter: Exporter, path: str = "/metrics/fast") -> dict[str, float]:
 
 
 def wait_for(what: str, cond: Callable[[], object], timeout: float = WAIT_S) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    return wait_until(cond, timeout, interval_s=0.1, what=what)
 
 
 def full_window(exporter: Exporter) -> Callable[[], dict[str, float] | None]:
