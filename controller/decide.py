@@ -227,6 +227,7 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
             peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
             canary=canaries.get(n), hold=s.maint, down=s.down, gateway_marked_down=s.marked_down_for_errors,
             gateway_errors=s.hanafail, agent_down=s.agent_down, agent_off=s.agent_off,
+            agent_why=s.agent_text if s.agent_down else None,
             haproxy_weight=s.weight, haproxy_drain=s.drain,
             probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
             probe_failures=_int(sig["probe_failures"].get(key)),

@@ -69,6 +69,7 @@ class ServerState:
     hanafail: int | None = None
     agent_state: int | None = None  # srv_agent_state (CHK_ST_* bits); None: unknown
     status: str | None = None  # `show stat` status ("UP", "DOWN (agent)", "MAINT", ...); None: unknown
+    agent_text: str | None = None  # `show stat` last_agt: the agent's last answer ("down (hang: ...)"); None: unknown
 
     @property
     def drain(self) -> bool:
@@ -197,6 +198,18 @@ def parse_stat_columns(csv_text: str, *names: str) -> dict[tuple[str, str], dict
     return out
 
 
+def agent_answer(last_agt: str | None) -> str | None:
+    """The agent's own words from `show stat` last_agt ("via agent : down (hang: no token in 2.0s)" -> "hang: no
+    token in 2.0s"); None when there are none. Printable ASCII only, at most 160 characters."""
+    if not last_agt:
+        return None
+    text = last_agt.split(":", 1)[1].strip() if last_agt.startswith("via agent") else last_agt.strip()
+    if text.startswith("down (") and text.endswith(")"):
+        text = text[len("down ("):-1]
+    text = "".join(c for c in text if 32 <= ord(c) < 127)[:160].strip()
+    return text or None
+
+
 def parse_hanafail(csv_text: str) -> dict[tuple[str, str], int]:
     """(backend, server) -> hanafail, from `show stat` CSV output; {} when the reply is not one."""
     return {k: int(v["hanafail"]) for k, v in parse_stat_columns(csv_text, "hanafail").items()
@@ -299,7 +312,9 @@ class RuntimeClient:
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
         counts = parse_hanafail(stat)
         status = {k: v["status"] for k, v in parse_stat_columns(stat, "status").items()}
-        return [replace(s, hanafail=counts.get((s.backend, s.name)), status=status.get((s.backend, s.name)))
+        agent = {k: v["last_agt"] for k, v in parse_stat_columns(stat, "last_agt").items()}
+        return [replace(s, hanafail=counts.get((s.backend, s.name)), status=status.get((s.backend, s.name)),
+                        agent_text=agent_answer(agent.get((s.backend, s.name))))
                 for s in parse_servers_state(reply)]
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:

@@ -81,6 +81,7 @@ class NodeInput:
     # garbage text, a CUDA error or a hang (exporters/agent.py). Quarantined like an error-limit mark-down.
     agent_down: bool = False
     agent_off: bool = False  # its agent check is configured but disabled (the controller released it: see agent_off)
+    agent_why: str | None = None  # the agent's words for it (HAProxy's last_agt), e.g. "hang: no token in 2.0s"
     # What HAProxy shows now; used only to seed a node the controller has no state for (restart, second replica)
     haproxy_weight: int | None = None  # current weight; None: unknown
     haproxy_drain: bool = False  # the server is drained
@@ -328,7 +329,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if i.gateway_marked_down or (i.gateway_errors is not None and seen is not None and i.gateway_errors > seen):
             gateway[n] = GATEWAY_REASON
         elif i.agent_down:
-            gateway[n] = AGENT_REASON + (f" (its last probe: {i.probe_result})" if i.probe_result else "")
+            gateway[n] = (AGENT_REASON.replace("(garbage text, a CUDA error or a hang)", f"({i.agent_why})")
+                          if i.agent_why else AGENT_REASON + (f" (its last probe: {i.probe_result})"
+                                                              if i.probe_result else ""))
         if i.gateway_errors is not None:
             st[n] = replace(st[n], gateway_errors_seen=i.gateway_errors)
 

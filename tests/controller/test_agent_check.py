@@ -212,6 +212,7 @@ def test_real_haproxy_agent_down_is_quarantined_and_agents_past_the_cap_are_disa
         ctl.tick()
         st1 = ctl.states["chat"]["node1"]
         assert st1.state == QUARANTINED and st1.cause == DrainCause.GATEWAY and AGENT in st1.reason
+        assert "(probe bad_response: garbage text)" in st1.reason  # the agent's own words, from last_agt
         assert srv("node1").drain
 
         # the agent says up again: HAProxy puts it UP, the controller keeps it drained until canaries pass
@@ -241,3 +242,12 @@ def test_real_haproxy_agent_down_is_quarantined_and_agents_past_the_cap_are_disa
             b.close()
         for a in agents:
             a.close()
+
+
+def test_the_agents_words_are_read_from_last_agt():
+    from controller.haproxy import agent_answer
+    assert agent_answer("via agent : down (hang: no token in 2.0s (3 other requests in the engine))") == \
+        "hang: no token in 2.0s (3 other requests in the engine)"
+    assert agent_answer("via agent : up") == "up"
+    assert agent_answer("") is None and agent_answer(None) is None
+    assert agent_answer("via agent : down (x\x1b[31my)") == "x[31my"  # printable only
