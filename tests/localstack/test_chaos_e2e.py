@@ -201,9 +201,12 @@ def test_controller_sigkilled_while_a_node_is_quarantined_keeps_it_out_on_restar
         wait_good_ticks(stack, 3)
         after = node_status(stack, QUARANTINED)
     assert watch.samples > 0 and watch.bad == [], watch.bad
-    # Its own state came back from the state file: same stage, same cause, same clock.
-    assert after["state"] == before["state"] == "quarantined", (before, after)
-    assert after["drain_cause"] == before["drain_cause"] != "seeded" and after["since"] == before["since"], after
+    # Its own state came back from the state file: same cause, same clock. A CUDA error opens the node's circuit
+    # (the agent marks it down: cause gateway), which goes half-open at the canary interval: the restart may fall
+    # after that, so the stage is quarantined (the same since) or the canary stage that follows it.
+    assert before["state"] == "quarantined" and after["state"] in ("quarantined", "canary"), (before, after)
+    assert after["drain_cause"] == before["drain_cause"] != "seeded", after
+    assert after["state"] != "quarantined" or after["since"] == before["since"], after
 
 
 def test_controller_sigkilled_and_its_state_file_lost_still_keeps_the_node_out(stack):
