@@ -85,5 +85,6 @@ def test_garbage_text_is_taken_out_by_the_agent_check_within_seconds(tmp_path):
     with open(tmp_path / "report" / "requests.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     garbage = [float(row["start_s"]) - r["fault_start_s"] for row in rows if row["status"] == "garbage"]
-    # requests that reached node3 before its agent said down (probe every 0.5 s in the demo, agent-inter 0.5 s)
-    assert garbage and max(garbage) <= 4.0, sorted(garbage)
+    # only requests that reached node3 before its agent said down (probe every 0.5 s in the demo, agent-inter
+    # 0.5 s); often none at all: the probe is the first to see the garbage
+    assert all(g <= 4.0 for g in garbage), sorted(garbage)
