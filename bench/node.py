@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from bench.spec import NodeSpec, Scenario
 from controller.policy import NodeInput
+from grayguard.vocab import PROBE_AGENT_DOWN
 from sim.faults import THERMAL_FAULTS, FaultState
 from sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown, Stallable
 
@@ -106,7 +107,7 @@ class NodeObs:
     agent_off: bool = False  # its agent check is disabled (the controller released it)
 
 
-AGENT_DOWN_RESULTS = frozenset({"bad_response", "cuda_error"})  # one strike: neither is load
+AGENT_DOWN_RESULTS = PROBE_AGENT_DOWN  # one strike: neither is load (the exporter's agent, grayguard.vocab)
 
 
 PROBE_MEDIAN_OF = 5  # the exporter's probe TTFT median: over its last 5 answered probes,

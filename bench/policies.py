@@ -208,7 +208,7 @@ class Grayguard(Detector):
         d = decide_pool(self.states, inputs, self.policy, now)
         # as controller/decide.py: the states of nodes gone from HAProxy are kept (forget_after_s) for their return
         self.states = {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}
-        off = getattr(d, "agent_off", frozenset())
+        off = d.agent_off
         out = {}
         for n, nd in d.nodes.items():
             agent = n not in off  # level-triggered: every node's agent is enabled unless the decision says off

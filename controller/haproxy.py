@@ -181,21 +181,27 @@ def parse_servers_state(text: str) -> list[ServerState]:
 
 
 def parse_stat_columns(csv_text: str, *names: str) -> dict[tuple[str, str], dict[str, str]]:
-    """(backend, server) -> {column: value} for the named columns of `show stat` CSV output (servers and the
-    BACKEND/FRONTEND rows alike); {} when the reply is not one or lacks a column."""
+    """(backend, server) -> {column: value} for those of the named columns `show stat` CSV output has (an older
+    HAProxy lacks some: absent, not empty), servers and BACKEND/FRONTEND rows alike; {} when it is no such reply."""
     lines = csv_text.splitlines()
     if not lines or not lines[0].startswith("# "):
         return {}
     cols = lines[0][2:].split(",")
-    if not {"pxname", "svname", *names} <= set(cols):
+    if not {"pxname", "svname"} <= set(cols):
         return {}
-    idx = [cols.index(c) for c in ("pxname", "svname", *names)]
+    have = [c for c in names if c in cols]
+    idx = [cols.index(c) for c in ("pxname", "svname", *have)]
     out = {}
     for ln in lines[1:]:
         f = ln.split(",")
         if len(f) > max(idx):
-            out[(f[idx[0]], f[idx[1]])] = {c: f[i] for c, i in zip(names, idx[2:], strict=True)}
+            out[(f[idx[0]], f[idx[1]])] = {c: f[i] for c, i in zip(have, idx[2:], strict=True)}
     return out
+
+
+def _hanafail(row: dict[str, str]) -> int | None:
+    v = row.get("hanafail", "")
+    return int(v) if v.isdigit() else None
 
 
 def agent_answer(last_agt: str | None) -> str | None:
@@ -212,8 +218,7 @@ def agent_answer(last_agt: str | None) -> str | None:
 
 def parse_hanafail(csv_text: str) -> dict[tuple[str, str], int]:
     """(backend, server) -> hanafail, from `show stat` CSV output; {} when the reply is not one."""
-    return {k: int(v["hanafail"]) for k, v in parse_stat_columns(csv_text, "hanafail").items()
-            if v["hanafail"].isdigit()}
+    return {k: h for k, row in parse_stat_columns(csv_text, "hanafail").items() if (h := _hanafail(row)) is not None}
 
 
 def parse_backend_algos(csv_text: str) -> dict[str, str]:
@@ -310,12 +315,13 @@ class RuntimeClient:
         reply, stat = self.execute([cmd, f"show stat {backend or -1} 4 -1"])
         if "can't find backend" in reply.lower():
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
-        counts = parse_hanafail(stat)
-        status = {k: v["status"] for k, v in parse_stat_columns(stat, "status").items()}
-        agent = {k: v["last_agt"] for k, v in parse_stat_columns(stat, "last_agt").items()}
-        return [replace(s, hanafail=counts.get((s.backend, s.name)), status=status.get((s.backend, s.name)),
-                        agent_text=agent_answer(agent.get((s.backend, s.name))))
-                for s in parse_servers_state(reply)]
+        rows = parse_stat_columns(stat, "hanafail", "status", "last_agt")  # one pass over the CSV
+        out = []
+        for s in parse_servers_state(reply):
+            row = rows.get((s.backend, s.name), {})
+            out.append(replace(s, hanafail=_hanafail(row), status=row.get("status"),
+                               agent_text=agent_answer(row.get("last_agt"))))
+        return out
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
         """(current, initial) weight of one server."""

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from controller.peers import Score
+from controller.scoring import weight_factor
 from grayguard.config import ThresholdsConfig
 
 
@@ -39,17 +40,11 @@ class LiveMemory:
     z: float = 0.0  # the score that set the cut (its factor holds while the node has no data)
 
 
-def factor(z: float) -> float:
-    """2^-(z-2), z rounded down to half points and floored at 2 (the latency signal's curve)."""
-    q = max(2.0, math.floor(z * 2) / 2)
-    return 2.0 ** -(q - 2.0)
-
-
 def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
            ) -> tuple[LiveMemory, float, str, str | None]:
     """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick."""
     if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
-        return m, (factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
+        return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
     ratio, z = sc.ratio, sc.z
     ceiling = 2.0 * t.live_cusum_quarantine  # bounded, so that S falls back within a few calm ticks
     cusum = min(ceiling, max(0.0, m.cusum + math.log(ratio) - math.log(t.live_drift)))
@@ -69,4 +64,4 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
         quarantine = f"{what} {ratio:.2f}x peer median, score {z:.1f} for {hot_q} tick(s)"
     elif cusum >= t.live_cusum_quarantine:
         quarantine = f"{what} persistently {ratio:.2f}x peer median (cusum {cusum:.1f})"
-    return m, (factor(zz) if cut else 1.0), reason, quarantine
+    return m, (weight_factor(zz) if cut else 1.0), reason, quarantine

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from controller import live, peers, signals
 from controller.live import LiveMemory
-from controller.scoring import ema, usable
+from controller.scoring import ema, usable, weight_factor
 from controller.signals import SignalMemory
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
@@ -150,12 +150,10 @@ GATEWAY_REASON = ("HAProxy marked it DOWN for errors (observe layer7 error-limit
 AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage text, a CUDA error or a hang); "
                 "quarantined until canaries pass")
 
-# the live signals (NodeInput field -> what the reasons call it); each has its LiveMemory in NodeState. The probe
-# TTFT median is not among them: too noisy alone (heavy-tailed prompts queue ahead of a probe), it confirms.
-LIVE_SIGNALS = {"live_itl": "live ITL"}
-_LIVE_MEMORY = {"live_itl": "live_itl"}
-PROBE_MEDIAN = "probe_ttft_median"
-LIVE_TTFT = "live_ttft"  # with the live ITL, the present that can veto the 30 s window's past
+# The live signal is the live ITL (its LiveMemory is NodeState.live_itl). The probe TTFT median does not act alone
+# (heavy-tailed prompts queue ahead of a probe): it confirms a live quarantine. The live TTFT joins the live ITL to
+# veto the 30 s window's past. The NodeInput fields scored each tick:
+LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
 
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
@@ -178,7 +176,7 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
         if m is not None and p > t.live_prefill_gate * m:
             gated.add(n)
     out = {}
-    for name in (*LIVE_SIGNALS, PROBE_MEDIAN, LIVE_TTFT):
+    for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
         vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
                 and usable(v := getattr(inputs[n], name))}
         out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
@@ -205,10 +203,7 @@ def slow_start_share(s: NodeState, now: float, r: RecoveryConfig) -> float:
     return min(1.0, r.slow_start_initial + r.slow_start_step_per_min * max(0.0, now - start) / 60.0)
 
 
-def latency_factor(score: float) -> float:
-    """2^-(score-2) with the score rounded down to half points, so the weight does not churn every tick."""
-    q = max(2.0, math.floor(score * 2) / 2)
-    return 2.0 ** -(q - 2.0)
+latency_factor = weight_factor  # the latency signal's weight curve (controller/scoring.py), shared with live.py
 
 
 def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool = False) -> int:
@@ -475,7 +470,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         # the window counts requests that finished in the last 30 s; the live signals say how the node is now.
         # When both say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
         # on. Absent live data vetoes nothing.
-        li, lt = (live_sc or {}).get("live_itl"), (live_sc or {}).get(LIVE_TTFT)
+        li, lt = (live_sc or {}).get(LIVE_ITL), (live_sc or {}).get(LIVE_TTFT)
         if (outlier or hot) and li is not None and lt is not None and li.ratio < t.live_veto_ratio \
                 and lt.ratio < t.live_veto_ratio:
             outlier = hot = False
@@ -494,21 +489,17 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence))
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    lf, l_reasons, l_quarantine = 1.0, [], None
-    for name, what in LIVE_SIGNALS.items():
-        lsc = (live_sc or {}).get(name)
-        lm, f, why_l, q = live.assess(getattr(s, _LIVE_MEMORY[name]), lsc, t, what)
-        s = replace(s, **{_LIVE_MEMORY[name]: lm})
-        lf = min(lf, f)
-        if why_l:
-            l_reasons.append(why_l)
-        if q and l_quarantine is None:
-            probe = (live_sc or {}).get(PROBE_MEDIAN)
-            if probe is not None and probe.ratio >= t.live_probe_confirm:
-                l_quarantine = (lsc.z if lsc else math.inf, f"{q}; probes agree ({probe.ratio:.2f}x peers')")
-            else:
-                why_p = "no probe data" if probe is None else f"probes {probe.ratio:.2f}x peers'"
-                l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
+    lsc = (live_sc or {}).get(LIVE_ITL)
+    lm, lf, l_reason, q = live.assess(s.live_itl, lsc, t, "live ITL")
+    s = replace(s, live_itl=lm)
+    l_reasons, l_quarantine = [l_reason] if l_reason else [], None
+    if q:
+        probe = (live_sc or {}).get(PROBE_MEDIAN)
+        if probe is not None and probe.ratio >= t.live_probe_confirm:
+            l_quarantine = (lsc.z if lsc else math.inf, f"{q}; probes agree ({probe.ratio:.2f}x peers')")
+        else:
+            why_p = "no probe data" if probe is None else f"probes {probe.ratio:.2f}x peers'"
+            l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
     factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
                                 (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
                                 (Signal.LIVE, lf, "; ".join(l_reasons)))

@@ -22,6 +22,13 @@ MAD_SCALE = 1.4826  # MAD of a normal sample * 1.4826 estimates its standard dev
 EXACT_LOO_MAX = 64  # above this pool size one node cannot move the MAD: reuse the pool's own
 
 
+def weight_factor(score: float) -> float:
+    """The weight a peer score leaves a node: 2^-(score-2), the score rounded down to half points (so the weight
+    does not churn every tick) and floored at 2 (an outlier keeps its whole weight at the threshold)."""
+    q = max(2.0, math.floor(score * 2) / 2)
+    return 2.0 ** -(q - 2.0)
+
+
 def ema(prev: float | None, x: float, alpha: float) -> float:
     """Exponential moving average; the first sample starts it."""
     return x if prev is None else alpha * x + (1.0 - alpha) * prev

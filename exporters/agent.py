@@ -21,12 +21,12 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporters.probe import ProbeState
-from grayguard.vocab import ProbeResult
+from grayguard.vocab import PROBE_AGENT_DOWN, ProbeResult
 
 log = logging.getLogger(__name__)
 
 # results that take a node out on one strike: neither is load, and every answer the node gives meanwhile is broken
-ONE_STRIKE = (ProbeResult.BAD_RESPONSE, ProbeResult.CUDA_ERROR)
+ONE_STRIKE = PROBE_AGENT_DOWN
 STALE_INTERVALS = 3  # a last probe older than this many intervals plus the deadline says nothing any more
 LINGER_S = 1.0  # longest a connection is kept: answer, then read what the client sent until it hangs up
 DESCRIPTION_LIMIT = 160  # characters of the reason after '#' (HAProxy shows it as the agent's description)

@@ -49,6 +49,8 @@ PROBE_FAILURES = frozenset({ProbeResult.TIMEOUT, ProbeResult.CONNECT_ERROR, Prob
                             ProbeResult.BAD_RESPONSE})
 #: every failed probe: the failures plus a CUDA error (the exporter's failure streak, a failed canary)
 PROBE_FAULTS = PROBE_FAILURES | {ProbeResult.CUDA_ERROR}
+#: one strike for the agent check (exporters/agent.py, and the benchmark's model of it): neither is load
+PROBE_AGENT_DOWN = frozenset({ProbeResult.BAD_RESPONSE, ProbeResult.CUDA_ERROR})
 
 
 class Signal(StrEnum):
