@@ -97,6 +97,7 @@ class NodeObs:
     live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes included)
     probe_ttft_median: float | None = None  # median TTFT of the last answered probes (3 to 5 of them)
     live_prefill_rate: float | None = None  # prompt tokens prefilled per second over the live window
+    live_decode_batch: float | None = None  # mean sequences decoding over the live window: delta(ITL sum) / span
     latency_at: float | None = None  # the rule evaluation the latency (and rate, errors) come from
     # HAProxy's `show stat` for the server, read at the tick (no scrape): None without a balancer model
     gateway_sessions: int | None = None  # scur: client requests on the server now
@@ -173,8 +174,9 @@ class LiveSignals:
         self.phase = phase  # first scrape, in [0, scrape_s)
         # (t, itl sum, count, ttft sum, count, prompt tokens)
         self.readings: deque[tuple[float, float, int, float, int, int]] = deque()
-        # (t, itl, ttft, probe median, prompt tokens/s)
-        self.computed: deque[tuple[float, float | None, float | None, float | None, float | None]] = deque()
+        # (t, itl, ttft, probe median, prompt tokens/s, decode batch)
+        self.computed: deque[tuple[float, float | None, float | None, float | None, float | None, float | None]] \
+            = deque()
 
     def read(self, t: float, itl_sum: float, itl_count: int, ttft_sum: float, ttft_count: int,
              probe_median: float | None, prompt_total: int = 0) -> None:
@@ -184,7 +186,7 @@ class LiveSignals:
         old = t - self.window_s
         while len(r) > 1 and r[1][0] <= old:  # keep the newest reading at least a window old as the base
             r.popleft()
-        itl = ttft = prefill = None
+        itl = ttft = prefill = batch = None
         base = r[0]
         if t - base[0] >= self.window_s / 2:
             dn = itl_count - base[2]
@@ -192,7 +194,8 @@ class LiveSignals:
             dn = ttft_count - base[4]
             ttft = (ttft_sum - base[3]) / dn if dn else None
             prefill = (prompt_total - base[5]) / (t - base[0])
-        self.computed.append((t, itl, ttft, probe_median, prefill))
+            batch = (itl_sum - base[1]) / (t - base[0]) if itl is not None else None
+        self.computed.append((t, itl, ttft, probe_median, prefill, batch))
 
     def last_scrape(self, now: float) -> float | None:
         """The node's last scrape at or before now (None before the first)."""
@@ -200,18 +203,18 @@ class LiveSignals:
             return None
         return self.phase + math.floor((now - self.phase) / self.scrape_s) * self.scrape_s
 
-    def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None]:
-        """(live ITL, live TTFT, probe TTFT median, prompt tokens/s) as the controller reads them at now (ticks move
-        forward)."""
+    def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None, float | None]:
+        """(live ITL, live TTFT, probe TTFT median, prompt tokens/s, decode batch) as the controller reads them at
+        now (ticks move forward)."""
         s = self.last_scrape(now)
         c = self.computed
         if s is None:
-            return None, None, None, None
+            return None, None, None, None, None
         while len(c) > 1 and c[1][0] <= s:
             c.popleft()
         if not c or c[0][0] > s:
-            return None, None, None, None
-        return c[0][1], c[0][2], c[0][3], c[0][4]
+            return None, None, None, None, None
+        return c[0][1:]
 
 
 class VirtualNode:
@@ -317,7 +320,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
-    live_itl, live_ttft, probe_median, prefill_rate = node.live.at(now)
+    live_itl, live_ttft, probe_median, prefill_rate, decode_batch = node.live.at(now)
     return NodeObs(
         latency=e2e / weighted if weighted > 0 else None,
         request_rate=n / scn.window_s,
@@ -333,6 +336,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
         live_ttft=live_ttft,
         probe_ttft_median=probe_median,
         live_prefill_rate=prefill_rate,
+        live_decode_batch=decode_batch,
         latency_at=hi,
         gateway_sessions=stat[0] if stat is not None else None,
         gateway_started=stat[1] if stat is not None else None,

@@ -23,7 +23,7 @@ POOL_LABEL = "pool"  # the target label that names a series' pool (README: Prome
 # the optional signals (signals.<name>_query); a failing or empty one is absent, never zero
 OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",
             "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group", "live_itl", "live_ttft", "probe_ttft_median",
-            "live_prefill_rate")
+            "live_prefill_rate", "live_decode_batch")
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,8 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
             gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)),
             live_itl=finite(sig["live_itl"].get(key)), live_ttft=finite(sig["live_ttft"].get(key)),
             probe_ttft_median=finite(sig["probe_ttft_median"].get(key)),
-            live_prefill_rate=finite(sig["live_prefill_rate"].get(key)))
+            live_prefill_rate=finite(sig["live_prefill_rate"].get(key)),
+            live_decode_batch=finite(sig["live_decode_batch"].get(key)))
     return inputs
 
 

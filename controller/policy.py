@@ -67,6 +67,7 @@ class NodeInput:
     live_ttft: float | None = None  # mean TTFT of the requests whose first token came in the last few seconds
     probe_ttft_median: float | None = None  # median TTFT of the node's last few answered probes
     live_prefill_rate: float | None = None  # prompt tokens/s prefilled over the live window (load, not sickness)
+    live_decode_batch: float | None = None  # mean sequences decoding over the live window (the ITL's batch size)
     kv_cache_usage: float | None = None  # 0-1
     gpu_throttled: bool | None = None  # thermal/power throttling under load
     pcie_degraded: bool | None = None  # link generation or width below its maximum under load
@@ -179,8 +180,24 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
         vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
                 and usable(v := getattr(inputs[n], name))}
+        vals = at_equal_batch(vals, inputs, t.live_batch_slope)  # the first token, too, comes out of a shared step
         out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
     return out, gated
+
+
+def at_equal_batch(vals: Mapping[str, float], inputs: Mapping[str, NodeInput], slope: float) -> dict[str, float]:
+    """Each live latency as it would be at a batch of one sequence: value / (1 + slope x (decode batch - 1)).
+
+    A decode step with more sequences takes longer, and so does the step that gives a request (or a probe) its first
+    token, so a node running twice its peers' requests (a tenant with long completions pinned to it) has a higher
+    ITL and TTFT without being slower. A slow node under roundrobin also holds more requests (Little's law), but
+    its latency is higher than its batch explains, and only the batch's share is taken out. When any node lacks its
+    batch (an older exporter), all are compared raw: one unit per comparison.
+    """
+    batch = {n: inputs[n].live_decode_batch for n in vals}
+    if slope <= 0 or not all(usable(b) for b in batch.values()):
+        return dict(vals)
+    return {n: v / (1.0 + slope * max(0.0, batch[n] - 1.0)) for n, v in vals.items()}
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -440,6 +457,23 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
     return frozenset(off), out_now
 
 
+def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
+    """Why the live signals say a node is like its peers now ("" when they do not), at equal batch.
+
+    Decode: its live ITL below `ratio` x the peers', or no ITL at all (nothing decoded in the live window: a
+    quiet node, which the probes still measure). First token: its live TTFT or its probe TTFT median below
+    `ratio` x the peers' (the probes are the same 1-token request everywhere, so the prompt mix does not move
+    them). Both are needed, and at least one measurement of the node now: absent data alone vetoes nothing.
+    """
+    li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
+    first = [(what, x.ratio) for what, x in (("TTFT", lt), ("probe TTFT median", pm)) if x is not None]
+    if (li is not None and li.ratio >= ratio) or not first or min(r for _, r in first) >= ratio:
+        return ""
+    what, r = min(first, key=lambda w: w[1])
+    decode = f"live ITL {li.ratio:.2f}x" if li is not None else "no live ITL"
+    return f"{decode} and {what} {r:.2f}x peers'"
+
+
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
     # An open error circuit (ours or HAProxy's error-limit) goes half-open at the next canary interval; other causes
     # wait min_quarantine_s.
@@ -468,26 +502,27 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
         hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
         # the window counts requests that finished in the last 30 s; the live signals say how the node is now.
-        # When both say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
-        # on. Absent live data vetoes nothing.
-        li, lt = (live_sc or {}).get(LIVE_ITL), (live_sc or {}).get(LIVE_TTFT)
-        if (outlier or hot) and li is not None and lt is not None and li.ratio < t.live_veto_ratio \
-                and lt.ratio < t.live_veto_ratio:
+        # When they say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
+        # on, nor is a cut it made held (live_veto).
+        veto = live_veto(live_sc or {}, t.live_veto_ratio)
+        if (outlier or hot or s.lat_degraded) and veto:
             outlier = hot = False
-            lat_vetoed = f"; live ITL {li.ratio:.2f}x and TTFT {lt.ratio:.2f}x peers': not acted on"
+            lat_vetoed = f"; {veto}: not acted on"
         else:
             lat_vetoed = ""
         calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
         calm_ticks = s.calm_ticks + 1 if calm else 0
-        lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks)
+        lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not veto)
         s = replace(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
                     lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
         lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
     # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
+    pm = (live_sc or {}).get(PROBE_MEDIAN)
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,
-                                                    peer_probe, t, corroborated=bool(evidence))
+                                                    peer_probe, t, corroborated=bool(evidence),
+                                                    median_calm=pm is not None and pm.ratio < t.min_relative_gap)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     lsc = (live_sc or {}).get(LIVE_ITL)
     lm, lf, l_reason, q = live.assess(s.live_itl, lsc, t, "live ITL")

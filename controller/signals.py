@@ -32,7 +32,7 @@ class SignalMemory:
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
-          corroborated: bool = False) -> tuple[SignalMemory, float, str, str | None]:
+          corroborated: bool = False, median_calm: bool = False) -> tuple[SignalMemory, float, str, str | None]:
     """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
 
     corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
@@ -40,6 +40,9 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     cannot see a 200 with broken text, so every tick waited for a second bad probe delivers garbage.
     Without corroboration a bad response is one failure among `probe_failures_to_quarantine` (a single
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
+
+    median_calm: the median of the node's last few probes is like its peers' (controller/live.py's probe median):
+    a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none).
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
@@ -59,7 +62,9 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if (result == ProbeResult.SLOW and slower) or far:
+    if ((result == ProbeResult.SLOW and slower) or far) and median_calm and not m.probe_slow:
+        m = replace(m, probe_bad=0, probe_good=0, probe_slow_run=0)
+    elif (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1
         m = replace(m, probe_bad=0, probe_good=0, probe_slow_run=run,
                     probe_slow=m.probe_slow or run >= (1 if corroborated else t.probe_slow_consecutive))

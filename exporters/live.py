@@ -46,6 +46,8 @@ class LiveSignals:
     prompt_tokens_per_second: float | None = None  # prompt tokens prefilled per second over the span (the load
     # that inflates the ITL of the decodes sharing its steps: the controller does not count a prefill-heavy node's ITL)
     running: float | None = None  # requests in the running batch at the newest reading
+    decode_batch: float | None = None  # mean sequences decoding over the span: delta(ITL sum) / span (Little's
+    # law: every decoding sequence adds one second of gaps per second), the batch its ITL was measured at
     waiting: float | None = None  # requests waiting at the newest reading
     span: float | None = None  # s between the two readings the deltas are taken over
     probe_ttft_median: float | None = None  # s: median TTFT of the last answered probes
@@ -110,10 +112,14 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
     span = new.at - old.at
     tokens = _delta(old.load.generation_tokens, new.load.generation_tokens)
     prompt = _delta(old.load.prompt_tokens, new.load.prompt_tokens)
-    return LiveSignals(itl=_mean(old.load, new.load, "itl"), ttft=_mean(old.load, new.load, "ttft"),
+    itl = _mean(old.load, new.load, "itl")
+    gaps = _delta(old.load.itl_sum, new.load.itl_sum)
+    return LiveSignals(itl=itl, ttft=_mean(old.load, new.load, "ttft"),
                        tokens_per_second=tokens / span if tokens is not None else None,
                        prompt_tokens_per_second=prompt / span if prompt is not None else None,
-                       running=new.load.running, waiting=new.load.waiting, span=span, probe_ttft_median=median)
+                       running=new.load.running, waiting=new.load.waiting,
+                       decode_batch=gaps / span if gaps is not None and itl is not None else None,
+                       span=span, probe_ttft_median=median)
 
 
 def _at_least_window_old(readings: tuple[Reading, ...], window: float) -> int | None:

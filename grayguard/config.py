@@ -219,6 +219,7 @@ class SignalsConfig:
     live_ttft_query: str = "max by (pool, instance) (grayguard_live_ttft_seconds)"
     probe_ttft_median_query: str = "max by (pool, instance) (grayguard_probe_ttft_median_seconds)"
     live_prefill_rate_query: str = "max by (pool, instance) (grayguard_live_prompt_tokens_per_second)"
+    live_decode_batch_query: str = "max by (pool, instance) (grayguard_live_decode_batch)"
 
     def validate(self, path: str) -> None:
         """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
@@ -273,6 +274,11 @@ class ThresholdsConfig:
     # the 30 s window's outlier is not acted on while the live ITL and TTFT are both below this multiple of the
     # peers' (the window is the past: a few heavy requests in a thin window; the live signals are the present)
     live_veto_ratio: float = 1.1
+    # a decode step with more sequences takes longer: each sequence beyond the first adds this share of a batch-1
+    # step (vLLM's ITL-vs-concurrency curves: a batch of 64 steps about twice as long as a batch of 1 for 8B-class
+    # models). Live ITLs are compared at equal batch, ITL / (1 + slope x (decode batch - 1)), so a node running
+    # more (or longer) requests than its peers is not taken for a slow one; 0 compares raw ITLs
+    live_batch_slope: float = 0.015
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
@@ -302,6 +308,7 @@ class ThresholdsConfig:
         for name in ("live_confirm_ticks", "live_sustain_ticks"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1")
         _check(self.live_cusum_cut > 0, p + "live_cusum_cut", "must be > 0")
+        _check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope", "must be in [0, 1] (a share of a batch-1 step)")
         _check(self.live_cusum_quarantine >= self.live_cusum_cut, p + "live_cusum_quarantine",
                f"must be >= {p}live_cusum_cut")
         for name in ("probe_slow_factor", "error_factor"):

@@ -163,10 +163,12 @@ def test_live_signals_fall_back_to_half_a_window_and_report_no_tokens_as_none():
     live.read(8.0, 1.5, 20, 1.2, 6, 0.05)  # base 3.0: no token in between
     assert [c[1:3] for c in live.computed] == [(None, None), (None, None), (0.075, 0.15), (0.075, 0.18),
                                               (None, pytest.approx(0.225))]
-    assert live.at(0.4) == (None, None, None, None)  # no scrape yet
-    assert live.at(2.9) == (None, None, None, None)  # the 2.5 scrape saw the reading at 2.0
-    assert live.at(7.9) == (0.075, 0.18, 0.05, 0.0)  # the 7.5 scrape saw the reading at 6.0, not 8.0
-    assert live.at(8.5) == (None, pytest.approx(0.225), 0.05, 0.0)  # no prompt finished: 0 tokens/s, a value
+    assert live.at(0.4) == (None, None, None, None, None)  # no scrape yet
+    assert live.at(2.9) == (None, None, None, None, None)  # the 2.5 scrape saw the reading at 2.0
+    # the 7.5 scrape saw the reading at 6.0, not 8.0; 1.5 s of inter-token gaps in 6 s: 0.25 sequences decoding
+    assert live.at(7.9) == (0.075, 0.18, 0.05, 0.0, 0.25)
+    # no prompt finished: 0 tokens/s, a value; no token: no ITL, and no batch to measure it at
+    assert live.at(8.5) == (None, pytest.approx(0.225), 0.05, 0.0, None)
 
 
 def test_the_prefill_rate_is_prompt_tokens_over_the_span():

@@ -61,10 +61,11 @@ def test_no_data_holds_and_calm_clears():
 
 
 def _inputs(live: dict[str, float], probes: dict[str, float] | None = None,
-            prefill: dict[str, float] | None = None) -> dict[str, NodeInput]:
+            prefill: dict[str, float] | None = None, batch: dict[str, float] | None = None) -> dict[str, NodeInput]:
     probes = probes if probes is not None else {n: 0.05 * v / 0.02 for n, v in live.items()}
     return {n: NodeInput(base_weight=100, latency=0.02, request_rate=5.0, live_itl=v, probe_ttft_median=probes.get(n),
-                         live_prefill_rate=(prefill or {}).get(n, 1000.0)) for n, v in live.items()}
+                         live_prefill_rate=(prefill or {}).get(n, 1000.0),
+                         live_decode_batch=(batch or {}).get(n)) for n, v in live.items()}
 
 
 def test_decide_pool_cuts_and_quarantines_on_the_live_itl_before_the_30s_window_moves():
@@ -207,3 +208,67 @@ def test_a_reflex_mark_down_is_no_restart_and_a_flag_never_raises_a_warming_node
                                                                     for i in (1, 2, 3)}}
     d = decide_pool(states, _pool(**slow), pol, 100.0)
     assert d.nodes["n0"].state.state == SLOW_START and d.nodes["n0"].weight <= 10  # flagged: lower, never higher
+
+
+def test_live_itls_are_compared_at_equal_batch():
+    """A decode step with more sequences is longer: a node decoding 8x its peers' batch is not slow for it."""
+    slope = T.live_batch_slope
+    step = {b: 0.015 * (1 + slope * (b - 1)) for b in (8.0, 64.0)}  # a healthy node's ITL at batch 8 and 64
+    batch = {"n0": 64.0, "n1": 8.0, "n2": 8.0, "n3": 8.0}
+    busy = {"n0": step[64.0], "n1": step[8.0], "n2": step[8.0] * 1.02, "n3": step[8.0] * 0.98}
+    assert busy["n0"] / busy["n1"] > T.live_cut_ratio  # compared raw, it would be cut at once
+    out = _ticks(busy, 12, batch=batch)
+    assert all(s.state == HEALTHY and w == 100 for s, w in out)
+    # a 2x slow node holding 8x the batch (roundrobin keeps sending it requests: Little's law) is still caught
+    slow = dict(busy, n0=2.0 * step[64.0])
+    out = _ticks(slow, 12, batch=batch)
+    assert out[0][0].state == DEGRADED and out[-1][0].state == QUARANTINED
+    # one node without its batch (an older exporter): everyone compared raw, as before
+    out = _ticks(busy, 3, batch=dict(batch, n3=None))
+    assert out[0][0].state == DEGRADED
+
+
+def test_equal_batch_is_a_no_op_at_slope_zero_and_keeps_every_node():
+    from controller.policy import at_equal_batch
+    itl = {"a": 0.02, "b": 0.03}
+    inputs = {"a": NodeInput(base_weight=1, live_decode_batch=1.0),
+              "b": NodeInput(base_weight=1, live_decode_batch=0.3)}
+    assert at_equal_batch(itl, inputs, 0.0) == itl
+    assert at_equal_batch(itl, inputs, 0.5) == itl  # a batch of one (or less: idle part of the window) is the unit
+    inputs["b"] = NodeInput(base_weight=1, live_decode_batch=3.0)
+    assert at_equal_batch(itl, inputs, 0.5) == {"a": 0.02, "b": pytest.approx(0.015)}
+
+
+def test_a_slow_probe_behind_a_passing_backlog_is_noise_when_the_probe_median_is_like_the_peers():
+    """A pool-wide slowdown ends and one node's queue drains a second later: its next probes wait behind it."""
+    live = {"n0": 0.020, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+
+    def run(median0):
+        pol = Policy()
+        states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+        out = []
+        for tick in range(4):
+            inputs = _inputs(live, probes={"n0": median0, "n1": 0.05, "n2": 0.05, "n3": 0.05})
+            inputs["n0"] = replace(inputs["n0"], probe_result="slow", probe_ttft=0.5)
+            for n in ("n1", "n2", "n3"):
+                inputs[n] = replace(inputs[n], probe_result="ok", probe_ttft=0.05)
+            d = decide_pool(states, inputs, pol, 100.0 + tick)
+            states = {n: nd.state for n, nd in d.nodes.items()}
+            out.append((states["n0"].state, d.nodes["n0"].weight))
+        return out
+    assert all(x == (HEALTHY, 100) for x in run(0.055))  # the last few probes' median: like the peers'
+    slow = run(0.4)  # most of its last probes were slow: a run of slow probes cuts, as before
+    assert slow[-1][0] == DEGRADED and slow[-1][1] < 100
+    assert run(None)[-1][0] == DEGRADED  # no median (too few probes): the slow probes count, as before
+
+
+def test_the_veto_needs_a_measurement_of_the_node_now():
+    from controller.policy import live_veto
+    calm, hot = Score(z=0.1, ratio=1.0, peer_median=0.02), Score(z=4.0, ratio=1.6, peer_median=0.02)
+    assert live_veto({}, 1.1) == ""  # absent vetoes nothing
+    assert live_veto({"live_itl": calm}, 1.1) == ""  # decode calm, nothing about the first token
+    assert live_veto({"live_itl": calm, "live_ttft": hot, "probe_ttft_median": calm}, 1.1) \
+        == "live ITL 1.00x and probe TTFT median 1.00x peers'"
+    assert live_veto({"live_itl": hot, "live_ttft": calm, "probe_ttft_median": calm}, 1.1) == ""
+    assert live_veto({"probe_ttft_median": calm}, 1.1) == "no live ITL and probe TTFT median 1.00x peers'"
+    assert live_veto({"live_ttft": hot, "probe_ttft_median": hot}, 1.1) == ""
