@@ -19,6 +19,12 @@ class DashboardConfig:
     degrade_score: float = _T.degrade_score  # drawn on the peer-score panel
     quarantine_score: float = _T.quarantine_score  # drawn on the peer-score panel
     min_relative_gap: float = _T.min_relative_gap  # drawn on the slowdown panels: never an outlier below it
+    live_cut_ratio: float = _T.live_cut_ratio  # drawn on the live ITL ratio panel: the controller cuts the weight
+    live_quarantine_ratio: float = _T.live_quarantine_ratio  # drawn there too: sustained, it quarantines
+    live_batch_slope: float = _T.live_batch_slope  # the live ITL ratio panel compares ITLs at equal batch
+    live_sustain_ticks: int = _T.live_sustain_ticks  # ticks at live_quarantine_ratio before quarantine (described)
+    live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
+    live_prefill_gate: float = _T.live_prefill_gate  # prompt tokens/s ratio that leaves the live ITL out (described)
     controller_job: str = _R.controller_job  # controller series without a pool label are selected by job
     controller_stale_s: float = _R.controller_stale_s  # drawn on the last-successful-tick panel
     probe_failures: int = _R.probe_failures  # drawn on the consecutive-probe-failures panel
@@ -43,6 +49,9 @@ class DashboardConfig:
         t, r = cfg.thresholds, cfg.rules
         return cls(control_window=r.control_window, human_window=r.human_window, degrade_score=t.degrade_score,
                    quarantine_score=t.quarantine_score, min_relative_gap=t.min_relative_gap,
+                   live_cut_ratio=t.live_cut_ratio, live_quarantine_ratio=t.live_quarantine_ratio,
+                   live_sustain_ticks=t.live_sustain_ticks, live_probe_confirm=t.live_probe_confirm,
+                   live_prefill_gate=t.live_prefill_gate, live_batch_slope=t.live_batch_slope,
                    controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,
                    probe_failures=r.probe_failures, tick_interval_s=cfg.tick_interval_s,
                    vllm_prefix=r.vllm_prefix)

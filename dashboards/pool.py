@@ -1,7 +1,9 @@
-"""grayguard / Pool overview: what is slow, since when, what the controller did about it, and what users see."""
+"""grayguard / Pool overview: what is slow, since when and right now, what the controller did about it, and what
+users see."""
 
 from __future__ import annotations
 
+from dashboards import live
 from dashboards.config import DashboardConfig
 from dashboards.panels import (
     PromAnnotation,
@@ -59,9 +61,10 @@ def build(cfg: DashboardConfig) -> dict:
     ctl, hum, px = cfg.control, cfg.human, cfg.vllm_prefix
     J = matchers(job=cfg.controller_job)
     ticking = f"sum(rate(grayguard_ticks_total{{{J}}}[$__rate_interval]))"
-    d = dashboard(UID, TITLE, "Per pool: which node is slow against its peers, since when, what the controller "
-                  "did about it (state, weight, drains under the cap), what users see, and whether the controller "
-                  "itself is healthy. Rendered by `grayguard dashboards render`.", cfg.refresh, cfg.time_from)
+    d = dashboard(UID, TITLE, "Per pool: which node is slow against its peers, since when (30 s window) and right "
+                  "now (live signals, 1 s), what the controller did about it (state, weight, drains under the "
+                  "cap), what users see, and whether the controller itself is healthy. Rendered by `grayguard "
+                  "dashboards render`.", cfg.refresh, cfg.time_from)
     d = (d.with_variable(datasource_variable())
          .with_variable(query_variable("pool", "Pool", "label_values(grayguard_pool_nodes, pool)",
                                        "A grayguard pool (one HAProxy backend)."))
@@ -146,6 +149,10 @@ def build(cfg: DashboardConfig) -> dict:
         [Q(f"{ej} / ({s('grayguard_pool_nodes', P)} > 0)", "drained"),
          Q(f"{s('grayguard_pool_max_ejected_nodes', P)} / ({s('grayguard_pool_nodes', P)} > 0)", "cap")],
         "percentunit", lo=0, hi=1, dashed="^cap$", step_line=True))
+
+    d = d.with_row(row(live.TITLE))
+    for p in live.panels(cfg):
+        d = d.with_panel(p)
 
     d = d.with_row(row("What users see"))
     ttft, itl = vllm(px, "time_to_first_token_seconds_bucket", V), vllm(px, "inter_token_latency_seconds_bucket", V)

@@ -1,0 +1,119 @@
+"""The Pool overview's "Live signals (1 s)" row: each node's live fast path (grayguard_live_*), the present.
+
+The exporter beside each node exports vLLM's inter-token latency, TTFT and throughput over the last few seconds
+(exporters/fastpath.py, docs/exporters.md "Live fast path"); the controller cuts and quarantines on the live ITL
+against the peers' median within seconds, long before the 30 s window of "What is slow, since when" moves.
+"""
+
+from __future__ import annotations
+
+from dashboards.config import DashboardConfig
+from dashboards.panels import Q, ts
+from dashboards.promql import matchers
+
+TITLE = "Live signals (1 s)"
+
+P = matchers(pool="$pool")  # the whole pool: its median is over every node, whatever $instance selects
+V = matchers(pool="$pool", instance="~$instance")  # exporter series are labelled instance = the vLLM address
+
+ITL, TTFT = "grayguard_live_itl_seconds", "grayguard_live_ttft_seconds"
+PROBE_MEDIAN = "grayguard_probe_ttft_median_seconds"
+RUNNING, WAITING = "grayguard_live_requests_running", "grayguard_live_requests_waiting"
+BATCH = "grayguard_live_decode_batch"
+GENERATED, PROMPT = "grayguard_live_generation_tokens_per_second", "grayguard_live_prompt_tokens_per_second"
+
+ABSENT = ("A gap is no data, not zero: no token produced over the window, the window still filling, or a stuck "
+          "prober (docs/exporters.md, \"Live fast path\").")
+
+
+def per_node(name: str, m: str = V) -> str:
+    """One series per node: the fast (/metrics/fast) and full (/metrics) scrapes carry the same value, by job."""
+    return f"max by (pool, instance) ({name}{{{m}}})"
+
+
+def pool_median(name: str) -> str:
+    """The median node of the pool (the nodes with a value now)."""
+    return f"quantile by (pool) (0.5, {per_node(name, P)})"
+
+
+def at_equal_batch(m: str, slope: float) -> str:
+    """Each node's live ITL as the controller compares it: at a batch of one, ITL / (1 + slope x (batch - 1))."""
+    if slope <= 0:  # thresholds.live_batch_slope 0: raw ITLs
+        return per_node(ITL, m)
+    return f"{per_node(ITL, m)}\n/ (1 + {float(slope)!r} * clamp_min({per_node(BATCH, m)} - 1, 0))"
+
+
+def equal_batch(slope: float) -> str:
+    """How the ratio panel compares ITLs, for its description."""
+    if slope <= 0:
+        return ", raw ITLs (live_batch_slope 0)"
+    return (f", both at equal decode batch, ITL / (1 + live_batch_slope × (grayguard_live_decode_batch − 1)) with "
+            f"live_batch_slope {slope:g}, as the controller compares them: a node decoding more sequences at once "
+            "is not taken for a slow one")
+
+
+def itl_to_pool_median(slope: float) -> str:
+    """Each node's live ITL at equal batch over the pool's median node's."""
+    return (f"{at_equal_batch(V, slope)}\n/ on (pool) group_left ()\n"
+            f"quantile by (pool) (0.5, {at_equal_batch(P, slope)})")
+
+
+def panels(cfg: DashboardConfig) -> list:
+    """The row's panels, in layout order (12 + 12, 8 + 8 + 8, 12 + 12 columns)."""
+    return [
+        ts("Live inter-token latency per node",
+           "Mean gap between two tokens of a stream over the last live window (about 5 s), per node "
+           "(grayguard_live_itl_seconds: Δ sum / Δ count of vLLM's inter-token latency histogram, read by the "
+           "exporter every second). A throttled or degraded GPU shows here within seconds, while the 30 s "
+           "normalized latency above still averages the past. Dashed: the pool's median node. " + ABSENT,
+           [Q(per_node(ITL), "{{instance}}"), Q(pool_median(ITL), "pool median")], "s", dashed="^pool median$",
+           legend_table=True),
+        ts("Live ITL vs pool median",
+           "Each node's live inter-token latency (grayguard_live_itl_seconds) over the pool's median node's (1 = "
+           f"typical){equal_batch(cfg.live_batch_slope)}: the signal the controller acts on within seconds. Dashed: "
+           f"live_cut_ratio ({cfg.live_cut_ratio:g}x), where the controller cuts the node's weight (with a peer score "
+           f"≥ degrade_score, {cfg.degrade_score:g}), and live_quarantine_ratio ({cfg.live_quarantine_ratio:g}x), "
+           f"where {cfg.live_sustain_ticks} ticks in a row (score ≥ quarantine_score, {cfg.quarantine_score:g}) "
+           "drain it when the probes agree. The controller divides by the median of the node's peers (the node "
+           "left out, within its peer group), so in a small pool its ratio reads a little higher than this "
+           "one. " + ABSENT,
+           [Q(itl_to_pool_median(cfg.live_batch_slope), "{{instance}}")], "suffix:x",
+           steps=[(cfg.live_cut_ratio, "orange"), (cfg.live_quarantine_ratio, "red")], legend_table=True),
+        ts("Live TTFT per node",
+           "Mean time to first token of the requests that got their first token over the live window "
+           "(grayguard_live_ttft_seconds), queueing included: a node whose queue grows shows it here first. "
+           "Dashed: the pool's median node. A gap: no request got a first token in the window.",
+           [Q(per_node(TTFT), "{{instance}}"), Q(pool_median(TTFT), "pool median")], "s", w=8,
+           dashed="^pool median$"),
+        ts("Probe TTFT median per node",
+           "Median time to first token of the exporter's last 5 answered 1-token probes (ok or slow) of the last "
+           "two live windows (grayguard_probe_ttft_median_seconds): the client's view from beside the node. A "
+           f"live-ITL quarantine needs it at least live_probe_confirm ({cfg.live_probe_confirm:g}x) times the "
+           "peers' median; without that agreement the live signal only cuts. Dashed: the pool's median node. "
+           "A gap: fewer than 3 answers (a node that stops answering loses it).",
+           [Q(per_node(PROBE_MEDIAN), "{{instance}}"), Q(pool_median(PROBE_MEDIAN), "pool median")], "s", w=8,
+           dashed="^pool median$"),
+        ts("Running / waiting requests per node",
+           "vLLM's running batch (solid) and its waiting queue (dashed) at the exporter's newest reading "
+           "(grayguard_live_requests_running, grayguard_live_requests_waiting). Waiting above 0: the node is "
+           "full, its TTFT grows with the queue; a slow node also holds its requests longer, so it runs more "
+           "of them at once.",
+           [Q(per_node(RUNNING), "{{instance}} running"), Q(per_node(WAITING), "{{instance}} waiting")], "short",
+           w=8, lo=0, dashed=" waiting$"),
+        ts("Decode batch per node",
+           "Mean number of sequences decoding over the live window (grayguard_live_decode_batch: Δ ITL sum / Δt, "
+           "every decoding sequence adds one second of inter-token gaps per second). The batch the live ITL was "
+           "measured at: a larger batch makes every step, and so the ITL, slower. A node slower than its peers "
+           "at the same batch is sick; one slower with a much larger batch is loaded (it was sent more), "
+           "which is why the ratio above compares ITLs at equal batch. "
+           "Absent with the live ITL.",
+           [Q(per_node(BATCH), "{{instance}}")], "suffix: seq", lo=0, legend_table=True),
+        ts("Live tokens per second per node",
+           "Tokens generated (solid) and prompt tokens prefilled (dashed) per second over the live window "
+           "(grayguard_live_generation_tokens_per_second, grayguard_live_prompt_tokens_per_second). Generated 0 "
+           "with requests running: no decode progress (a hang, or only prefills). A node prefilling more than "
+           f"live_prefill_gate ({cfg.live_prefill_gate:g}x) times its peers' median prompt tokens/s has its live "
+           "ITL left out that tick: long prompts share its steps and inflate its ITL (load, not sickness).",
+           [Q(per_node(GENERATED), "{{instance}} generated"), Q(per_node(PROMPT), "{{instance}} prompt")],
+           "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True),
+    ]

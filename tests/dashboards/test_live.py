@@ -1,0 +1,233 @@
+"""The Pool overview's "Live signals (1 s)" row: it reads the series the exporter's live fast path really exports
+(exporters/fastpath.py, on /metrics/fast), draws the controller's live thresholds from the config, and its queries
+are valid PromQL that compute what the panels say (promtool on fixed series)."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from dashboards import live
+from dashboards.config import DashboardConfig
+from dashboards.lint import expressions
+from dashboards.promql import metric_names, substitute
+from dashboards.render import render_all
+from exporters.fastpath import LiveCollector
+from exporters.live import LiveSignals
+from exporters.server import Exporter
+from grayguard.config import ThresholdsConfig, parse_config
+from tests.support.stack import require
+
+POOL_JSON = "grayguard-pool-overview.json"
+# what the exporter's LiveCollector exports: the names the live row may read
+LIVE_FAMILIES = {fam.name for fam in LiveCollector(LiveSignals).describe()}
+NOT_DRAWN = {"grayguard_live_window_seconds"}  # the span the values were taken over: a detail, not a signal
+VARIABLES = {"pool": "chat", "node": ".*", "instance": ".*"}
+
+
+def pool_doc(cfg: DashboardConfig | None = None) -> dict:
+    return json.loads(render_all(cfg)[POOL_JSON])
+
+
+def live_panels(doc: dict) -> list[dict]:
+    """The panels under the live row, up to the next row."""
+    out, inside = [], False
+    for p in doc["panels"]:
+        if p["type"] == "row":
+            inside = p["title"] == live.TITLE
+        elif inside:
+            out.append(p)
+    return out
+
+
+def panel(doc: dict, title: str) -> dict:
+    (p,) = [p for p in live_panels(doc) if p["title"] == title]
+    return p
+
+
+def steps(p: dict) -> list:
+    return [s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+
+def test_the_live_row_follows_the_30s_window_row():
+    rows = [p["title"] for p in pool_doc()["panels"] if p["type"] == "row"]
+    assert rows[rows.index("What is slow, since when") + 1] == "Live signals (1 s)"
+    assert [p["title"] for p in live_panels(pool_doc())] == [
+        "Live inter-token latency per node", "Live ITL vs pool median", "Live TTFT per node",
+        "Probe TTFT median per node", "Running / waiting requests per node", "Decode batch per node",
+        "Live tokens per second per node"]
+
+
+def test_live_queries_read_only_series_the_fast_path_exports():
+    fast_page = {n for names in Exporter("http://127.0.0.1:1", port=0, nvml=None).fast_registry
+                 ._collector_to_names.values() for n in names}
+    assert fast_page >= LIVE_FAMILIES  # all of them on /metrics/fast, the page Prometheus scrapes every second
+    assert "grayguard_live_decode_batch" in LIVE_FAMILIES and "grayguard_live_itl_seconds" in LIVE_FAMILIES
+    read = set()
+    for p in live_panels(pool_doc()):
+        for t in p["targets"]:
+            names = metric_names(substitute(t["expr"], VARIABLES))
+            assert names and names <= LIVE_FAMILIES, f"{p['title']} {t['refId']}: {names - LIVE_FAMILIES}"
+            read |= names
+    assert read == LIVE_FAMILIES - NOT_DRAWN, "a live series without a panel (or NOT_DRAWN is stale)"
+
+
+def test_live_panels_are_labelled():
+    for p in live_panels(pool_doc()):
+        d = p["fieldConfig"]["defaults"]
+        assert p["type"] == "timeseries" and d.get("unit"), p["title"]
+        read = {n for t in p["targets"] for n in metric_names(t["expr"])}
+        # the description names every series the panel reads (and then says why it matters)
+        assert all(n in p["description"] for n in read), p["title"]
+        assert len(p["description"]) > 200, p["title"]
+        for t in p["targets"]:
+            assert t["legendFormat"] == "pool median" or "{{instance}}" in t["legendFormat"], p["title"]
+            # one series per node: the fast and the full scrape carry the same value under two jobs
+            assert "max by (pool, instance)" in t["expr"], p["title"]
+            assert 'instance=~"$instance"' in t["expr"] or t["legendFormat"] == "pool median", p["title"]
+    assert panel(pool_doc(), "Live ITL vs pool median")["fieldConfig"]["defaults"]["unit"] == "suffix:x"
+    assert panel(pool_doc(), "Live inter-token latency per node")["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_live_thresholds_are_the_controller_defaults():
+    t = ThresholdsConfig()
+    p = panel(pool_doc(), "Live ITL vs pool median")
+    assert steps(p) == [None, t.live_cut_ratio, t.live_quarantine_ratio]
+    assert p["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "dashed"
+    assert f"live_cut_ratio ({t.live_cut_ratio:g}x)" in p["description"]
+    assert f"live_quarantine_ratio ({t.live_quarantine_ratio:g}x)" in p["description"]
+    assert f"{t.live_batch_slope!r} * clamp_min(" in p["targets"][0]["expr"]
+
+
+def test_live_thresholds_follow_the_config():
+    cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
+                        "thresholds": {"live_cut_ratio": 1.3, "live_quarantine_ratio": 2.5, "live_batch_slope": 0,
+                                       "live_probe_confirm": 1.4}})
+    doc = pool_doc(DashboardConfig.from_config(cfg))
+    p = panel(doc, "Live ITL vs pool median")
+    assert steps(p) == [None, 1.3, 2.5]
+    assert "grayguard_live_decode_batch" not in p["targets"][0]["expr"]  # slope 0: the controller compares raw ITLs
+    assert "(1.4x)" in panel(doc, "Probe TTFT median per node")["description"]
+
+
+# ---- what the queries compute, in promtool -------------------------------------------------------------
+
+SLOPE = 1 / 64  # exact in binary, so promtool's exact comparison holds (the default 0.015 is not)
+# node -> series -> value; every node is scraped twice (fast and full job). d is idle (no token: no ITL, TTFT,
+# batch); e is another pool's, far slower, and must change nothing here.
+FLEET = {
+    ("chat", "a:8000"): {"itl": 0.02, "decode_batch": 1, "ttft": 0.1, "probe": 0.2, "running": 8, "waiting": 0,
+                         "generated": 400, "prompt": 1000},
+    # b runs a batch of 33: its raw ITL is 1.5x a's, and at equal batch (1 + 32/64 = 1.5) the same as a's
+    ("chat", "b:8000"): {"itl": 0.03, "decode_batch": 33, "ttft": 0.1, "probe": 0.2, "running": 33, "waiting": 0,
+                         "generated": 660, "prompt": 1000},
+    ("chat", "c:8000"): {"itl": 0.06, "decode_batch": 1, "ttft": 0.4, "probe": 0.3, "running": 9, "waiting": 3,
+                         "generated": 150, "prompt": 1000},
+    ("chat", "d:8000"): {"probe": 0.25, "running": 0, "waiting": 0, "generated": 0, "prompt": 0},
+    ("other", "e:8000"): {"itl": 1.0, "decode_batch": 1, "ttft": 9.0, "probe": 9.0, "running": 1, "waiting": 9,
+                          "generated": 1, "prompt": 1},
+}
+SERIES = {"itl": live.ITL, "decode_batch": live.BATCH, "ttft": live.TTFT, "probe": live.PROBE_MEDIAN,
+          "running": live.RUNNING, "waiting": live.WAITING, "generated": live.GENERATED, "prompt": live.PROMPT}
+
+
+def quantile(q: float, values: list[float]) -> float:
+    """Prometheus' quantile aggregation (weighted average of the two nearest ranks)."""
+    v = sorted(values)
+    rank = q * (len(v) - 1)
+    lo = max(0, int(rank // 1))
+    hi = min(len(v) - 1, lo + 1)
+    w = rank - rank // 1
+    return v[lo] * (1 - w) + v[hi] * w
+
+
+def per_node(key: str, pool: str = "chat") -> dict[str, float]:
+    return {i: s[key] for (p, i), s in FLEET.items() if p == pool and key in s}
+
+
+def at_equal_batch() -> dict[str, float]:
+    """The controller's comparison (controller/policy.py at_equal_batch): ITL / (1 + slope x (batch - 1))."""
+    b = per_node("decode_batch")
+    return {i: v / (1 + SLOPE * max(0.0, b[i] - 1)) for i, v in per_node("itl").items()}
+
+
+def node_samples(values: dict[str, float]) -> list[dict]:
+    return [{"labels": f'{{instance="{i}", pool="chat"}}', "value": v} for i, v in sorted(values.items())]
+
+
+def median_sample(values: dict[str, float]) -> list[dict]:
+    return [{"labels": '{pool="chat"}', "value": quantile(0.5, list(values.values()))}]
+
+
+# panel -> the FLEET keys its queries A, B... read per node; "median" adds the pool's median node of the first
+PANELS = {
+    "Live inter-token latency per node": ("itl", "median"),
+    "Live TTFT per node": ("ttft", "median"),
+    "Probe TTFT median per node": ("probe", "median"),
+    "Running / waiting requests per node": ("running", "waiting"),
+    "Decode batch per node": ("decode_batch",),
+    "Live tokens per second per node": ("generated", "prompt"),
+}
+
+
+def expected() -> dict[tuple[str, str], list[dict]]:
+    """(panel, refId) -> the samples the query returns on FLEET."""
+    adj = at_equal_batch()
+    med = quantile(0.5, list(adj.values()))
+    out = {("Live ITL vs pool median", "A"): node_samples({i: v / med for i, v in adj.items()})}
+    for title, keys in PANELS.items():
+        for ref, key in zip("ABC", keys, strict=False):
+            out[(title, ref)] = median_sample(per_node(keys[0])) if key == "median" else node_samples(per_node(key))
+    return out
+
+
+def input_series() -> list[dict]:
+    jobs = ("grayguard-exporter-fast", "grayguard-exporter")
+    return [{"series": f'{SERIES[k]}{{job="{job}", pool="{p}", instance="{i}"}}', "values": f"{v}+0x10"}
+            for (p, i), s in FLEET.items() for k, v in s.items() for job in jobs]
+
+
+def run_promtool(tmp_path, argv: list[str], name: str, doc: dict) -> subprocess.CompletedProcess:
+    (tmp_path / name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    return subprocess.run([shutil.which("promtool"), *argv, name], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_live_quantile_model():
+    assert quantile(0.5, [3, 1, 2]) == 2 and quantile(0.5, [1, 2, 3, 4]) == 2.5
+    assert at_equal_batch()["b:8000"] == pytest.approx(at_equal_batch()["a:8000"])  # the fixture's point
+
+
+def test_live_queries_compute_what_the_panels_say(tmp_path):
+    """Every live query on a fixed fleet, evaluated by promtool: it parses, dedupes the two scrape jobs, keeps to
+    the pool, leaves idle nodes out of the ITL (absent, not 0), and compares ITLs at equal batch."""
+    require("promtool")
+    doc = pool_doc(DashboardConfig(live_batch_slope=SLOPE))
+    exp = expected()
+    targets = {(p["title"], t["refId"]): t["expr"] for p in live_panels(doc) for t in p["targets"]}
+    assert set(targets) == set(exp), "a live query without an expectation here (or one gone)"
+    tests = [{"expr": substitute(e, VARIABLES), "eval_time": "5s", "exp_samples": exp[k]}
+             for k, e in sorted(targets.items())]
+    # selecting one node ($instance) keeps the pool's median as the denominator
+    ratio = targets[("Live ITL vs pool median", "A")]
+    one = [s for s in exp[("Live ITL vs pool median", "A")] if "c:8000" in s["labels"]]
+    tests.append({"expr": substitute(ratio, {**VARIABLES, "instance": "c:8000"}), "eval_time": "5s",
+                  "exp_samples": one})
+    assert one[0]["value"] == pytest.approx(3.0)
+    res = run_promtool(tmp_path, ["test", "rules"], "live.test.yml", {"tests": [
+        {"interval": "1s", "input_series": input_series(), "promql_expr_test": tests}]})
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_dashboard_query_is_valid_promql(tmp_path):
+    """promtool parses every query, annotation and variable selector of both dashboards (the default render),
+    as recording rules: no Prometheus to start (test_queries.py also asks a real one, as an e2e test)."""
+    require("promtool")
+    rules = [{"record": f"dashboard:query_{n}:test", "expr": substitute(e, {**VARIABLES, "gpu": ".*"})}
+             for n, (_, e) in enumerate(w for text in render_all().values() for w in expressions(json.loads(text)))]
+    assert len(rules) > 60
+    res = run_promtool(tmp_path, ["check", "rules"], "dashboards.rules.yml",
+                       {"groups": [{"name": "dashboards", "rules": rules}]})
+    assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
