@@ -332,6 +332,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                    and st[n].state in IN_ROTATION and not inputs[n].hold}
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
+    queued = pool_queued(inputs, [n for n in names if st[n].state in IN_ROTATION and not inputs[n].hold], t.min_peers)
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -357,7 +358,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
                                    t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
-                                   renewed=n in renewed, prefill_heavy=n in prefill_heavy)
+                                   renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
@@ -457,6 +458,15 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
     return frozenset(off), out_now
 
 
+def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> bool:
+    """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
+    timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
+    failure, as long as that node decodes at its peers' pace (a hung node decodes nothing)."""
+    classes = [inputs[n].probe_result for n in rotating if inputs[n].probe_result is not None]
+    queued = sum(1 for c in classes if c in (ProbeResult.SLOW, ProbeResult.TIMEOUT))
+    return len(classes) >= min_peers and 2 * queued >= len(classes)
+
+
 def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
     """Why the live signals say a node is like its peers now ("" when they do not), at equal batch.
 
@@ -484,7 +494,8 @@ def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: bool = True, prefill_heavy: bool = False) -> tuple[NodeState, tuple | None]:
+                 renewed: bool = True, prefill_heavy: bool = False,
+                 pool_queued: bool = False) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
 
     renewed: its latency sample is new since the last tick; a sample seen before moves nothing (its score,
@@ -518,11 +529,15 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
     # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
-    pm = (live_sc or {}).get(PROBE_MEDIAN)
+    pm, li = (live_sc or {}).get(PROBE_MEDIAN), (live_sc or {}).get(LIVE_ITL)
+    # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue
+    decoding_like_peers = li is not None and (bool(live_veto(live_sc or {}, t.live_veto_ratio))
+                                              or (pool_queued and li.ratio < t.live_cut_ratio))
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
-                                                    median_calm=pm is not None and pm.ratio < t.min_relative_gap)
+                                                    median_calm=pm is not None and pm.ratio < t.min_relative_gap,
+                                                    like_peers=decoding_like_peers)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     lsc = (live_sc or {}).get(LIVE_ITL)
     lm, lf, l_reason, q = live.assess(s.live_itl, lsc, t, "live ITL")

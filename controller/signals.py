@@ -32,7 +32,8 @@ class SignalMemory:
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
-          corroborated: bool = False, median_calm: bool = False) -> tuple[SignalMemory, float, str, str | None]:
+          corroborated: bool = False, median_calm: bool = False,
+          like_peers: bool = False) -> tuple[SignalMemory, float, str, str | None]:
     """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
 
     corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
@@ -43,9 +44,15 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
 
     median_calm: the median of the node's last few probes is like its peers' (controller/live.py's probe median):
     a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none).
+    like_peers: the node decodes now, and its live signals are like its peers' (policy.live_veto): a probe that
+    timed out or was slow waited in a queue its peers have too (a saturated pool), which is load, not a failure:
+    it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count.
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
+    if result == ProbeResult.TIMEOUT and like_peers:
+        return replace(m, probe_good=0), (t.probe_slow_factor if m.probe_slow else 1.0), \
+            ("probe slow (held)" if m.probe_slow else ""), None
     bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
         return replace(m, probe_bad=bad, probe_good=0), 1.0, "", \
@@ -62,7 +69,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if ((result == ProbeResult.SLOW and slower) or far) and median_calm and not m.probe_slow:
+    if ((result == ProbeResult.SLOW and slower) or far) and (median_calm or like_peers) and not m.probe_slow:
         m = replace(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     elif (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1

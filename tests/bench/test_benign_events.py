@@ -160,3 +160,4 @@ def test_the_new_benign_cases_expand_as_declared():
         p8k = by[f"long_prompt_8k/n{size}/homog/steady"].load.pinned[0]
         assert p8k.node == "node0" and p8k.prompt.lo >= 7000 and p8k.prompt.hi + p8k.completion.hi <= MAX_MODEL_LEN
         assert by[f"uneven_batches/n{size}/homog/steady"].load.pinned[0].completion.median == 1000
+        assert by[f"pool_overload/n{size}/homog/steady"].load.surges == ((45.0, 75.0, 3.0),)

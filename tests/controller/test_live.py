@@ -272,3 +272,30 @@ def test_the_veto_needs_a_measurement_of_the_node_now():
     assert live_veto({"live_itl": hot, "live_ttft": calm, "probe_ttft_median": calm}, 1.1) == ""
     assert live_veto({"probe_ttft_median": calm}, 1.1) == "no live ITL and probe TTFT median 1.00x peers'"
     assert live_veto({"live_ttft": hot, "probe_ttft_median": hot}, 1.1) == ""
+
+
+def test_in_a_saturated_pool_a_probe_timeout_is_load_while_the_node_decodes_at_its_peers_pace():
+    """Past capacity every queue grows and probes time out everywhere: draining nodes would make it worse."""
+    live = {f"n{i}": 0.030 * (1 + 0.03 * i) for i in range(6)}
+
+    def run(n0_itl, results, medians=None):
+        pol = Policy()
+        states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+        for tick in range(6):
+            inputs = _inputs(dict(live, n0=n0_itl) if n0_itl else live,
+                             probes=medians or {n: 1.5 for n in live})
+            for n in live:
+                res = results.get(n, "slow")
+                inputs[n] = replace(inputs[n], probe_result=res, probe_ttft=None if res == "timeout" else 1.5,
+                                    probe_failures=tick + 1 if res == "timeout" else 0,
+                                    live_itl=None if n0_itl is None and n == "n0" else inputs[n].live_itl)
+            d = decide_pool(states, inputs, pol, 100.0 + tick)
+            states = {n: nd.state for n, nd in d.nodes.items()}
+        return states
+    queued = run(0.030, {"n0": "timeout", "n1": "timeout"})  # decoding like the others: load
+    assert all(s.state == HEALTHY for s in queued.values())
+    hung = run(None, {"n0": "timeout"})  # decodes nothing: its timeouts count, as before
+    assert hung["n0"].state == QUARANTINED and "failed probes" in hung["n0"].reason
+    # the others answer at once and n0's probes stopped answering: its timeouts count
+    calm = run(0.030, {n: "ok" for n in live} | {"n0": "timeout"}, medians={n: 0.05 for n in live if n != "n0"})
+    assert calm["n0"].state == QUARANTINED
