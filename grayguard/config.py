@@ -275,10 +275,11 @@ class ThresholdsConfig:
     # peers' (the window is the past: a few heavy requests in a thin window; the live signals are the present)
     live_veto_ratio: float = 1.1
     # a decode step with more sequences takes longer: each sequence beyond the first adds this share of a batch-1
-    # step (vLLM's ITL-vs-concurrency curves: a batch of 64 steps about twice as long as a batch of 1 for 8B-class
-    # models). Live ITLs are compared at equal batch, ITL / (1 + slope x (decode batch - 1)), so a node running
-    # more (or longer) requests than its peers is not taken for a slow one; 0 compares raw ITLs
-    live_batch_slope: float = 0.015
+    # step (fitted to published vLLM measurements of 8B-class models, sim/calibrate.py: 0.028 on H100, 0.034 on
+    # A100). Live ITLs are compared at equal batch, ITL / (1 + slope x (decode batch - 1)), so a node running
+    # more (or longer) requests than its peers is not taken for a slow one; 0 compares raw ITLs. Too high errs on
+    # the safe side (a loaded node is not cut; a slow one is found a little later), too low cuts loaded nodes
+    live_batch_slope: float = 0.028
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
