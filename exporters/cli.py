@@ -12,8 +12,10 @@ from urllib.parse import urlsplit
 import pynvml
 
 from exporters.prober import ProbeConfig
+from exporters.registration import RegistrationConfig
 from exporters.server import AgentListenError, Exporter
 from grayguard.reflexes import DEFAULT as REFLEXES
+from grayguard.registry import DEFAULT_PREFIX, node_key
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
   * HAProxy's agent check on --agent.listen-address: every connection gets one line, "down #why"
     when the last probe saw garbage text, a CUDA error or a hang (no token generated while requests
     ran), "up" otherwise (docs/exporters.md). Off with --no-agent or --no-probe.
+  * With --registry.url: the node's membership in etcd. After pre-checks (GPU healthy, the advertised port
+    reachable, the model loaded, the API key accepted) it writes <prefix>/nodes/<pool>/<node> on its own
+    lease, kept alive every --registry.heartbeat with an adaptive TTL; on SIGTERM it says "leaving", then
+    revokes the lease (docs/exporters.md, "Registry").
 
 A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
 No node label is added: Prometheus' scrape config sets `instance` and `pool`.
@@ -120,8 +126,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="DURATION", help="longest a scrape waits for NVML (default %(default)s)")
     n.add_argument("--no-collector.nvml.xid", dest="xid", action="store_false",
                    help="do not listen for XID error events")
+    _add_registry_arguments(p)
     p.add_argument("--log.level", dest="exporter_log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity of the exporter (default: grayguard's --log-level)")
+
+
+def _add_registry_arguments(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("registry (membership in etcd; off without --registry.url)")
+    a = r.add_argument
+    a("--registry.url", dest="registry_url", metavar="URL",
+      help="etcd client URL, e.g. http://127.0.0.1:2379 (its v3 JSON gateway, etcd >= 3.4)")
+    a("--registry.pool", dest="registry_pool", metavar="NAME", help="the pool (HAProxy backend) this node serves")
+    a("--registry.node", dest="registry_node", metavar="NAME", help="this node's name (HAProxy server name)")
+    a("--registry.advertise", dest="registry_advertise", metavar="HOST:PORT",
+      help="vLLM's address as HAProxy should reach it, e.g. 10.0.0.13:8000")
+    a("--registry.exporter-address", dest="registry_exporter", metavar="HOST:PORT",
+      help="this exporter's address for the record (default: the advertised host, --web.listen-address's port)")
+    a("--registry.prefix", dest="registry_prefix", default=DEFAULT_PREFIX, metavar="PREFIX",
+      help="key prefix (default %(default)s)")
+    a("--registry.heartbeat", dest="registry_heartbeat", type=parse_duration, default="2s", metavar="DURATION",
+      help="time between lease keep-alives and between pre-check retries (default %(default)s)")
+    a("--registry.ttl-min", dest="registry_ttl_min", type=parse_duration, default="5s", metavar="DURATION",
+      help="lower bound of the adaptive lease TTL, mean + 2 stddev of the last 5 heartbeat intervals "
+      "(default %(default)s)")
+    a("--registry.ttl-max", dest="registry_ttl_max", type=parse_duration, default="60s", metavar="DURATION",
+      help="upper bound of the adaptive TTL, and the TTL until two intervals are measured (default %(default)s)")
+    a("--registry.leave-grace", dest="registry_leave_grace", type=parse_duration, default="1s", metavar="DURATION",
+      help="on SIGTERM, how long the 'leaving' record stands before the lease is revoked (default %(default)s)")
+    a("--registry.timeout", dest="registry_timeout", type=parse_duration, default="2s", metavar="DURATION",
+      help="longest wait for one etcd or pre-check call (default %(default)s)")
+    a("--registry.max-concurrency", dest="registry_max_concurrency", type=int, metavar="N",
+      help="requests the node runs at once (vLLM --max-num-seqs), for the record (default: unknown)")
+
+
+def _registry_error(args: argparse.Namespace) -> str | None:
+    """The first invalid --registry.* setting, or None (also when registration is off)."""
+    if not args.registry_url:
+        return None
+    url = urlsplit(args.registry_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return f"--registry.url: {args.registry_url!r} is not an http(s) URL"
+    if not args.registry_pool or not args.registry_node or not args.registry_advertise:
+        return "--registry.url needs --registry.pool, --registry.node and --registry.advertise"
+    try:
+        node_key(args.registry_prefix, args.registry_pool, args.registry_node)
+    except ValueError as e:
+        return f"--registry.prefix, --registry.pool or --registry.node: {e}"
+    for flag, value in (("advertise", args.registry_advertise), ("exporter-address", args.registry_exporter)):
+        if value is not None and not _is_address(value):
+            return f"--registry.{flag}: {value!r} is not host:port (e.g. 10.0.0.13:8000)"
+    if not 0 < args.registry_heartbeat < args.registry_ttl_min <= args.registry_ttl_max:
+        return "need 0 < --registry.heartbeat < --registry.ttl-min <= --registry.ttl-max"
+    if args.registry_ttl_min < 1:
+        return "--registry.ttl-min must be at least 1s (etcd leases count whole seconds)"
+    if args.registry_leave_grace < 0 or args.registry_timeout <= 0:
+        return "--registry.leave-grace must be >= 0 and --registry.timeout positive"
+    if args.registry_max_concurrency is not None and args.registry_max_concurrency < 1:
+        return "--registry.max-concurrency must be at least 1"
+    return None
+
+
+def _is_address(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 1 <= int(port) <= 65535)
+
+
+def registration_config(args: argparse.Namespace) -> RegistrationConfig | None:
+    """The RegistrationConfig the --registry.* flags describe, None without --registry.url."""
+    if not args.registry_url:
+        return None
+    return RegistrationConfig(
+        url=args.registry_url, pool=args.registry_pool, node=args.registry_node, advertise=args.registry_advertise,
+        exporter=args.registry_exporter, prefix=args.registry_prefix, heartbeat=args.registry_heartbeat,
+        ttl_min=args.registry_ttl_min, ttl_max=args.registry_ttl_max, leave_grace=args.registry_leave_grace,
+        timeout=args.registry_timeout, max_concurrency=args.registry_max_concurrency, model=args.probe_model,
+        api_key_file=args.probe_key_file, api_key_env=args.probe_key_env or None)
 
 
 def config_error(args: argparse.Namespace) -> str | None:
@@ -143,7 +222,7 @@ def config_error(args: argparse.Namespace) -> str | None:
         return "--collector.nvml.timeout must be positive"
     if args.agent and args.probe and _same_port(args.agent_listen, args.listen):
         return "--agent.listen-address must differ from --web.listen-address"
-    return None
+    return _registry_error(args)
 
 
 def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
@@ -163,7 +242,8 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
         log.info("agent check off: --no-probe (the agent answers from the probe)")
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,
                     nvml_read_timeout=args.nvml_timeout, xid_events=args.xid,
-                    agent=args.agent_listen if args.agent and probe is not None else None)
+                    agent=args.agent_listen if args.agent and probe is not None else None,
+                    registration=registration_config(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from exporters.agent import Agent
 from exporters.fastpath import fast_registry
 from exporters.nvml import NvmlCollector
 from exporters.prober import ProbeConfig, Prober
+from exporters.registration import Registrar, RegistrationConfig, api_key_reader
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 
 log = logging.getLogger(__name__)
@@ -70,12 +71,14 @@ class Exporter:
 
     nvml=None switches the GPU collector off; probe=None switches the prober off. agent=(host, port) answers
     HAProxy's agent check there (exporters/agent.py; off by default here, on by default in the CLI; off without
-    the prober). Several exporters can run in one process: each has its own registry, threads and ports.
+    the prober). registration registers the node in etcd (exporters/registration.py; off by default). Several
+    exporters can run in one process: each has its own registry, threads and ports.
     """
 
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
                  nvml: Any = pynvml, probe: ProbeConfig | None = DEFAULT_PROBE, nvml_read_timeout: float = 1.0,
-                 xid_events: bool = True, agent: tuple[str, int] | None = None):
+                 xid_events: bool = True, agent: tuple[str, int] | None = None,
+                 registration: RegistrationConfig | None = None):
         self.vllm_url = vllm_url
         self.registry = CollectorRegistry()
         self._host, self._port = host, port
@@ -97,6 +100,11 @@ class Exporter:
         # /metrics/fast: the live values and the verdict gauges only, for a 1 s scrape (exporters/fastpath.py)
         self.fast_registry = fast_registry(p.live_collector if p else None, p.state_collector if p else None,
                                            a.down_collector if a else None)
+        self.registrar: Registrar | None = None
+        if registration is not None:
+            self.registrar = Registrar(registration, vllm_url=vllm_url, registry=self.registry,
+                                       nvml_snapshot=self.nvml.snapshot if self.nvml is not None else None,
+                                       api_key=api_key_reader(registration.api_key_file, registration.api_key_env))
         self._httpd: HttpServer | None = None
 
     @property
@@ -133,10 +141,15 @@ class Exporter:
             self.prober.start()
         self._httpd.start()
         log.info("exporter for %s serving on %s/metrics", self.vllm_url, self.url)
+        if self.registrar is not None:  # last: registered only once everything it advertises serves
+            advertised_host = self.registrar.config.advertise.rpartition(":")[0]
+            self.registrar.start(self.registrar.config.exporter or f"{advertised_host}:{self.address[1]}")
         return self
 
     def stop(self) -> None:
-        """Stop serving, probing and the XID thread; idempotent."""
+        """Leave the registry (if registered), stop serving, probing and the XID thread; idempotent."""
+        if self.registrar is not None:  # first: HAProxy stops sending while the node still serves
+            self.registrar.stop(leave=True)
         if self._httpd is not None:
             self._httpd.stop()
             self._httpd = None

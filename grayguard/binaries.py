@@ -18,6 +18,7 @@ DEBIAN_PACKAGES = {
     "vmagent": "victoria-metrics",
     "vmalert": "victoria-metrics",
     "vmauth": "victoria-metrics",
+    "etcd": "etcd-server",
 }
 
 

@@ -64,12 +64,18 @@ class _BadRequest(Exception):
 
 
 class SimNode:
-    """A vLLM look-alike on one port; `set_fault`/`clear_fault` change how it misbehaves."""
+    """A vLLM look-alike on one port; `set_fault`/`clear_fault` change how it misbehaves.
+
+    api_key: like vLLM's --api-key, /v1/ requests without `Authorization: Bearer <key>` get a 401.
+    model_loaded = False: /v1/models lists no model (a server up before its model). Both may change at run time.
+    """
 
     def __init__(self, name: str, *, params: ModelParams | None = None, speed: float = 1.0,
                  speed_class: str = "h100", seed: int = 0, model_name: str = DEFAULT_MODEL,
-                 on_fault_change: FaultCallback | None = None) -> None:
+                 on_fault_change: FaultCallback | None = None, api_key: str | None = None) -> None:
         self.name = name
+        self.api_key = api_key
+        self.model_loaded = True
         self.params = params or ModelParams()
         self.speed_class = speed_class
         self.model_name = model_name
@@ -239,7 +245,14 @@ class SimNode:
             raise _BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         return prompt_tokens, max_tokens, stream, bool(opts.get("include_usage", False))
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return None
+        return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         headers = {NODE_HEADER: self.name}
         try:
             prompt_tokens, max_tokens, stream, usage = self._parse(await request.json())
@@ -334,7 +347,11 @@ class SimNode:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
         }, headers=headers)
 
-    async def _models(self, _request: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        if not self.model_loaded:
+            return web.json_response({"object": "list", "data": []})
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
             "root": self.model_name, "parent": None, "max_model_len": self.params.max_model_len}]})
