@@ -98,6 +98,7 @@ class Registrar:
         self.config = config
         self.key = node_key(config.prefix, config.pool, config.node)
         self.exporter = config.exporter
+        self.agent = ""  # the agent check's host:port for the record (start)
         self._vllm_url, self._nvml_snapshot, self._api_key = vllm_url, nvml_snapshot, api_key
         self._client = client or Registry(config.url, timeout=config.timeout)
         self._session = session or requests.Session()
@@ -121,10 +122,12 @@ class Registrar:
             registry.register(_Collector(self))
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start(self, exporter: str | None = None) -> Registrar:
-        """Begin registering (pre-checks first) in the background; exporter: this exporter's host:port."""
+    def start(self, exporter: str | None = None, agent: str = "") -> Registrar:
+        """Begin registering (pre-checks first) in the background; exporter: this exporter's host:port; agent: its
+        HAProxy agent check's host:port ("" without one), so a server added from the registry gets its agent."""
         if exporter is not None:
             self.exporter = exporter
+        self.agent = agent
         if self.exporter is None:
             raise ValueError("the exporter's host:port is needed for the record")
         self._thread = threading.Thread(target=self._run, name="registry", daemon=True)
@@ -188,7 +191,8 @@ class Registrar:
         assert self.exporter is not None
         record = NodeRecord(pool=cfg.pool, node=cfg.node, endpoint=cfg.advertise, exporter=self.exporter,
                             model=checks.model or "", version=checks.version, gpu=checks.gpu,
-                            max_concurrency=cfg.max_concurrency, registered_at=round(self._wall(), 3), ttl_s=ttl)
+                            max_concurrency=cfg.max_concurrency, registered_at=round(self._wall(), 3), ttl_s=ttl,
+                            agent=self.agent)
         lease = self._write(record)
         if lease is None:
             return

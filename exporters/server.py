@@ -143,7 +143,11 @@ class Exporter:
         log.info("exporter for %s serving on %s/metrics", self.vllm_url, self.url)
         if self.registrar is not None:  # last: registered only once everything it advertises serves
             advertised_host = self.registrar.config.advertise.rpartition(":")[0]
-            self.registrar.start(self.registrar.config.exporter or f"{advertised_host}:{self.address[1]}")
+            agent = ""
+            if self.agent is not None:  # the agent listens beside the exporter; a wildcard bind is reached there
+                host, port = self.agent.address[0], self.agent.address[1]
+                agent = f"{advertised_host if host in ('0.0.0.0', '::', '') else host}:{port}"
+            self.registrar.start(self.registrar.config.exporter or f"{advertised_host}:{self.address[1]}", agent)
         return self
 
     def stop(self) -> None:

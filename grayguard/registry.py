@@ -126,6 +126,7 @@ class NodeRecord:
     registered_at: float = 0.0  # Unix time of this registration (a re-grant for a new TTL keeps it)
     ttl_s: int = 0  # the lease's TTL (s)
     state: str = "serving"  # "serving", or "leaving" during a graceful leave
+    agent: str = ""  # host:port of the exporter's HAProxy agent check; "" when it runs none
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -165,7 +166,7 @@ class NodeRecord:
         info = GpuInfo(name=gpu.get("name", ""), count=gpu.get("count", 0),
                        pci_bus_ids=tuple(gpu.get("pci_bus_ids", [])), numa_nodes=tuple(gpu.get("numa_nodes", [])))
         known = {k: doc[k] for k in ("pool", "node", "endpoint", "exporter", "model", "version", "max_concurrency",
-                                     "registered_at", "ttl_s", "state") if k in doc}
+                                     "registered_at", "ttl_s", "state", "agent") if k in doc}
         return cls(gpu=info, **known)
 
     def leaving(self) -> NodeRecord:
@@ -186,8 +187,10 @@ def _validate(r: NodeRecord) -> None:
             _check_name(where, getattr(r, where))
         except ValueError as e:
             raise RecordError(f"{where}: {e}") from None
-    for where in ("endpoint", "exporter"):
+    for where in ("endpoint", "exporter", "agent"):
         v = getattr(r, where)
+        if where == "agent" and v == "":
+            continue
         m = _ADDRESS_RE.match(v) if isinstance(v, str) else None
         if m is None or not 1 <= int(m.group(2)) <= 65535:
             raise bad(where, "host:port (or [v6]:port), port 1-65535", v)

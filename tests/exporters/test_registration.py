@@ -126,6 +126,7 @@ def test_register_writes_the_full_record_on_an_adaptive_lease_and_exports_its_st
         assert rec.gpu.name == "NVIDIA H100 80GB HBM3" and rec.gpu.count == 2
         assert rec.gpu.pci_bus_ids == ("00000000:18:00.0", "00000000:2A:00.0")
         assert rec.max_concurrency == 64 and before - 1 <= rec.registered_at <= time.time()
+        assert rec.agent == ""  # no prober, no agent check: a server added from the registry gets none
         assert reg.get(key).lease == ex.registrar.lease
         # the first lease is ttl_max (no interval measured yet); two heartbeats later it adapts down to ttl_min
         wait_until(lambda: (r := record_of(reg, key)) is not None and r.ttl_s == 2, 10, 0.05, "the adapted TTL")

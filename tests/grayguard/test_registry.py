@@ -108,11 +108,13 @@ def test_a_record_round_trips_through_json_with_every_field():
                    "model": "meta-llama/Llama-3.1-8B-Instruct", "version": "0.11.0",
                    "gpu": {"name": "NVIDIA H100 80GB HBM3", "count": 2,
                            "pci_bus_ids": ["00000000:18:00.0", "00000000:2A:00.0"], "numa_nodes": [0]},
-                   "max_concurrency": 64, "registered_at": 1_790_000_000.5, "ttl_s": 5, "state": "serving"}
+                   "max_concurrency": 64, "registered_at": 1_790_000_000.5, "ttl_s": 5, "state": "serving",
+                   "agent": ""}
     assert NodeRecord.from_json(r.to_json()) == r
     assert NodeRecord.from_json(json.dumps({**doc, "future_field": [1]})) == r  # newer writers: ignored
     assert r.leaving().state == "leaving" and r.leaving().to_json() != r.to_json()
     assert record(endpoint="[fd00::13]:8000", max_concurrency=None, version="").endpoint == "[fd00::13]:8000"
+    assert NodeRecord.from_json(record(agent="10.0.0.13:9401").to_json()).agent == "10.0.0.13:9401"
 
 
 @pytest.mark.parametrize(("change", "field"), [
@@ -123,6 +125,7 @@ def test_a_record_round_trips_through_json_with_every_field():
     ({"gpu": {"pci_bus_ids": "x"}}, "gpu.pci_bus_ids"), ({"gpu": {"numa_nodes": [-1]}}, "gpu.numa_nodes[0]"),
     ({"gpu": []}, "gpu"), ({"max_concurrency": 0}, "max_concurrency"), ({"registered_at": -1}, "registered_at"),
     ({"registered_at": "now"}, "registered_at"), ({"ttl_s": 2.5}, "ttl_s"), ({"state": "gone"}, "state"),
+    ({"agent": "10.0.0.13"}, "agent"), ({"agent": 9401}, "agent"),
 ])
 def test_a_bad_record_is_refused_naming_the_field(change, field):
     doc = {**json.loads(record().to_json()), **change}
