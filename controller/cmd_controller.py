@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from controller.loop import Controller, TickResult
@@ -19,6 +23,10 @@ from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
 from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
 from grayguard.redact import redact_url
+
+if TYPE_CHECKING:
+    from controller.discovery import Discovery
+    from controller.leader import Leadership
 
 HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
 DESCRIPTION = """\
@@ -35,6 +43,7 @@ examples:
   grayguard controller --config grayguard.yaml                  # run
 """
 log = logging.getLogger("grayguard.controller")
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # it is part of a registry key (sharded)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="validate the config and exit")
     p.add_argument("--listen-address", metavar="HOST:PORT", help="override listen_address for /metrics and /status")
     p.add_argument("--no-http", action="store_true", help="do not serve /metrics and /status")
+    p.add_argument("--id", metavar="ID", default=None,
+                   help="this replica's name in the leader election (registry.url set); default hostname:pid")
 
 
-def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetrics | None = None) -> Controller:
-    """A Controller wired to the real Prometheus, HAProxy and canary adapters."""
+def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetrics | None = None,
+                     replica_id: str | None = None) -> Controller:
+    """A Controller wired to the real Prometheus, HAProxy and canary adapters (and the registry when one is set)."""
     from controller.canary import make_canary  # local: pulls in the exporter's probe code
 
     metrics = metrics or ControllerMetrics.create()
@@ -59,7 +71,28 @@ def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetr
         metrics=metrics,
         state_file=StateFile(cfg.state_file, save_errors=metrics.state_save_errors) if cfg.state_file else None,
         dry_run=dry_run,
+        leadership=build_leadership(cfg, replica_id or default_id(), metrics) if not dry_run else None,
     )
+
+
+def default_id() -> str:
+    """hostname:pid: unique among the replicas of a fleet."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def build_leadership(cfg: Config, replica_id: str, metrics: ControllerMetrics) -> Leadership | None:
+    """The election on cfg.registry (None without registry.url: the controller runs alone and leads every pool).
+    A dry run never campaigns: it would hold the leader key while writing nothing."""
+    if cfg.registry.url is None:
+        return None
+    from controller.leader import Leadership
+    from controller.leader_store import ElectionStore
+
+    if not REPLICA_ID_RE.match(replica_id):
+        raise ConfigError("--id", f"{replica_id!r} may only hold letters, digits, '-', '_', '.' and ':' (1-128)")
+    r = cfg.registry
+    return Leadership(ElectionStore(r.url, timeout=r.timeout_s), replica_id, [p.name for p in cfg.pools],
+                      r.lease_ttl_s, prefix=r.prefix, shard=r.shard_pools, metrics=metrics)
 
 
 def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
@@ -122,7 +155,9 @@ def staleness_checks(ctl: Controller) -> list[str]:
 
 
 def print_plan(result: TickResult, out=sys.stdout) -> None:
-    if result.held:
+    if result.standby:
+        print(f"STANDBY: {result.standby}", file=out)
+    elif result.held:
         print(f"HOLD: {result.held}", file=out)
     for pool, d in sorted(result.decisions.items()):
         print(f"pool {pool}: {d.ejected}/{d.max_ejected} drained, safeguard "
@@ -174,10 +209,40 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     try:
-        ctl = build_controller(cfg, dry_run=args.dry_run)
+        ctl = build_controller(cfg, dry_run=args.dry_run, replica_id=args.id)
     except ConfigError as e:
         print(f"grayguard: config error: {e}", file=sys.stderr)
         return 2
+    discovery = start_discovery(cfg, ctl)
+    try:
+        return _run_controller(args, cfg, ctl)
+    finally:
+        if discovery is not None:
+            discovery.stop()
+        if ctl.leadership is not None:
+            ctl.leadership.close()  # resign: a standby leads at its next tick instead of after the lease
+
+
+def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
+    """With registry.url and a pool with `discovery: registry`: follow the registry (controller/discovery.py) and
+    give the controller its membership step; the Discovery to stop at exit, or None (nothing to follow)."""
+    pools = [p.name for p in cfg.pools if p.discovery == "registry"]
+    if cfg.registry.url is None or not pools:
+        return None
+    from controller.discovery import Discovery
+    from controller.membersync import MembershipSync
+    from grayguard.registry import Registry
+
+    r = cfg.registry
+    disc = Discovery(Registry(r.url, timeout=r.timeout_s), r.prefix, pools, r.snapshot_path(cfg.state_file),
+                     ctl.metrics.registry, readonly=ctl.dry_run).start()
+    ctl.membership = MembershipSync(cfg, disc, ctl.policies, ctl.metrics.registry)
+    if not disc.wait_synced(r.timeout_s + 1.0):  # the first tick plans from etcd's listing, or from the snapshot
+        log.warning("registry %s did not answer at startup: membership follows the snapshot until it does", r.url)
+    return disc
+
+
+def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> int:
     for problem in startup_checks(ctl):
         log.warning("%s", problem)
     if args.once:
@@ -217,6 +282,14 @@ def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Call
     return rerender
 
 
+def tick_budget_s(cfg: Config) -> float:
+    """The longest a healthy tick takes: every deadline it may wait on, one after the other."""
+    from controller.loop import CANARY_MARGIN_S
+
+    return (cfg.tick_interval_s + 2 * cfg.prometheus.timeout_s + cfg.recovery.canary_timeout_s + CANARY_MARGIN_S
+            + 2 * cfg.haproxy.timeout_s * len(cfg.haproxy.endpoints) + 4 * cfg.registry.timeout_s)
+
+
 def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender: Callable[[], None] | None = None,
              rerender_interval_s: float | None = None) -> None:
     """Tick every interval_s until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped.
@@ -228,12 +301,27 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
     """
     from controller.ticker import Periodic
 
+    beat = [time.monotonic()]  # the tick job's last sign of life: the start or the end of a tick
+
     def job() -> None:
+        beat[0] = time.monotonic()
         try:
             ctl.tick()
         except Exception:  # a bug must not kill the loop; it is logged and counted
             ctl.metrics.ticks.labels("error").inc()
             log.exception("tick failed")
+        finally:
+            beat[0] = time.monotonic()
+
+    stuck_s = 2 * tick_budget_s(ctl.cfg)
+    said: list[float] = []  # the beat a stuck tick was reported for
+
+    def renew_lease() -> None:  # a wedged tick must not keep the leadership: a standby takes over
+        if time.monotonic() - beat[0] <= stuck_s:
+            ctl.leadership.renew()  # type: ignore[union-attr]
+        elif beat[0] not in said:
+            said[:] = [beat[0]]
+            log.error("a tick has run for more than %gs: the lease is no longer renewed, a standby takes over", stuck_s)
 
     def rerender_job() -> None:
         try:
@@ -246,6 +334,8 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
         log.warning("tick took longer than tick_interval_s=%gs: %d tick(s) skipped", interval_s, n)
 
     jobs = [Periodic("tick", job, interval_s, stop, on_skip=skipped)]
+    if ctl.leadership is not None:  # the lease outlives a long tick (canaries): renewed every third of it, off the tick
+        jobs.append(Periodic("lease", renew_lease, ctl.leadership.ttl / 3, stop))
     every = ctl.cfg.rules.rerender_interval_s if rerender_interval_s is None else rerender_interval_s
     if rerender is not None and every > 0:
         jobs.append(Periodic("rerender", rerender_job, every, stop))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controller import canary, decide
 from controller.clock import SteadyClock
@@ -27,6 +28,10 @@ from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.vocab import EJECTED, STATES, Signal, State
+
+if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
+    from controller.leader import Leadership
+    from controller.membersync import MembershipSync
 
 log = logging.getLogger("grayguard.controller")
 
@@ -44,15 +49,20 @@ class TickResult:
     failed: list[tuple[str, Change, str]] = field(default_factory=list)  # (endpoint, change, reply)
     decisions: dict[str, PoolDecision] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    standby: str | None = None  # with a registry: why this replica leads no pool this tick (it wrote nothing)
 
 
 class Controller:
     """Owns the node states and runs ticks; every I/O seam is injected."""
 
+    # pools with `discovery: registry`: servers added, drained and deleted as the registry says, before the weight
+    # plan (controller/membersync.py); set by the command when registry.url is; None: every pool is static
+    membership: MembershipSync | None = None
+
     def __init__(self, cfg: Config, prom: PrometheusClient, haproxies: list[RuntimeClient],
                  canary: CanaryFn | None = None, metrics: ControllerMetrics | None = None,
                  state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
-                 dry_run: bool = False):
+                 dry_run: bool = False, leadership: Leadership | None = None):
         self.cfg = cfg
         self.policy = Policy(cfg.thresholds, cfg.recovery)
         self.policies = pool_policies(cfg)  # the same builder as replay
@@ -69,6 +79,10 @@ class Controller:
         self.warned: set[str] = set()
         self._reason_series: dict[tuple[str, str], tuple[str, str]] = {}
         self._no_data: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, reason) -> nodes last reported
+        # with a registry (controller/leader.py): only the pools this replica leads are observed, decided and
+        # written; None: it runs alone and leads every pool
+        self.leadership = leadership
+        self._led: frozenset[str] | None = None
 
     # ---- observe -------------------------------------------------------------------------------
     def read_haproxy(self, result: TickResult) -> dict[str, dict[str, dict[str, ServerState]]]:
@@ -243,11 +257,13 @@ class Controller:
             self._tick(result)
         finally:
             self.metrics.tick_duration.observe(time.perf_counter() - started)
-            self.metrics.ticks.labels("held" if result.held else "ok").inc()
-            self.metrics.data_stale.set(1 if result.held else 0)
+            self.metrics.ticks.labels("standby" if result.standby else "held" if result.held else "ok").inc()
+            self.metrics.data_stale.set(1 if result.held and not result.standby else 0)
         return result
 
     def _tick(self, result: TickResult) -> None:
+        if not self._take_turn(result):
+            return
         seen = self.observe(result)
         if seen is None:
             log.warning("holding every weight: %s", result.held)
@@ -261,6 +277,7 @@ class Controller:
         if not hap:
             result.held = "no HAProxy endpoint answered"
             return None
+        hap = self.sync_membership(hap, result)
         samples, why = self.read_prometheus()
         if why:
             result.held = why
@@ -271,6 +288,8 @@ class Controller:
         pools = {}
         held: list[str] = []  # pools without fresh data
         for pool in self.cfg.pools:
+            if not self._leads(pool.name):
+                continue
             # one view across the tier: MAINT or DOWN on one HAProxy holds (or counts) the node only there
             servers = tier_view([v.get(pool.backend) for v in views])
             if servers is None:
@@ -314,7 +333,8 @@ class Controller:
                     self.metrics.transitions.labels(pool.name, n, d.previous, d.state.state).inc()
                     log.info("pool=%s node=%s %s -> %s: %s", pool.name, n, d.previous, d.state.state,
                              d.state.reason)
-            self._write(pool, decision, hap, result)
+            if self._handed_over(pool, o.states, result):
+                self._write(pool, decision, hap, result)
             self._export(pool, decision, obs.pools[pool.name].servers)
         self.last_decisions = result.decisions
         if self.state_file and not self.dry_run:
@@ -335,6 +355,8 @@ class Controller:
                 log.info("%s%s %s", "[dry-run] " if self.dry_run else "", hc.endpoint, c.describe())
             if self.dry_run or not changes:
                 continue
+            if not self._may_write(pool, result):
+                break
             try:
                 replies = hc.apply([c.command for c in changes])
             except HaproxyError as e:
@@ -349,6 +371,60 @@ class Controller:
                     result.failed.append((hc.endpoint, c, r.reply))
                     result.errors.append(f"{c.command.render()}: {r.reply}")
                     log.error("HAProxy %s refused %r: %s", hc.endpoint, c.command.render(), r.reply)
+
+    # ---- membership (pools with discovery: registry; controller/membersync.py) --------------------
+    def sync_membership(self, hap: dict, result: TickResult) -> dict:
+        """Add, drain and delete the registry pools' servers (even when Prometheus is down: membership needs none
+        of its data); the HAProxy view the tick goes on with, without the servers leaving or not yet UP."""
+        if self.membership is None:
+            return hap
+        return self.membership.step(self.haproxies, hap, self.clock(), result, self._leads,
+                                    lambda pool: self._may_write(pool, result), self.dry_run,
+                                    lambda: self.read_haproxy(result))
+
+    # ---- leadership (registry.url set; controller/leader.py) ------------------------------------
+    def _take_turn(self, result: TickResult) -> bool:
+        """Renew or campaign; take the states handed over for pools just taken; False when it leads no pool."""
+        if self.leadership is None:
+            return True
+        turn = self.leadership.begin_tick()
+        for pool, states in turn.handover.items():
+            if states is not None:  # None: nothing was ever published, keep what this replica has (its state file)
+                self.states[pool] = states
+        for pool in sorted((self._led or frozenset()) - turn.led):  # the new leader's series are the truth
+            self.metrics.forget_pool(pool)
+            self._reason_series = {k: v for k, v in self._reason_series.items() if k[0] != pool}
+        self._led = turn.led
+        if not turn.led:
+            result.standby = result.held = turn.why
+            if turn.ready:  # a standby's liveness: it reaches the registry and could lead at once
+                self.metrics.last_success.set(self.clock())
+            return False
+        return True
+
+    def _leads(self, pool: str) -> bool:
+        return self._led is None or pool in self._led
+
+    def _handed_over(self, pool: PoolConfig, states: dict[str, NodeState], result: TickResult) -> bool:
+        """Write-ahead: with a registry the pool's states are in etcd before HAProxy hears of them, so a new leader
+        never starts from states older than what HAProxy was told. False: do not write the pool this tick."""
+        if self.leadership is None or self.dry_run:
+            return True
+        why = self.leadership.publish(pool.name, states)
+        if why:
+            result.errors.append(f"pool={pool.name}: {why}")
+            log.warning("pool=%s: HAProxy not written this tick: %s", pool.name, why)
+        return why is None
+
+    def _may_write(self, pool: PoolConfig, result: TickResult) -> bool:
+        """Fencing, before every HAProxy batch: only a leader whose lease outlasts the write may write."""
+        if self.leadership is None:
+            return True
+        why = self.leadership.may_write(pool.name, self.cfg.haproxy.timeout_s)
+        if why:
+            result.errors.append(f"pool={pool.name}: {why}")
+            log.warning("pool=%s: HAProxy not written: %s", pool.name, why)
+        return why is None
 
     def _export(self, pool: PoolConfig, decision: PoolDecision, servers: dict[str, ServerState]) -> None:
         m, p = self.metrics, pool.name
@@ -409,7 +485,10 @@ class Controller:
             pools.append({"pool": pool.name, "backend": pool.backend,
                           "ejected": d.ejected if d else None, "max_ejected": d.max_ejected if d else None,
                           "safeguard_engaged": d.safeguard if d else None, "nodes": nodes})
-        return {"last_tick": self.last_tick, "dry_run": self.dry_run, "pools": pools}
+        doc = {"last_tick": self.last_tick, "dry_run": self.dry_run, "pools": pools}
+        if self.leadership is not None:
+            doc["leadership"] = self.leadership.status()
+        return doc
 
 
 def reason_code(s: NodeState, kv_zero: bool) -> str:

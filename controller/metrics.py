@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +43,10 @@ class ControllerMetrics:
     static_backend: Gauge
     state_save_errors: Counter
     rules_reload_errors: Counter
+    controller_leader: Gauge
+    led_pools: Gauge
+    leader_changes: Counter
+    registry_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ControllerMetrics:
@@ -118,18 +123,35 @@ class ControllerMetrics:
             rules_reload_errors=Counter("grayguard_rules_reload_errors",
                                         "Failed reloads after re-rendered alert rules, by kind (connect, http; "
                                         "not_found: no reload endpoint there, never retried)", ["kind"], registry=r),
+            controller_leader=Gauge("grayguard_controller_leader",
+                                    "1 while this replica leads (holds a leader key with a confirmed lease), 0 while "
+                                    "it stands by or is fenced (registry.url set only)", ["id"], registry=r),
+            led_pools=Gauge("grayguard_controller_led_pools", "Pools this replica leads (registry.url set only)",
+                            ["id"], registry=r),
+            leader_changes=Counter("grayguard_controller_leader_changes",
+                                   "Times this replica took or lost the leadership of a scope", registry=r),
+            registry_errors=Counter("grayguard_controller_registry_errors",
+                                    "Failed registry (etcd) calls of the election by operation (lease, read, campaign, "
+                                    "publish, load, resign) and kind", ["op", "kind"], registry=r),
         )
+
+    def forget_pool(self, pool: str) -> None:
+        """Remove every series of one pool (this replica no longer leads it: the leader's series are the truth)."""
+        self._forget(lambda labels: labels.get("pool") == pool)
 
     def forget_node(self, pool: str, node: str) -> None:
         """Remove every series of one node, whatever the metric (the controller no longer tracks the node: its
         state series must go, or its page would never resolve)."""
+        self._forget(lambda labels: labels.get("pool") == pool and labels.get("node") == node)
+
+    def _forget(self, match: Callable[[dict[str, str]], bool]) -> None:
         for metric in (getattr(self, f.name) for f in dataclasses.fields(self)):
             if not isinstance(metric, Gauge | Counter):
                 continue
             children = set()
             for family in metric.collect():
                 for s in family.samples:  # a child's labels, in the metric's label order (counters: _total, _created)
-                    if s.labels.get("pool") == pool and s.labels.get("node") == node:
+                    if s.labels and match(s.labels):
                         children.add(tuple(s.labels.values()))
             for values in children:
                 metric.remove(*values)

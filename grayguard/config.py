@@ -29,6 +29,9 @@ PROM_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 _JOB_RE = re.compile(r'^[^"\\\s]+$')  # a Prometheus job name that is safe inside a PromQL string literal
 _ALERT_RE = re.compile(r"^Grayguard[A-Za-z0-9]+$")
+DISCOVERY_MODES = ("static", "registry")
+# an etcd key prefix: /segments of letters, digits, '-', '_', '.'; no trailing '/' (keys are <prefix>/leader/...)
+_PREFIX_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
@@ -158,6 +161,9 @@ class ServerConfig:
 class PoolConfig:
     name: str
     backend: str
+    # where the pool's nodes come from: "static" (the HAProxy backend's servers, as configured there) or
+    # "registry" (nodes register themselves in registry.url with a lease; needs the registry section)
+    discovery: str = "static"
     series_label: str = "instance"  # Prometheus label that identifies a node's series
     servers: dict[str, ServerConfig] = field(default_factory=dict)  # per-server overrides
     # Mixed hardware: take each node's peer group from this label of signals.peer_group_query (e.g. the
@@ -174,6 +180,8 @@ class PoolConfig:
         _check(bool(HAPROXY_NAME_RE.match(self.backend)), f"{path}.backend",
                f"{self.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
                "(anything else could inject HAProxy runtime-API commands)")
+        _check(self.discovery in DISCOVERY_MODES, f"{path}.discovery",
+               f"must be {' or '.join(DISCOVERY_MODES)}, got {_show(self.discovery)}")
         _check(bool(PROM_LABEL_RE.match(self.series_label)), f"{path}.series_label",
                f"{self.series_label!r} is not a Prometheus label name")
         for s, sc in self.servers.items():
@@ -420,6 +428,55 @@ class RulesConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    """etcd as the membership registry and the replicas' meeting point (docs/architecture.md, "Leader election")."""
+
+    # etcd's v3 HTTP gateway, e.g. http://etcd-0:2379; null: no registry, the controller runs alone (no
+    # election, static pools only)
+    url: str | None = None
+    prefix: str = "/grayguard/v1"  # every key lives under it: <prefix>/leader/<scope>, <prefix>/state/<pool>, ...
+    # the leader's lease (whole seconds, etcd's unit; at least 2, etcd's own floor): a leader that cannot
+    # renew it for this long stops writing, and a standby takes over within lease_ttl_s + one tick
+    lease_ttl_s: int = 5
+    timeout_s: float = 2.0  # overall deadline of one registry call
+    # membership snapshot (the last registry view, used while etcd is unreachable); null: next to the state
+    # file (<state_file>.members.json), or none without a state file
+    snapshot_file: str | None = None
+    # share of a pool's registered nodes whose registration may expire per minute; the expiries beyond it are
+    # held (a partition looks like mass death); null: thresholds.max_ejected_fraction, the pool's ejection cap
+    expiry_cap_per_minute: float | None = None
+    # elect one leader per pool instead of one for all: pools are spread evenly over the live replicas, and a
+    # dead replica's pools are taken over by the others
+    shard_pools: bool = False
+
+    def validate(self, path: str) -> None:
+        """Raise ConfigError naming the first bad field under path."""
+        p = f"{path}."
+        if self.url is not None:
+            _check_url(self.url, p + "url")
+        _check(bool(_PREFIX_RE.match(self.prefix)), p + "prefix",
+               f"must be /segments of letters, digits, '-', '_' or '.', without a trailing '/', got {self.prefix!r}")
+        _check(self.lease_ttl_s >= 2, p + "lease_ttl_s", "must be >= 2 (etcd's shortest lease)")
+        _check(self.timeout_s > 0, p + "timeout_s", "must be > 0")
+        _check(self.timeout_s < self.lease_ttl_s, p + "timeout_s",
+               f"must be < {p}lease_ttl_s (a renewal must answer before the lease ends)")
+        _check(self.snapshot_file != "", p + "snapshot_file", "must be a file path or null")
+        _check(self.expiry_cap_per_minute is None or 0 <= self.expiry_cap_per_minute <= 1,
+               p + "expiry_cap_per_minute", "must be in [0, 1] (a share of the pool), or null")
+        _check_finite(self, path)
+
+    def snapshot_path(self, state_file: str | None) -> str | None:
+        """Where the membership snapshot lives: snapshot_file, else next to the state file, else nowhere."""
+        if self.snapshot_file is not None:
+            return self.snapshot_file
+        return f"{state_file}.members.json" if state_file else None
+
+    def expiry_share(self, max_ejected_fraction: float) -> float:
+        """The share of a pool whose registrations may expire per minute (default: the pool's ejection cap)."""
+        return max_ejected_fraction if self.expiry_cap_per_minute is None else self.expiry_cap_per_minute
+
+
+@dataclass(frozen=True)
 class Config:
     pools: tuple[PoolConfig, ...]
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
@@ -428,6 +485,7 @@ class Config:
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
     tick_interval_s: float = 1.0  # the live signals move every second; the 30 s window once per rule evaluation
     stale_after_s: float = 60.0  # older Prometheus data holds every weight as it is
     state_file: str | None = "grayguard-state.json"
@@ -449,6 +507,7 @@ class Config:
         self.thresholds.validate("thresholds")
         self.recovery.validate("recovery")
         self.rules.validate("rules")
+        self.registry.validate("registry")
         _check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
         _check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
         _check_finite(self, "")
@@ -466,6 +525,21 @@ class Config:
                    f"backend {p.backend!r} is already driven by another pool")
             seen_names.add(p.name)
             seen_backends.add(p.backend)
+            _check(p.discovery != "registry" or self.registry.url is not None, f"pools[{i}].discovery",
+                   "registry needs registry.url (the etcd the nodes register in)")
+        self._validate_lease()
+
+    def _validate_lease(self) -> None:
+        """With a registry, the leader's lease must outlast what a tick does between two renewals."""
+        if self.registry.url is None:
+            return
+        ttl = self.registry.lease_ttl_s
+        _check(self.tick_interval_s < ttl, "registry.lease_ttl_s",
+               f"must be > tick_interval_s ({self.tick_interval_s:g}s): the lease is renewed every tick")
+        # a confirmed lease must leave room for one registry call and one HAProxy batch before it could end
+        need = self.registry.timeout_s + self.haproxy.timeout_s
+        _check(ttl > need, "registry.lease_ttl_s", f"must be > registry.timeout_s + haproxy.timeout_s ({need:g}s): "
+               "a leader writes HAProxy only while its lease outlasts the write")
 
 
 def _type_name(tp: Any) -> str:

@@ -27,6 +27,8 @@ ALERTS: dict[str, tuple[str, str]] = {
     "GrayguardControllerDown": ("page", "2m"),
     "GrayguardControllerStale": ("page", "1m"),
     "GrayguardPoolUnprotected": ("ticket", "10m"),
+    "GrayguardControllerRegistryDown": ("page", "1m"),
+    "GrayguardRegistryMassExpiry": ("page", "0s"),
     "GrayguardProbeFailing": ("page", "2m"),
     "GrayguardProbeCudaError": ("page", "1m"),
     "GrayguardExporterDown": ("ticket", "5m"),

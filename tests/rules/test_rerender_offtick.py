@@ -20,13 +20,14 @@ from rules.rerender import RuleRerenderer
 
 
 class FakeController:
-    """What run_loop needs of a Controller: tick(), metrics, cfg, dry_run."""
+    """What run_loop needs of a Controller: tick(), metrics, cfg, dry_run, leadership."""
 
     def __init__(self, rerender_interval_s: float, fail: bool = False):
         self.cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
                                  "rules": {"rerender_interval_s": rerender_interval_s}})
         self.metrics = ControllerMetrics.create()
         self.dry_run = False
+        self.leadership = None  # alone: no registry, no election
         self.ticks = 0
         self.fail = fail
 

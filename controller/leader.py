@@ -1,0 +1,335 @@
+"""One active controller among several replicas: leader election on etcd leases, fencing, and the handover of
+the node states (docs/architecture.md, "Leader election").
+
+Leading a scope ("all", or one pool with registry.shard_pools) means holding the key <prefix>/leader/<scope>,
+created with compare-and-create on this replica's own lease of registry.lease_ttl_s. The lease is renewed at the
+start of every tick and by the run loop's keeper job (every third of the lease, so a long tick does not lose it);
+a standby campaigns every tick. Fencing: a leader writes HAProxy only while the lease it last confirmed (from the
+monotonic time the renewal was *sent*, less CLOCK_MARGIN) outlasts the write; etcd can only expire the lease
+later than that, and no other replica can create the key before it does. Handover: before its HAProxy writes the
+leader puts the pool's states (the state file's JSON) to <prefix>/state/<pool> in a transaction guarded by its
+leader key, so etcd never lags what HAProxy was told; a new leader loads them before its first tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from controller.leader_store import ElectionStore
+from controller.metrics import ControllerMetrics
+from controller.policy import NodeState
+from controller.statefile import StateError, dump_states, load_states
+from grayguard.registry import RegistryError
+
+log = logging.getLogger("grayguard.leader")
+
+SCOPE_ALL = "all"
+CLOCK_MARGIN = 0.1  # share of a confirmed lease never counted on (clock rates differ by ppm: ample)
+REPUBLISH_TICKS = 60  # unchanged states are published again this often (a key deleted by hand comes back)
+
+
+def leader_key(prefix: str, scope: str) -> str:
+    return f"{prefix}/leader/{scope}"
+
+
+def state_key(prefix: str, pool: str) -> str:
+    return f"{prefix}/state/{pool}"
+
+
+def replica_key(prefix: str, replica: str) -> str:
+    return f"{prefix}/replicas/{replica}"
+
+
+def assign(scopes: Iterable[str], replicas: Iterable[str], holders: Mapping[str, str]) -> dict[str, str]:
+    """Each scope to one of the live replicas, balanced (counts differ by at most one), moving as few as possible:
+    a live holder keeps its scopes up to its fair share; the others go to the least loaded (then by id). Pure."""
+    scopes, reps = sorted(set(scopes)), sorted(set(replicas))
+    if not reps:
+        return {}
+    base, extra = divmod(len(scopes), len(reps))
+    count = dict.fromkeys(reps, 0)
+    out: dict[str, str] = {}
+    surplus = []
+    for s in scopes:
+        h = holders.get(s)
+        if h in count and count[h] < base:
+            out[s] = h
+            count[h] += 1
+        elif h in count:
+            surplus.append(s)
+    for s in surplus:  # a holder past its share keeps one more while the division leaves some over
+        h = holders[s]
+        if extra > 0 and count[h] == base:
+            out[s] = h
+            count[h] += 1
+            extra -= 1
+    for s in scopes:
+        if s not in out:
+            r = min(reps, key=lambda r: (count[r], r))
+            out[s] = r
+            count[r] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What this replica may do this tick."""
+
+    led: frozenset[str]  # the pools it leads
+    handover: dict[str, dict[str, NodeState] | None] = field(default_factory=dict)  # pools just taken: their
+    # states from etcd ({}: unreadable, seed every node from HAProxy; None: never published, keep what it has)
+    why: str = ""  # when it leads nothing: who does, or why it cannot tell
+    ready: bool = False  # it reached the registry this tick and every scope has a leader (a standby ready to lead)
+
+
+class Leadership:
+    """This replica's side of the election for every scope; every etcd call goes through one lock."""
+
+    def __init__(self, store: ElectionStore, replica_id: str, pools: Sequence[str], ttl_s: int, *, prefix: str,
+                 shard: bool = False, metrics: ControllerMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.store, self.id, self.pools, self.ttl, self.prefix = store, replica_id, tuple(pools), ttl_s, prefix
+        self.shard, self.metrics, self.clock = shard, metrics, clock
+        self.scopes = tuple(self.pools) if shard else (SCOPE_ALL,)
+        self._io = threading.Lock()
+        self._lease: int | None = None
+        self._confirmed = -math.inf  # monotonic time the last renewal etcd answered was sent
+        self._held: dict[str, int] = {}  # scope -> create_revision of this replica's leader key (replaced, not mutated)
+        self._leaders: dict[str, str] = {}  # scope -> holder, as last read
+        self._pending: set[str] = set()  # pools taken over whose states are not loaded yet
+        self._published: dict[str, tuple[str, int]] = {}  # pool -> (text in etcd, ticks since it was put)
+        self._error: str | None = None  # the registry trouble last logged (once per kind, until it clears)
+        self._export()
+
+    # ---- what the tick asks --------------------------------------------------------------------
+    def begin_tick(self) -> Turn:
+        """Renew the lease, campaign (and hand over past a fair share when sharded), load the states of pools just
+        taken over; the pools this replica leads now."""
+        with self._io:
+            reached = self._renew() and self._campaign()
+            self._check_fence()
+            handover = self._load_pending()
+            led = frozenset(p for p in self.pools if self.scope_of(p) in self._held) - self._pending
+            ready = reached and all(s in self._leaders for s in self.scopes)
+        self._export()
+        return Turn(led, handover, "" if led else self._standby_why(), ready)
+
+    def may_write(self, pool: str, budget_s: float) -> str | None:
+        """None when this replica may write pool's HAProxy now: it leads it, and its confirmed lease outlasts a write
+        of budget_s (renewed first when it would not); else why not."""
+        if self.scope_of(pool) in self._held and self.valid_for() < budget_s:
+            self.renew()
+        if self.scope_of(pool) not in self._held:
+            return f"replica {self.id} does not lead {self.scope_of(pool)} any more"
+        left = self.valid_for()
+        if left < budget_s:
+            return (f"fenced: the lease is confirmed for {max(left, 0):.1f}s more, less than a HAProxy write may take "
+                    f"({budget_s:g}s)")
+        return None
+
+    def publish(self, pool: str, states: Mapping[str, NodeState]) -> str | None:
+        """Put pool's states in etcd, guarded by this replica's leader key (skipped when etcd has them already);
+        None when etcd has them, else why not (then HAProxy must not be written for pool this tick)."""
+        scope = self.scope_of(pool)
+        try:
+            text = dump_states({pool: dict(states)})
+        except ValueError as e:
+            return f"states not serializable: {e}"
+        with self._io:
+            rev = self._held.get(scope)
+            if rev is None:
+                return f"replica {self.id} does not lead {scope}"
+            last = self._published.get(pool)
+            if last is not None and last[0] == text and last[1] < REPUBLISH_TICKS:
+                self._published[pool] = (text, last[1] + 1)
+                return None
+            try:
+                ok = self.store.put_if_held(leader_key(self.prefix, scope), rev, {state_key(self.prefix, pool): text})
+            except RegistryError as e:
+                self._registry_error("publish", e)
+                return f"the states could not be put in etcd ({e.kind}): HAProxy is written only once they are"
+            if not ok:
+                self._lose({scope}, f"the leader key {leader_key(self.prefix, scope)} is not this replica's any more")
+                return f"replica {self.id} does not lead {scope} any more"
+            self._published[pool] = (text, 0)
+        return None
+
+    def renew(self) -> None:
+        """Keep the lease alive (the keeper job calls this between ticks)."""
+        with self._io:
+            self._renew()
+            self._check_fence()
+
+    def valid_for(self) -> float:
+        """Seconds the lease is still certainly alive (<= 0: it may have expired)."""
+        return self._confirmed + self.ttl * (1 - CLOCK_MARGIN) - self.clock()
+
+    def scope_of(self, pool: str) -> str:
+        return pool if self.shard else SCOPE_ALL
+
+    def close(self) -> None:
+        """Resign: revoke the lease, so the keys go at once and a standby leads at its next tick."""
+        with self._io:
+            if self._lease is None:
+                return
+            try:
+                self.store.revoke(self._lease)
+                log.info("replica %s resigned (lease revoked)", self.id)
+            except RegistryError as e:
+                log.warning("replica %s: could not revoke its lease (%s); it expires within %ds", self.id, e, self.ttl)
+            self._lease = None
+            self._lose(set(self._held), "resigned")
+
+    def status(self) -> dict:
+        """For /status."""
+        return {"id": self.id, "leads": sorted(self._held), "leaders": dict(sorted(self._leaders.items())),
+                "lease_valid_for_s": round(max(self.valid_for(), 0.0), 3) if self._held else None,
+                "shard_pools": self.shard}
+
+    # ---- the election --------------------------------------------------------------------------
+    def _renew(self) -> bool:
+        """Grant or renew the lease; True when etcd confirmed it now."""
+        sent = self.clock()
+        try:
+            if self._lease is None:
+                self._lease = self.store.grant(self.ttl)  # (sharded: _campaign registers the replica on it)
+            elif self.store.keep_alive(self._lease) <= 0:
+                self._lose(set(self._held), f"lost the lease: it expired on etcd (not renewed within {self.ttl}s)")
+                self._lease = None
+                return self._renew()  # a new lease, to campaign with at once
+        except RegistryError as e:
+            self._registry_error("lease", e)
+            return False
+        self._confirmed = sent
+        self._registry_ok()
+        return True
+
+    def _check_fence(self) -> None:
+        if self._held and self.valid_for() <= 0:
+            age = self.clock() - self._confirmed
+            self._lose(set(self._held), f"fenced: the lease was not confirmed for {age:.1f}s "
+                       f"({self._error or 'no answer'}); it writes nothing until it leads again")
+
+    def _campaign(self) -> bool:
+        """Read who leads, campaign for what is this replica's to lead, hand over the rest; True when etcd answered."""
+        try:
+            entries, _ = self.store.get_prefix(leader_key(self.prefix, ""))
+            replicas = {self.id}
+            if self.shard:
+                present, _ = self.store.get_prefix(replica_key(self.prefix, ""))
+                if replica_key(self.prefix, self.id) not in present:
+                    self.store.put(replica_key(self.prefix, self.id), self.id, lease=self._lease or 0)
+                replicas |= {e.value for e in present.values()}
+        except RegistryError as e:
+            self._registry_error("read", e)
+            return False
+        view = {k.rsplit("/", 1)[1]: e for k, e in entries.items() if k.rsplit("/", 1)[1] in self.scopes}
+        for scope, rev in sorted(self._held.items()):
+            e = view.get(scope)
+            if e is None or e.create_revision != rev:
+                self._lose({scope}, "its leader key was deleted" if e is None else f"{e.value} holds the key now")
+        for scope, e in sorted(view.items()):
+            if e.lease == self._lease and scope not in self._held:  # still ours: etcd came back with the lease
+                self._gain(scope, e.create_revision, "its key survived while etcd was unreachable")
+        prev = dict(self._leaders)
+        self._leaders = {s: e.value for s, e in view.items()}
+        owner = assign(self.scopes, replicas, self._leaders) if self.shard else dict.fromkeys(self.scopes, self.id)
+        for scope in self.scopes:
+            if owner.get(scope) != self.id or scope in self._held or scope in view:
+                continue
+            try:
+                c = self.store.campaign(leader_key(self.prefix, scope), self.id, self._lease or 0)
+            except RegistryError as e:
+                self._registry_error("campaign", e)
+                return False
+            if c.won:
+                was = prev.get(scope)
+                self._gain(scope, c.revision, f"took over from {was} (its key expired or was released)" if was
+                           else "no replica led it")
+            elif c.holder is not None:
+                self._leaders[scope] = c.holder.value
+        for scope, rev in sorted(self._held.items()):  # sharded: past the fair share, hand over to the assignee
+            if owner.get(scope, self.id) != self.id:
+                try:
+                    if self.store.delete_if_held(leader_key(self.prefix, scope), rev):
+                        self._lose({scope}, f"handed over to {owner[scope]} (balanced assignment)")
+                except RegistryError as e:
+                    self._registry_error("resign", e)
+        return True
+
+    def _load_pending(self) -> dict[str, dict[str, NodeState] | None]:
+        out: dict[str, dict[str, NodeState] | None] = {}
+        for pool in sorted(self._pending):
+            try:
+                entry = self.store.get(state_key(self.prefix, pool))
+            except RegistryError as e:  # stays pending: the pool is not led until its states are known
+                self._registry_error("load", e)
+                continue
+            self._pending.discard(pool)
+            if entry is None:
+                log.info("pool=%s: no states in etcd: starting from this replica's own (state file), the rest seeded "
+                         "from HAProxy", pool)
+                out[pool] = None
+                continue
+            try:
+                out[pool] = load_states(entry.value).get(pool, {})
+                log.info("pool=%s: %d node states loaded from etcd (revision %d)", pool, len(out[pool] or {}),
+                         entry.mod_revision)
+            except StateError as e:
+                log.warning("pool=%s: the states in etcd are not valid (%s): every node is seeded from HAProxy",
+                            pool, e)
+                out[pool] = {}
+        return out
+
+    def _gain(self, scope: str, rev: int, why: str) -> None:
+        self._held = {**self._held, scope: rev}
+        self._pending |= {p for p in self.pools if self.scope_of(p) == scope}
+        self._leaders[scope] = self.id
+        log.warning("replica %s leads %s: %s", self.id, scope, why)
+        self._changed()
+
+    def _lose(self, scopes: set[str], why: str) -> None:
+        scopes &= set(self._held)
+        if not scopes:
+            return
+        self._held = {s: r for s, r in self._held.items() if s not in scopes}
+        for p in self.pools:
+            if self.scope_of(p) in scopes:
+                self._pending.discard(p)
+                self._published.pop(p, None)
+        log.warning("replica %s stops leading %s: %s", self.id, ", ".join(sorted(scopes)), why)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.leader_changes.inc()
+        self._export()
+
+    def _export(self) -> None:
+        if self.metrics is not None:
+            self.metrics.controller_leader.labels(self.id).set(1 if self._held else 0)
+            self.metrics.led_pools.labels(self.id).set(sum(1 for p in self.pools if self.scope_of(p) in self._held))
+
+    def _standby_why(self) -> str:
+        if self._lease is None or self._error:
+            return f"replica {self.id} cannot reach the registry ({self._error or 'no lease'})"
+        others = sorted({h for h in self._leaders.values() if h != self.id})
+        return f"replica {self.id} stands by ({', '.join(others) or 'nobody'} leads)"
+
+    def _registry_error(self, op: str, e: RegistryError) -> None:
+        if self.metrics is not None:
+            self.metrics.registry_errors.labels(op, e.kind).inc()
+        text = f"{op}: {e}"
+        if self._error is None or not self._error.startswith(f"{op}: {e.kind}"):
+            log.warning("replica %s: registry %s", self.id, text)
+        self._error = text
+
+    def _registry_ok(self) -> None:
+        if self._error is not None:
+            log.info("replica %s: registry answers again", self.id)
+            self._error = None
