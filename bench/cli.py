@@ -32,21 +32,49 @@ from fault to first weight cut and to quarantine, false cuts and quarantines, cl
 end-to-end latency against the healthy baseline (the same scenario without the fault, same seed),
 timeouts, errors and the capacity kept; then prints a summary and PASS/MISS per target.
 
+--cross-check runs a few scenarios both in this engine and on the real local stack (simulated vLLM fleet,
+an exporter per node, HAProxy leastconn with the shipped reflexes, Prometheus at the intervals of
+rules/prometheus.example.yml, Alertmanager, the controller at grayguard.example.yaml: 1 s tick, 30 s window),
+with the same pool (8 nodes), load (20 req/s, the very same arrivals), seed, fault and timing: a thermal
+slowdown (x6), a hang, a CUDA error and a benign 2x traffic surge, each with the fault on node3 from 45 s and
+measured over [45, 75) s, plus the healthy run they are compared with. The engine runs each scenario at the
+live run's phase (its controller start and fault instant) and over 8 other draws of the probe, check and scrape
+phases. It prints, side by side: time to cut, time to quarantine, P99 TTFT during the fault over the healthy
+run's, failed requests and false cuts, the difference, and PASS (detection within one tick, P99 ratios within
+15 %), SPREAD (within that of the engine's range over the phase draws) or DIFF. About 10 minutes of real time
+(5 live runs); progress on stderr; --report-dir writes crosscheck.md and crosscheck.json (with each live run's
+transitions and how late the simulated fleet ran).
+
 examples:
   grayguard bench --suite smoke --report-dir /tmp/bench
   grayguard bench --suite default --report-dir bench-report --workers 2
   grayguard bench --suite default --report-dir /tmp/b --filter thermal/n8 --policies leastconn,grayguard
+  grayguard bench --cross-check --report-dir /tmp/cross
+  grayguard bench --cross-check --cross-scenarios thermal --cross-bench-only
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="smoke", help=f"suite name or YAML path (shipped: {', '.join(suites())})")
-    p.add_argument("--report-dir", required=True, metavar="DIR", help="where report.md and report.json go")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="where report.md and report.json go (required, except with --cross-check)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: min(2, CPUs))")
     p.add_argument("--policies", help="comma-separated policies instead of the suite's (see bench/policies.py)")
     p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
                    help="only scenarios whose name contains SUBSTR (repeatable: any of them)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (with --cross-check: "
+                   "when a row is DIFF)")
+    from bench.crosscheck import SCENARIOS
+    g = p.add_argument_group("cross-check (the benchmark against the real local stack)")
+    g.add_argument("--cross-check", action="store_true",
+                   help="run the cross-check scenarios in the engine and on the local stack, print the table")
+    g.add_argument("--cross-scenarios", default=",".join(SCENARIOS), metavar="NAMES",
+                   help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all; the healthy run always runs)")
+    g.add_argument("--cross-seed", type=int, default=1, help="seed of the load and the fleet (default 1)")
+    g.add_argument("--cross-bench-only", action="store_true",
+                   help="the engine's side only (seconds): the figures, no table")
+    g.add_argument("--keep-workdir", action="store_true",
+                   help="keep each live run's temp dir (configs and logs of HAProxy, Prometheus, Alertmanager)")
 
 
 def families(scenarios: list[Scenario], policy_override: list[str] | None = None) -> list[tuple[str, list[Scenario]]]:
@@ -119,7 +147,53 @@ def _git(*args: str) -> str:
         return ""
 
 
+def run_cross_check(args: argparse.Namespace) -> int:
+    """`--cross-check`: the table of bench.crosscheck; 2 on a bad scenario name, 1 if a binary is missing."""
+    import logging
+
+    from bench.crosscheck import SCENARIOS, Setup, cross_check, report
+    from bench.crosslive import run_live
+    from grayguard.binaries import BinaryMissing
+
+    names = [n.strip() for n in args.cross_scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(f"grayguard bench: unknown cross-check scenario(s) {unknown}; known: {', '.join(SCENARIOS)}",
+              file=sys.stderr)
+        return 2
+    if logging.getLogger().level > logging.DEBUG:  # the stack's per-tick logs would drown the progress lines
+        for name in ("aiohttp", "grayguard", "exporters", "rules", "sim", "localstack", "controller"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("urllib3").setLevel(logging.ERROR)  # "connection pool is full": concurrent queries
+
+    def progress(msg: str) -> None:
+        print(f"cross-check {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+    notes: dict[str, dict] = {}
+
+    def live(scn: Scenario):
+        return run_live(scn, progress, keep_workdir=args.keep_workdir, notes=notes.setdefault(scn.name, {}))
+
+    t0 = time.perf_counter()
+    try:
+        result = cross_check(Setup(seed=args.cross_seed), names, None if args.cross_bench_only else live, progress)
+    except BinaryMissing as e:
+        print(f"grayguard bench: {e}", file=sys.stderr)
+        return 1
+    result["live_notes"] = notes  # per run: the controller's transitions with reasons, the fleet loop's lag
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["commit"] = _git("rev-parse", "--short", "HEAD")
+    diffs = report(result, Path(args.report_dir) if args.report_dir else None)
+    progress(f"done in {result['wall_s']:.0f} s")
+    return 1 if args.strict and diffs else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cross_check:
+        return run_cross_check(args)
+    if not args.report_dir:
+        print("grayguard bench: --report-dir is required (except with --cross-check)", file=sys.stderr)
+        return 2
     try:
         scenarios, spec = load_suite(args.suite)
     except SuiteError as e:

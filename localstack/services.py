@@ -93,9 +93,10 @@ def _workdir(workdir: str | Path | None, prefix: str) -> tuple[Path, bool]:
 
 
 def prometheus_config(scrape_configs: Sequence[dict] = (), *, interval: str = "1s",
-                      alertmanager_urls: Iterable[str] = ()) -> dict:
-    """A Prometheus config: global scrape/evaluation interval, scrape configs, Alertmanager targets."""
-    cfg: dict = {"global": {"scrape_interval": interval, "evaluation_interval": interval,
+                      alertmanager_urls: Iterable[str] = (), evaluation_interval: str | None = None) -> dict:
+    """A Prometheus config: global scrape/evaluation interval (evaluation: the scrape's unless given), scrape
+    configs, Alertmanager targets."""
+    cfg: dict = {"global": {"scrape_interval": interval, "evaluation_interval": evaluation_interval or interval,
                             "scrape_timeout": interval},
                  "scrape_configs": list(scrape_configs)}
     ams = [u.split("://", 1)[-1].rstrip("/") for u in alertmanager_urls]

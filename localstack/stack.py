@@ -9,11 +9,13 @@ or without a `server-state-file`), killed outright and started again; a second H
 the controller as a child process (`grayguard controller` with a state file) that can be SIGKILLed.
 
 `python -m localstack.stack exporter ...` is the child process of `StackSpec(exporter_processes=True)`: the
-`grayguard exporter` command's flags and Exporter, with a fake healthy GPU in place of NVML.
+`grayguard exporter` command's flags and Exporter, with a fake GPU in place of NVML (healthy, or what the node's
+fault does to it: the stack writes that into a file the child follows).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -66,9 +68,16 @@ class StackSpec:
     haproxies: int = 1  # HAProxy instances of one tier, each with its own frontend; the controller drives all
     # `grayguard controller` as a child process with a state file (it can be SIGKILLed and started again)
     controller_process: bool = False
-    # one child process per exporter (what the soak measures); a fault's GPU effects reach only in-process ones
+    # one child process per exporter (what the soak measures; the cross-check, to keep the exporters' parsing off
+    # the fleet's interpreter); a fault's GPU effects reach them through a state file (ExporterProcess.set_gpu)
     exporter_processes: bool = False
     scrape_interval: str = "1s"  # Prometheus' scrape and rule evaluation interval (production ships 5s)
+    # "demo": the compressed time above. "shipped": the timing people deploy, read from the shipped files:
+    # Prometheus' intervals and jobs of rules/prometheus.example.yml (vLLM and the exporter every 5 s, the
+    # exporter's /metrics/fast every 1 s, the control rules every 5 s) and the controller at grayguard.example.yaml
+    # (30 s window, 1 s tick, default thresholds and recovery); scrape_interval is then unused (probe_interval_s
+    # still applies: the exporter ships 1 s). `grayguard bench --cross-check` runs the stack so.
+    timing: str = "demo"
 
 
 def check_binaries() -> None:
@@ -112,13 +121,24 @@ class ExporterProcess:
     prober = None  # the probe state lives in the child: read it from /metrics
 
     def __init__(self, vllm_url: str, port: int, gpu_index: int, probe_interval_s: float, log_path: Path,
-                 agent_port: int):
+                 agent_port: int, gpu_file: Path | None = None):
         self.url = f"http://127.0.0.1:{port}"
+        self.gpu_file = gpu_file
+        self._gpu_seq = 0
         argv = [sys.executable, "-m", "localstack.stack", "exporter", "--gpu-index", str(gpu_index),
                 "--vllm.url", vllm_url, "--web.listen-address", f"127.0.0.1:{port}",
                 "--agent.listen-address", f"127.0.0.1:{agent_port}",
                 "--probe.interval", f"{probe_interval_s:g}", "--probe.deadline", "2s", "--probe.api-key-env", ""]
+        if gpu_file is not None:
+            argv += ["--gpu-state-file", str(gpu_file)]
         self.proc = ManagedProcess(argv, log_path, env=_child_env(), cwd=REPO)
+
+    def set_gpu(self, effects: dict) -> None:
+        """Tell the child's fake GPU what the fault does (sim.faults.gpu_effects; {}: healthy again)."""
+        if self.gpu_file is None:
+            return
+        self._gpu_seq += 1
+        write_gpu_state(self.gpu_file, self._gpu_seq, effects)
 
     @property
     def pid(self) -> int:
@@ -130,6 +150,30 @@ class ExporterProcess:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def shipped_prometheus_timing() -> tuple[str, str, dict]:
+    """(global scrape interval, global evaluation interval, the exporter's fast job) of rules/prometheus.example.yml."""
+    prom = yaml.safe_load((REPO / "rules" / "prometheus.example.yml").read_text())
+    fast = next(j for j in prom["scrape_configs"] if j.get("metrics_path") == "/metrics/fast")
+    g = prom["global"]
+    return g["scrape_interval"], g["evaluation_interval"], fast
+
+
+def shipped_config_doc(prom_url: str, endpoints: list[str], listen: str, rules_dir: Path,
+                       state_file: Path | None) -> dict:
+    """grayguard.example.yaml with only this stack's addresses in it: the settings (and timing) people deploy.
+
+    The alert re-render is off: it changes no decision, and promtool would only add CPU noise to a measurement.
+    """
+    doc = yaml.safe_load((REPO / "grayguard.example.yaml").read_text())
+    doc["prometheus"] = {**doc["prometheus"], "url": prom_url}
+    doc["haproxy"] = {**doc["haproxy"], "endpoints": endpoints}
+    doc["pools"] = [{"name": POOL, "backend": BACKEND}]
+    doc["rules"] = {**doc["rules"], "output_dir": str(rules_dir), "rerender_interval_s": 0}
+    doc["state_file"] = str(state_file) if state_file else None
+    doc["listen_address"] = listen
+    return doc
 
 
 class LocalStack:
@@ -179,15 +223,17 @@ class LocalStack:
         from rules.render import render_all
         from sim.fleet import FleetThread
 
-        check_binaries()
         s = self.spec
+        if s.timing not in ("demo", "shipped"):
+            raise ValueError(f"StackSpec.timing {s.timing!r}: demo or shipped")
+        check_binaries()
         self.progress(f"starting {s.nodes} simulated vLLM nodes")
         self.fleet = FleetThread(n=s.nodes, seed=s.seed, speed_classes=s.speed_classes,
                                  on_fault_change=self._on_fault)
         self.nodes = self.fleet.start()
         self._start_exporters()
         self.progress("starting HAProxy" + (f" x{s.haproxies}" if s.haproxies > 1 else ""))
-        servers = [(n.name, n.address, 100, self.agent_ports[n.name]) for n in self.nodes]
+        servers = self._backend_servers()
         for i in range(s.haproxies):
             gw_port = free_port()
             hdir = self.dir / ("haproxy" if i == 0 else f"haproxy{i + 1}")
@@ -213,21 +259,33 @@ class LocalStack:
         rules_dir.mkdir(parents=True)
         for name, text in render_all(self.cfg, {}).items():
             (rules_dir / name).write_text(text)
+        exporter_targets = [
+            {"targets": [ex.url.split("://")[1]], "labels": {"pool": POOL, "instance": n.address, "node": n.name}}
+            for n, ex in zip(self.nodes, self.exporters.values(), strict=True)]
         jobs = [
             {"job_name": "vllm", "static_configs": [
                 {"targets": [n.address], "labels": {"pool": POOL, "node": n.name}} for n in self.nodes]},
-            {"job_name": self.cfg.rules.exporter_job, "static_configs": [
-                {"targets": [ex.url.split("://")[1]], "labels": {"pool": POOL, "instance": n.address, "node": n.name}}
-                for n, ex in zip(self.nodes, self.exporters.values(), strict=True)]},
+            {"job_name": self.cfg.rules.exporter_job, "static_configs": exporter_targets},
             static_job(self.cfg.rules.controller_job, [f"127.0.0.1:{ctl_port}"]),
         ]
-        self.progress(f"starting Prometheus ({s.scrape_interval} scrape, grayguard rules)")
-        self._prom_launch = (prometheus_config(jobs, interval=s.scrape_interval,
+        interval, evaluation = s.scrape_interval, None
+        if s.timing == "shipped":
+            interval, evaluation, fast = shipped_prometheus_timing()
+            jobs.append({"job_name": fast["job_name"], "scrape_interval": fast["scrape_interval"],
+                         "scrape_timeout": fast["scrape_interval"], "metrics_path": fast["metrics_path"],
+                         "static_configs": exporter_targets})
+        self.progress(f"starting Prometheus ({interval} scrape, grayguard rules"
+                      + (f", {jobs[-1]['metrics_path']} every {jobs[-1]['scrape_interval']})" if evaluation else ")"))
+        self._prom_launch = (prometheus_config(jobs, interval=interval, evaluation_interval=evaluation,
                                                alertmanager_urls=[self.alertmanager.url]),
                              prom_port)
         self.restart_prometheus()
         if s.controller:
             self.start_controller()
+
+    def _backend_servers(self) -> list[tuple[str, str, int, int]]:
+        """The backend's configured servers: (name, address, weight, agent port); a registry stack has none."""
+        return [(n.name, n.address, 100, self.agent_ports[n.name]) for n in self.nodes]
 
     def _start_exporters(self) -> None:
         from exporters.fakenvml import FakeNvml, healthy_h100
@@ -241,7 +299,8 @@ class LocalStack:
                 self.agent_ports[n.name] = free_port()
                 self.exporters[n.name] = ExporterProcess(n.url, free_port(), i, s.probe_interval_s,
                                                          self.dir / "exporters" / f"{n.name}.log",
-                                                         self.agent_ports[n.name])
+                                                         self.agent_ports[n.name],
+                                                         self.dir / "exporters" / f"{n.name}.gpu.json")
             for ex in self.exporters.values():
                 ex.wait_ready()
             return
@@ -261,6 +320,13 @@ class LocalStack:
         w = self.spec.control_window
         if self.spec.controller_process:
             self.state_file = self.dir / "controller" / "state.json"
+        if self.spec.timing == "shipped":
+            doc = shipped_config_doc(prom_url, [hp.endpoint for hp in self.haproxies], listen,
+                                     self.dir / "rules", self.state_file)
+            for k, v in self.spec.overrides.items():
+                doc[k] = {**doc[k], **v} if isinstance(v, dict) and isinstance(doc.get(k), dict) else v
+            self._cfg_doc = doc
+            return parse_config(doc)
         doc = {
             "prometheus": {"url": prom_url, "timeout_s": 2},
             "haproxy": {"endpoints": [hp.endpoint for hp in self.haproxies]},
@@ -369,20 +435,18 @@ class LocalStack:
     # ---- faults --------------------------------------------------------------------------------
     def _on_fault(self, node: str, fault: Any) -> None:
         """Keep the fake GPU telling the same story as the fault (called from the fleet's loop)."""
+        from exporters.fakenvml import healthy_h100
         from sim.faults import gpu_effects
+        ex = self.exporters.get(node)
+        if isinstance(ex, ExporterProcess):  # the child's own healthy H100 is the base
+            base = {k: v for k, v in vars(healthy_h100(0)).items() if not k.startswith("_")}
+            ex.set_gpu(gpu_effects(fault.name, fault.params, base) if fault is not None else {})
+            return
         gpu = self.gpus.get(node)
         if gpu is None:
             return
-        for k, v in self._gpu_base[node].items():
-            if not k.startswith("_"):
-                setattr(gpu, k, v)
-        if fault is not None:
-            effects = gpu_effects(fault.name, fault.params, self._gpu_base[node])
-            xid = effects.pop("xid", None)
-            for k, v in effects.items():
-                setattr(gpu, k, v)
-            if xid is not None:
-                gpu.push_xid(int(xid))
+        apply_gpu_effects(gpu, self._gpu_base[node],
+                          gpu_effects(fault.name, fault.params, self._gpu_base[node]) if fault is not None else {})
 
     def set_fault(self, node: str, fault: str, **params: Any) -> None:
         self.fleet.set_fault(node, fault, **params)  # type: ignore[union-attr]
@@ -537,6 +601,40 @@ class LocalStack:
         self.stop()
 
 
+def apply_gpu_effects(gpu: Any, base: dict, effects: dict) -> None:
+    """Reset a FakeGpu to base, then apply sim.faults.gpu_effects (an `xid` entry is an event, delivered once)."""
+    effects = dict(effects)
+    for k, v in base.items():
+        if not k.startswith("_"):
+            setattr(gpu, k, v)
+    xid = effects.pop("xid", None)
+    for k, v in effects.items():
+        setattr(gpu, k, v)
+    if xid is not None:
+        gpu.push_xid(int(xid))
+
+
+def write_gpu_state(path: Path, seq: int, effects: dict) -> None:
+    """The parent's side of the GPU state file: the seq-th state (atomically: the child never reads half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"seq": seq, "effects": effects}))
+    tmp.replace(path)
+
+
+def follow_gpu_file(path: Path, gpu: Any, stop: threading.Event, every_s: float = 0.1) -> None:
+    """The exporter child's side of ExporterProcess.set_gpu: apply each new state the parent writes."""
+    base = dict(vars(gpu))
+    seen = 0
+    while not stop.wait(every_s):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):  # not written yet
+            continue
+        if doc.get("seq", 0) > seen:
+            seen = doc["seq"]
+            apply_gpu_effects(gpu, base, doc.get("effects") or {})
+
+
 def _exporter_main(argv: list[str]) -> int:
     """The exporter child process: `grayguard exporter`'s flags and Exporter, a fake healthy H100 for NVML."""
     import argparse
@@ -546,6 +644,8 @@ def _exporter_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")
+    p.add_argument("--gpu-state-file", type=Path, default=None,
+                   help="follow the fault's GPU effects that the stack writes here (ExporterProcess.set_gpu)")
     cli.add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.exporter_log_level or "WARNING", stream=sys.stderr,
@@ -554,9 +654,13 @@ def _exporter_main(argv: list[str]) -> int:
     if error:
         log.error("bad configuration: %s", error)
         return 2
-    exporter = cli.build_exporter(args, nvml=FakeNvml([healthy_h100(args.gpu_index)]))
+    gpu = healthy_h100(args.gpu_index)
+    exporter = cli.build_exporter(args, nvml=FakeNvml([gpu]))
     exporter.start()
     stop = threading.Event()
+    if args.gpu_state_file is not None:
+        threading.Thread(target=follow_gpu_file, args=(args.gpu_state_file, gpu, stop), name="gpu-state",
+                         daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
