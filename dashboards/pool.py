@@ -3,7 +3,7 @@ users see."""
 
 from __future__ import annotations
 
-from dashboards import live
+from dashboards import live, membership
 from dashboards.config import DashboardConfig
 from dashboards.panels import (
     PromAnnotation,
@@ -235,6 +235,10 @@ def build(cfg: DashboardConfig) -> dict:
         "probed back.",
         [Q(zero_fill(f"sum by (node, result) (rate(grayguard_canaries_total{{{P}}}[$__rate_interval]))",
                      ticking, "result"), "{{node}} {{result}}")], "ops", lo=0))
+
+    d = d.with_row(row(membership.TITLE))
+    for p in membership.panels(cfg):
+        d = d.with_panel(p)
 
     return finish(d, [
         PromAnnotation("Controller transitions", transitions_expr(P), "orange",

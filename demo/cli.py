@@ -34,6 +34,7 @@ examples:
   grayguard demo --fault pcie --fault-node node5
   grayguard demo --no-controller         # the same scenario with grayguard off
   grayguard demo --compare               # with, without, and a fault-free run: the ratios (~8 minutes)
+  grayguard demo --scenario membership   # etcd registry: a node joins at 30 s, another crashes at 90 s
 """
 log = logging.getLogger("grayguard.demo")
 
@@ -351,6 +352,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true", help="run with and without the controller, report the ratios")
     p.add_argument("--live", choices=["auto", "tty", "plain", "off"], default="auto",
                    help="live view: redrawn table on a terminal, periodic lines otherwise (default auto)")
+    p.add_argument("--scenario", choices=["fault", "membership"], default="fault",
+                   help="fault: a gray failure on one node (the default); membership: the pool follows an etcd "
+                   "registry, a node joins and another crashes mid-run (demo/membership.py)")
+    from demo import membership
+    membership.add_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
@@ -389,6 +395,9 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 
 def run(args: argparse.Namespace) -> int:
     from grayguard.binaries import BinaryMissing
+    if args.scenario == "membership":
+        from demo import membership
+        return membership.run(args)
     try:
         opts = options_from_args(args)
     except ValueError as e:

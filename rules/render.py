@@ -18,9 +18,9 @@ TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"
 ALERTS_FILE = "grayguard-alerts.rules.yml"
 
-# Every alert the templates emit: name -> (default severity, default `for:`).
-# Severity scheme: `page` = a person acts now, day or night; `ticket` = a person looks in working hours.
-ALERTS: dict[str, tuple[str, str]] = {
+# Every alert the templates emit: name -> (default severity, default `for:`; None: derived from the config, see
+# derived_for). Severity scheme: `page` = a person acts now, day or night; `ticket` = a person looks in working hours.
+ALERTS: dict[str, tuple[str, str | None]] = {
     "GrayguardNodeDegraded": ("ticket", "15m"),
     "GrayguardNodeQuarantined": ("page", "5m"),
     "GrayguardSafeguardEngaged": ("page", "2m"),
@@ -29,6 +29,7 @@ ALERTS: dict[str, tuple[str, str]] = {
     "GrayguardPoolUnprotected": ("ticket", "10m"),
     "GrayguardControllerRegistryDown": ("page", "1m"),
     "GrayguardRegistryMassExpiry": ("page", "0s"),
+    "GrayguardNoLeader": ("page", None),  # registry.lease_ttl_s + tick_interval_s: longer than any hand-over
     "GrayguardProbeFailing": ("page", "2m"),
     "GrayguardProbeCudaError": ("page", "1m"),
     "GrayguardExporterDown": ("ticket", "5m"),
@@ -119,6 +120,17 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
 
 
+def derived_for(cfg: Config, name: str) -> str:
+    """The default `for:` of an alert whose ALERTS entry says None, from the config.
+
+    GrayguardNoLeader: a standby leads within registry.lease_ttl_s + one tick of the leader's last renewal
+    (docs/architecture.md, "Leader election"), so nobody leading for longer than that is no hand-over.
+    """
+    if name == "GrayguardNoLeader":
+        return f"{math.ceil(cfg.registry.lease_ttl_s + cfg.tick_interval_s)}s"
+    raise KeyError(name)
+
+
 def alert_meta(cfg: Config) -> dict[str, dict[str, str]]:
     """Severity, for and runbook URL per alert, with the config's overrides; unknown names are errors."""
     r = cfg.rules
@@ -127,7 +139,8 @@ def alert_meta(cfg: Config) -> dict[str, dict[str, str]]:
             if name not in ALERTS:
                 raise ConfigError(f"rules.{section}.{name}", f"unknown alert (known: {', '.join(ALERTS)})")
     base = r.runbook_url.split("#")[0]
-    return {name: {"severity": r.alert_severity.get(name, sev), "for": r.alert_for.get(name, dur),
+    return {name: {"severity": r.alert_severity.get(name, sev),
+                   "for": r.alert_for.get(name, dur if dur is not None else derived_for(cfg, name)),
                    "runbook_url": f"{base}#{name.lower()}"}
             for name, (sev, dur) in ALERTS.items()}
 

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client import CollectorRegistry
 
+from controller.discovery import DiscoveryMetrics
+from controller.membersync import MembershipMetrics
 from controller.metrics import ControllerMetrics
+from dashboards import membership
 from dashboards.config import DashboardConfig
 from dashboards.lint import expressions
 from dashboards.promql import label_values_selector, metric_names, substitute, zero_fill
@@ -33,11 +37,34 @@ def registry_names(registry) -> set[str]:
     return {n for names in registry._collector_to_names.values() for n in names}
 
 
+def controller_registry() -> CollectorRegistry:
+    """Every series the controller's code defines: its own, the discovery's and the membership step's."""
+    r = ControllerMetrics.create().registry
+    DiscoveryMetrics.create(r)
+    MembershipMetrics(r)
+    return r
+
+
+def registry_labels(registry) -> dict[str, set[str]]:
+    """Sample name -> the label names the code gives it (histogram buckets add `le`)."""
+    out: dict[str, set[str]] = {}
+    for collector, names in registry._collector_to_names.items():
+        labels = set(getattr(collector, "_labelnames", ()))
+        for n in names:
+            out[n] = labels | ({"le"} if n.endswith("_bucket") else set())
+    return out
+
+
+TARGET_LABELS = {"job", "instance"}  # what Prometheus adds to every scraped series
+SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^{}]*)\}")
+GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^()]*)\)")
+
+
 def allowed_names(cfg) -> set[str]:
     """Series grayguard exports (docs and registries), vLLM exposes, or the rules of cfg record."""
     names = set(re.findall(r"`(grayguard_[a-z0-9_]+)`", METRICS_DOC.read_text()))
     names |= registry_names(Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)])).registry)
-    names |= registry_names(ControllerMetrics.create().registry)
+    names |= registry_names(controller_registry())
     names |= registry_names(VllmMetrics("m", 4096).registry)  # the simulator's vLLM, same names as vLLM 0.33
     if VLLM_REFERENCE.is_file():
         for base in re.findall(r"`(vllm:[a-z_]+)`", VLLM_REFERENCE.read_text()):
@@ -110,3 +137,61 @@ def test_every_query_parses_in_prometheus():
             if r.status_code != 200 or r.json().get("status") != "success":
                 bad.append(f"{where}: HTTP {r.status_code} {r.text[:300]}\n{expr}")
         assert bad == []
+
+
+def row_expressions(doc: dict, title: str):
+    """(where, expr) of the panels under the row called title."""
+    inside = False
+    for p in doc["panels"]:
+        if p.get("type") == "row":
+            inside = p.get("title") == title
+        elif inside:
+            for t in p["targets"]:
+                yield f"panel {p['title']!r} {t['refId']}", substitute(t["expr"], VARIABLES)
+
+
+def series_problems(where: str, expr: str, labels: dict[str, set[str]]) -> list[str]:
+    """Series of expr the code does not define, and labels it selects or groups by that none of its series has."""
+    names = metric_names(expr)
+    bad = [f"{where}: {n} is not a series of the controller's code" for n in sorted(names - set(labels))]
+    known = TARGET_LABELS | set(re.findall(r'label_replace\([^"]*"(\w+)"', expr))
+    for name, body in SELECTOR.findall(expr):
+        used = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", body))
+        bad += [f"{where}: {name} has no label {lb!r}" for lb in sorted(used - labels.get(name, set()) - known)]
+    have = known.union(*(labels.get(n, set()) for n in names))
+    for clause in GROUPING.findall(expr):
+        used = {lb.strip() for lb in clause.split(",") if lb.strip()}
+        bad += [f"{where}: no series of it has label {lb!r}" for lb in sorted(used - have)]
+    return bad
+
+
+def test_membership_row_reads_series_the_code_defines_with_labels_they_have():
+    """Stricter than docs: every series of the membership and leadership row is defined in controller/ (metrics.py,
+    discovery.py, membersync.py), and every label a query selects or groups by is one the code gives that series
+    (or Prometheus' job and instance)."""
+    labels = registry_labels(controller_registry())
+    doc = json.loads(render_all()["grayguard-pool-overview.json"])
+    found, bad = set(), []
+    for where, expr in row_expressions(doc, membership.TITLE):
+        found |= metric_names(expr)
+        bad += series_problems(where, expr, labels)
+    assert bad == []
+    assert {"grayguard_membership_nodes", "grayguard_registry_up", "grayguard_registry_snapshot_age_seconds",
+            "grayguard_membership_changes_total", "grayguard_membership_expiries_held", "grayguard_controller_leader",
+            "grayguard_controller_led_pools", "grayguard_controller_leader_changes_total"} <= found
+
+
+def test_the_series_check_catches_a_wrong_name_or_label():
+    labels = registry_labels(controller_registry())
+    assert labels["grayguard_controller_leader"] == {"id"}
+    assert labels["grayguard_controller_leader_changes_total"] == set()  # no id: the replica is its instance
+    assert labels["grayguard_membership_changes_total"] == {"pool", "action"}
+    assert series_problems("w", 'sum by (id) (increase(grayguard_controller_leader_changes_total{job="c"}[1m]))',
+                           labels) == ["w: no series of it has label 'id'"]
+    assert series_problems("w", 'max(grayguard_controller_leader{pool="chat"})', labels) == \
+        ["w: grayguard_controller_leader has no label 'pool'"]
+    assert series_problems("w", "grayguard_membership_node", labels) == \
+        ["w: grayguard_membership_node is not a series of the controller's code"]
+    ok = ('sum by (kind) (rate(grayguard_discovery_errors_total{job="c"}[1m])) '
+          'or label_replace(0 * x, "kind", "", "", "")')
+    assert series_problems("w", ok, labels) == ["w: x is not a series of the controller's code"]

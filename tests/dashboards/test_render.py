@@ -159,6 +159,36 @@ def test_pool_overview_has_what_the_pager_needs():
     assert "{{from_state}}" in transitions["titleFormat"] and "node" in transitions["tagKeys"].split(",")
 
 
+def test_pool_overview_has_a_membership_and_leadership_row():
+    """Nodes per pool from the registry, registry up and snapshot age, joins and removals, expiries held back by the
+    cap, which replica leads (by id), pools led, leader changes; controller series follow rules.controller_job."""
+    cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}], "rules": {"controller_job": "ctl"}})
+    doc = docs(DashboardConfig.from_config(cfg))["grayguard-pool-overview.json"]
+    rows = [p["title"] for p in doc["panels"] if p["type"] == "row"]
+    assert rows[-1] == "Membership and leadership"
+    start = next(i for i, p in enumerate(doc["panels"]) if p.get("title") == "Membership and leadership")
+    row = {p["title"]: p for p in doc["panels"][start + 1:]}
+    exprs = {t: "\n".join(q["expr"] for q in p["targets"]) for t, p in row.items()}
+    assert "grayguard_membership_nodes" in exprs["Nodes: registered vs in HAProxy"]
+    assert "grayguard_pool_nodes" in exprs["Nodes: registered vs in HAProxy"]
+    assert "grayguard_registry_up" in exprs["Registry"] and 'job="ctl"' in exprs["Registry"]
+    assert "grayguard_registry_snapshot_age_seconds" in exprs["Snapshot age"]
+    assert "sum by (action) (clamp_min(grayguard_membership_changes_total" in exprs["Joins and removals"]
+    assert "grayguard_membership_expiries_held" in exprs["Expiries held back by the cap"]
+    assert "grayguard_membership_expiry_cap" in exprs["Expiries held back by the cap"]
+    assert exprs["Which replica leads"] == 'max by (id) (grayguard_controller_leader{job="ctl"})'
+    assert row["Which replica leads"]["type"] == "state-timeline"
+    texts = {o["text"] for m in row["Which replica leads"]["fieldConfig"]["defaults"]["mappings"]
+             for o in m["options"].values()}
+    assert texts == {"leads", "standby"}
+    assert "grayguard_controller_led_pools" in exprs["Pools led per replica"]
+    assert "grayguard_controller_leader_changes_total" in exprs["Leader changes"]
+    assert exprs["Leaders"] == 'sum(grayguard_controller_leader{job="ctl"})'
+    leaders = {o["text"] for m in row["Leaders"]["fieldConfig"]["defaults"]["mappings"] for o in m["options"].values()}
+    assert leaders == {"NOBODY"}
+    assert all("{{" not in p["description"] for p in row.values())
+
+
 def test_gpu_health_covers_every_nvml_signal():
     doc = docs()["grayguard-gpu-health.json"]
     names = {v["name"] for v in doc["templating"]["list"]}

@@ -17,6 +17,7 @@ from rules.render import (
     RECORDING_FILE,
     baseline_query,
     clean_baselines,
+    derived_for,
     recording_rule_names,
     render_alerts,
     render_all,
@@ -28,6 +29,7 @@ from rules.render import (
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "rules"
 EXAMPLE = REPO / "grayguard.example.yaml"
+FLEET_ALERTS = {"GrayguardNoLeader"}  # about the controller replicas together: no pool, no instance
 
 
 def cfg_with(**rules):
@@ -115,10 +117,11 @@ def test_every_alert_is_complete():
         name = r["alert"]
         assert re.fullmatch(r"Grayguard[A-Z][A-Za-z]+", name)
         assert r["labels"]["severity"] == ALERTS[name][0] and r["labels"]["severity"] in ("page", "ticket")
-        assert r["for"] == ALERTS[name][1]
+        assert r["for"] == (ALERTS[name][1] or derived_for(cfg, name))
         ann = r["annotations"]
         assert "{{" not in ann["summary"], f"{name}: summary must be static"
-        assert "{{ $labels.pool }}" in ann["description"] or name.startswith("GrayguardController"), name
+        assert "{{ $labels.pool }}" in ann["description"] or name.startswith("GrayguardController") or \
+            name in FLEET_ALERTS, name
         assert ann["runbook_url"] == f"https://github.com/grayguard/grayguard/blob/main/docs/runbook.md#{name.lower()}"
 
 
@@ -235,3 +238,21 @@ def test_baselines_property(baselines):
     for r in rules:
         threshold = r["expr"].rsplit(">", 1)[1]
         assert "nan" not in threshold.lower() and "inf" not in threshold.lower()
+
+
+def test_no_leader_waits_the_lease_and_a_tick_and_checks_absence_only_with_a_registry():
+    """A hand-over takes at most registry.lease_ttl_s + one tick: the page waits that long (whole seconds). Absent
+    leader series mean "no election" without a registry, so only a config with registry.url alerts on them."""
+    def no_leader(doc):
+        cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}], **doc})
+        return next(r for r in alert_rules(render_alerts(cfg)) if r["alert"] == "GrayguardNoLeader")
+
+    plain = no_leader({})
+    assert plain["for"] == "6s" and plain["labels"]["severity"] == "page"
+    assert plain["expr"].strip() == 'sum(grayguard_controller_leader{job="grayguard-controller"}) == 0'
+    reg = no_leader({"registry": {"url": "http://etcd:2379", "lease_ttl_s": 10}, "tick_interval_s": 2.5,
+                     "rules": {"controller_job": "ctl"}})
+    assert reg["for"] == "13s"  # 10 + 2.5, rounded up
+    assert 'absent(grayguard_controller_leader{job="ctl"})' in reg["expr"]
+    assert 'count(up{job="ctl"} == 1) > 0' in reg["expr"]
+    assert no_leader({"rules": {"alert_for": {"GrayguardNoLeader": "1m"}}})["for"] == "1m"
