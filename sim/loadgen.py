@@ -152,6 +152,8 @@ class _Run:
             rec.status, rec.error = "connect", str(e)[:200]
         except (aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError) as e:
             rec.status, rec.error = "protocol", f"{type(e).__name__}: {e}"[:200]
+        except RuntimeError as e:  # aiohttp's bare RuntimeError('Connection closed.'): the server died mid-stream
+            rec.status, rec.error = "connect", f"{type(e).__name__}: {e}"[:200]
         finally:
             self.inflight -= 1
             rec.e2e_s = self.loop.time() - due

@@ -179,3 +179,21 @@ def test_non_streaming_mode(fleet):
     res = fleet.run(run_load(cfg), timeout=20)
     assert all(r.status == "ok" and r.ttft_s is None and r.e2e_s > 0 for r in res.records)
     assert res.percentiles("ttft")["p50"] is None and not math.isnan(res.percentiles("e2e")["p50"])
+
+
+def test_a_server_dying_mid_stream_is_counted_as_a_failure_not_left_pending():
+    """aiohttp raises a bare RuntimeError('Connection closed.') when the node dies while it streams."""
+    from sim.loadgen import _Run
+
+    class Dies:
+        def post(self, *a, **k):
+            raise RuntimeError("Connection closed.")
+
+    async def go():
+        run = _Run(LoadConfig(url="http://x", rate=1, count=1), Dies(), None)
+        rec = RequestRecord(index=0, start_s=0.0, status="pending", prompt_tokens=8, max_tokens=8)
+        run.inflight = 1
+        await run.one(rec, run.loop.time())
+        return rec, run.inflight
+    rec, inflight = asyncio.run(go())
+    assert rec.status == "connect" and "Connection closed" in rec.error and inflight == 0
