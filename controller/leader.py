@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from controller.desired import desired_key
 from controller.leader_store import ElectionStore
 from controller.metrics import ControllerMetrics
 from controller.policy import NodeState
@@ -132,14 +133,19 @@ class Leadership:
                     f"({budget_s:g}s)")
         return None
 
-    def publish(self, pool: str, states: Mapping[str, NodeState]) -> str | None:
+    def publish(self, pool: str, states: Mapping[str, NodeState], desired: str | None = None) -> str | None:
         """Put pool's states in etcd, guarded by this replica's leader key (skipped when etcd has them already);
-        None when etcd has them, else why not (then HAProxy must not be written for pool this tick)."""
+        None when etcd has them, else why not (then HAProxy must not be written for pool this tick). desired: the
+        pool's desired HAProxy state for the actuators (controller/desired.py), put in the same transaction."""
         scope = self.scope_of(pool)
         try:
             text = dump_states({pool: dict(states)})
         except ValueError as e:
             return f"states not serializable: {e}"
+        puts = {state_key(self.prefix, pool): text}
+        if desired is not None:
+            puts[desired_key(self.prefix, pool)] = desired
+            text += "\0" + desired  # what was put, compared as one
         with self._io:
             rev = self._held.get(scope)
             if rev is None:
@@ -149,7 +155,7 @@ class Leadership:
                 self._published[pool] = (text, last[1] + 1)
                 return None
             try:
-                ok = self.store.put_if_held(leader_key(self.prefix, scope), rev, {state_key(self.prefix, pool): text})
+                ok = self.store.put_if_held(leader_key(self.prefix, scope), rev, puts)
             except RegistryError as e:
                 self._registry_error("publish", e)
                 return f"the states could not be put in etcd ({e.kind}): HAProxy is written only once they are"

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from controller import canary, decide
 from controller.clock import SteadyClock
+from controller.desired import dump as dump_desired
+from controller.desired import from_decision
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend, tier_view
@@ -333,7 +335,7 @@ class Controller:
                     self.metrics.transitions.labels(pool.name, n, d.previous, d.state.state).inc()
                     log.info("pool=%s node=%s %s -> %s: %s", pool.name, n, d.previous, d.state.state,
                              d.state.reason)
-            if self._handed_over(pool, o.states, result):
+            if self._handed_over(pool, o.states, result, decision):
                 self._write(pool, decision, hap, result)
             self._export(pool, decision, obs.pools[pool.name].servers)
         self.last_decisions = result.decisions
@@ -345,6 +347,7 @@ class Controller:
 
     def _write(self, pool: PoolConfig, decision: PoolDecision, hap: dict, result: TickResult) -> None:
         """Plan and apply one pool's writes on every HAProxy endpoint that answered this tick."""
+        actuated = self.cfg.haproxy.writer == "actuators"
         for hc in self.haproxies:
             actual = hap.get(hc.endpoint, {}).get(pool.backend)
             if actual is None:
@@ -352,8 +355,9 @@ class Controller:
             changes = plan_backend(pool.name, pool.backend, decision.nodes, actual, decision.agent_off)
             for c in changes:
                 result.changes.append((hc.endpoint, c))
-                log.info("%s%s %s", "[dry-run] " if self.dry_run else "", hc.endpoint, c.describe())
-            if self.dry_run or not changes:
+                log.info("%s%s %s", "[dry-run] " if self.dry_run else "[actuators] " if actuated else "",
+                         hc.endpoint, c.describe())
+            if self.dry_run or actuated or not changes:  # actuators: published with the states, applied there
                 continue
             if not self._may_write(pool, result):
                 break
@@ -405,12 +409,17 @@ class Controller:
     def _leads(self, pool: str) -> bool:
         return self._led is None or pool in self._led
 
-    def _handed_over(self, pool: PoolConfig, states: dict[str, NodeState], result: TickResult) -> bool:
+    def _handed_over(self, pool: PoolConfig, states: dict[str, NodeState], result: TickResult,
+                     decision: PoolDecision) -> bool:
         """Write-ahead: with a registry the pool's states are in etcd before HAProxy hears of them, so a new leader
-        never starts from states older than what HAProxy was told. False: do not write the pool this tick."""
+        never starts from states older than what HAProxy was told. False: do not write the pool this tick. With
+        haproxy.writer: actuators the pool's desired HAProxy state goes with them: that is the write."""
         if self.leadership is None or self.dry_run:
             return True
-        why = self.leadership.publish(pool.name, states)
+        desired = None
+        if self.cfg.haproxy.writer == "actuators":
+            desired = dump_desired(from_decision(pool.name, pool.backend, decision))
+        why = self.leadership.publish(pool.name, states, desired)
         if why:
             result.errors.append(f"pool={pool.name}: {why}")
             log.warning("pool=%s: HAProxy not written this tick: %s", pool.name, why)

@@ -7,9 +7,12 @@ import importlib
 import logging
 import sys
 
+from grayguard import __version__
+
 # subcommand -> module providing HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "controller": "controller.cmd_controller",
+    "actuator": "controller.actuator",
     "replay": "controller.replay",
     "bench-controller": "bench.controller",
     "exporter": "exporters.cli",
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find gray failures in LLM inference fleets (alive but slow vLLM nodes) and steer "
         "HAProxy traffic away from them.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log verbosity (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

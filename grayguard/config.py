@@ -30,6 +30,7 @@ DURATION_RE = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 _JOB_RE = re.compile(r'^[^"\\\s]+$')  # a Prometheus job name that is safe inside a PromQL string literal
 _ALERT_RE = re.compile(r"^Grayguard[A-Za-z0-9]+$")
 DISCOVERY_MODES = ("static", "registry")
+HAPROXY_WRITERS = ("controller", "actuators")  # who writes HAProxy (haproxy.writer)
 # an etcd key prefix: /segments of letters, digits, '-', '_', '.'; no trailing '/' (keys are <prefix>/leader/...)
 _PREFIX_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
@@ -136,6 +137,12 @@ class HaproxyConfig:
     # of a gateway tier gets the same weights.
     endpoints: tuple[str, ...] = ("unix:/run/haproxy/admin.sock",)
     timeout_s: float = 2.0
+    # Who writes the endpoints. "controller": the leader writes each one itself. "actuators": the endpoints are
+    # read-only views (`grayguard actuator --view.listen-address`), the leader publishes each pool's desired
+    # state to the registry and the actuator beside each HAProxy applies it to its pod-local admin socket
+    # (Kubernetes: the runtime API never leaves the HAProxy pod; docs/operations.md). Needs registry.url and
+    # static pools (registry membership writes are not actuated).
+    writer: str = "controller"
 
     def validate(self, path: str) -> None:
         """Raise ConfigError naming the first bad field under path."""
@@ -147,6 +154,8 @@ class HaproxyConfig:
                    f"expected unix:/path, /path or host:port, got {ep!r}")
             _check(is_sock or _port_ok(port), f"{path}.endpoints[{i}]", f"port must be in 1..65535, got {ep!r}")
         _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        _check(self.writer in HAPROXY_WRITERS, f"{path}.writer",
+               f"must be {' or '.join(HAPROXY_WRITERS)}, got {_show(self.writer)}")
         _check_finite(self, path)
 
 
@@ -527,6 +536,11 @@ class Config:
             seen_backends.add(p.backend)
             _check(p.discovery != "registry" or self.registry.url is not None, f"pools[{i}].discovery",
                    "registry needs registry.url (the etcd the nodes register in)")
+            _check(p.discovery != "registry" or self.haproxy.writer == "controller", f"pools[{i}].discovery",
+                   "registry needs haproxy.writer: controller (the actuators apply weights and drains, not "
+                   "membership)")
+        _check(self.haproxy.writer == "controller" or self.registry.url is not None, "haproxy.writer",
+               "actuators needs registry.url (the leader publishes the desired state there)")
         self._validate_lease()
 
     def _validate_lease(self) -> None:
