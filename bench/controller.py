@@ -10,17 +10,36 @@ import tempfile
 import time
 from pathlib import Path
 
+import requests
+
+from bench.promcost import measure
+from bench.promresult import format_cost
 from controller.haproxy import Command, RuntimeClient, ServerState
 from controller.plan import plan_backend
 from controller.policy import NodeInput, Policy, decide_pool
 
-HELP = "benchmark the controller: decision time per tick at scale, HAProxy batch write throughput"
+HELP = ("benchmark the controller: decision time per tick at scale, HAProxy batch write throughput, "
+        "what the shipped rules and queries cost Prometheus")
 DESCRIPTION = """\
 Prints measured numbers (this machine, now):
   * decide + plan time for one whole tick over N nodes split into pools (default 1,000 and 10,000
     nodes in pools of 20), with noisy latencies and one slow node in every tenth pool;
   * one HAProxy runtime-API batch of 1,000 weight changes over one connection, next to the same
-    1,000 changes sent one connection each (needs the haproxy binary).
+    1,000 changes sent one connection each (needs the haproxy binary);
+  * what grayguard's shipped defaults cost a real Prometheus (needs the prometheus binary) at
+    --prometheus-nodes simulated nodes (pools of 20, one slow node in every tenth pool): a stand-in
+    target serves each node's vLLM and exporter series (bench/promtarget.py), Prometheus scrapes them
+    with the jobs and intervals of rules/prometheus.example.yml (vLLM and the exporter every 5 s, the
+    fast path every second) and evaluates the rules `grayguard rules render` makes from the default
+    config. After a warm-up (until every node has a recorded latency and a live ITL) it watches
+    Prometheus for --prometheus-seconds: the first half alone, the second half with the controller's
+    own observe code sending the queries of the default config every tick_interval_s (1 s). It reports
+    each rule group's evaluation time (count, median and max, from /api/v1/rules) in both halves, the
+    tick's query time and each query's series and time, samples appended per second against those the
+    scrapes offer, head series, resident memory, CPU, and notes on whatever fell behind (skipped
+    evaluations, failed or late scrapes, failed queries, a warm-up cut short). The stand-in and the
+    controller's client run on the same machine as Prometheus and take their share of its CPU. About
+    1.5 minutes at 1,000 nodes and 3.5 at 10,000 on 2 cores; --no-prometheus skips it.
 Timings are medians over --ticks runs; compare ratios, not absolute numbers, on a noisy machine.
 """
 
@@ -92,21 +111,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-size", type=int, default=20, help="nodes per pool (default 20: 10,000 nodes = 500 pools)")
     p.add_argument("--ticks", type=int, default=5, help="ticks per measurement (default 5)")
     p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
+    p.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus cost measurement")
+    p.add_argument("--prometheus-nodes", default="1000,10000", metavar="N,N",
+                   help="comma-separated simulated node counts for the Prometheus cost (default 1000,10000)")
+    p.add_argument("--prometheus-seconds", type=float, default=60.0, metavar="S",
+                   help="window per node count after the warm-up, half without and half with the controller's "
+                        "queries (default 60: each half sees two evaluations of the 15 s groups)")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("decision time per tick (decide + plan, every pool):")
+    print("decision time per tick (decide + plan, every pool):", flush=True)
     for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
         print(f"  measuring {n} nodes...", file=sys.stderr, flush=True)
         r = bench_decide(n, args.pool_size, args.ticks)
         print(f"  {r['nodes']:>6} nodes in {r['pools']:>4} pools: median {r['median_s'] * 1000:8.1f} ms, "
-              f"max {r['max_s'] * 1000:8.1f} ms over {r['ticks']} ticks ({r['planned_changes']} changes planned)")
+              f"max {r['max_s'] * 1000:8.1f} ms over {r['ticks']} ticks ({r['planned_changes']} changes planned)",
+              flush=True)
+    rc = 0
     if args.haproxy_batch:
         try:
             h = bench_haproxy(args.haproxy_batch)
+            print(f"HAProxy runtime API, {h['changes']} weight changes: one batch {h['batch_s'] * 1000:.1f} ms, "
+                  f"one connection each {h['separate_connections_s'] * 1000:.1f} ms ({h['ratio']:.1f}x slower)",
+                  flush=True)
         except FileNotFoundError as e:
-            print(f"HAProxy batch: skipped ({e})")
-            return 1
-        print(f"HAProxy runtime API, {h['changes']} weight changes: one batch {h['batch_s'] * 1000:.1f} ms, "
-              f"one connection each {h['separate_connections_s'] * 1000:.1f} ms ({h['ratio']:.1f}x slower)")
-    return 0
+            print(f"HAProxy batch: skipped ({e})", flush=True)
+            rc = 1
+    if not args.no_prometheus:
+        rc = max(rc, run_prometheus([int(x) for x in args.prometheus_nodes.split(",") if x.strip()],
+                                    args.prometheus_seconds))
+    return rc
+
+
+def run_prometheus(sizes: list[int], seconds: float) -> int:
+    """Print the Prometheus cost at each size; 1 when a size could not be measured."""
+    print("Prometheus cost of the shipped rules, scrape intervals and controller queries:", flush=True)
+    rc, header = 0, False
+    for n in sizes:
+        try:
+            cost = measure(n, seconds, progress=lambda s: print(f"  prometheus cost: {s}", file=sys.stderr, flush=True))
+        except (OSError, RuntimeError, TimeoutError, requests.RequestException) as e:  # BinaryMissing is an OSError
+            print(f"  {n} nodes: not measured: {e}", flush=True)
+            rc = 1
+            continue
+        if not header:
+            header = True
+            print(f"  (Prometheus {cost.version}; scrape intervals: "
+                  + ", ".join(f"{job} {i}" for job, i in cost.intervals.items()) + ")")
+        print("\n".join(format_cost(cost)), flush=True)
+    return rc

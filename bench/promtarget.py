@@ -1,0 +1,244 @@
+"""A stand-in scrape target for `bench.promcost`: many simulated nodes' vLLM and exporter series on a few ports.
+
+Each port serves one shard of the nodes on three pages, one per job of rules/prometheus.example.yml:
+`/metrics` (vLLM), `/exporter/metrics` (the exporter's full page) and `/metrics/fast` (its live fast path).
+Every series carries its node's own `pool` and `instance` (the vLLM server's host:port), the labels a real
+target gets from its scrape config; Prometheus scrapes these pages with honor_labels, so the stored series
+are the production ones, only fewer scrape targets carry them. Only what grayguard reads is served: the vLLM
+series of the recording rules (histograms as _sum/_count, with buckets only for the TTFT quantiles), the
+exporter's probe, GPU and live gauges that the controller's queries and the alerts read. A node in every
+tenth pool is slow (SLOW x latency, its GPU throttled) and every value moves: counters grow with the
+requests, latencies and live gauges are noisy.
+
+Run as `python -m bench.promtarget --nodes N --ready-file F`: it writes {"ports": [...]} to F once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from grayguard.httpserve import HttpServer, Request, Response
+from grayguard.vocab import PROBE_RESULTS
+from sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
+
+POOL_SIZE = 20  # nodes per pool
+SLOW_EVERY, SLOW = 10, 4.0  # node 0 of every tenth pool is 4x slower
+SHARD_SIZE = 1000  # nodes per port: each port is one scrape target per job
+RATE, PROMPT, GEN = 2.0, 1000, 200  # finished req/s, prompt and generated tokens per request
+QUEUE_S, PREFILL_S, ITL_S, TTFT_S, PROBE_S = 0.05, 0.0002, 0.03, 0.25, 0.05  # per request, per prompt token, ...
+CLOCK_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+                 "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting")
+# the exporter's live fast path (exporters/fastpath.py; tests/bench/test_promcost.py checks the list is whole)
+LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
+        "grayguard_live_prompt_tokens_per_second", "grayguard_live_requests_running",
+        "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds",
+        "grayguard_live_decode_batch")
+BUCKET_KEYS = tuple(f"le{k}" for k in range(len(TTFT_BUCKETS)))
+VLLM_HISTOGRAMS = {"e2e_request_latency_seconds": "e2e", "request_prompt_tokens": "prompt",
+                   "request_generation_tokens": "gen", "request_prefill_time_seconds": "prefill",
+                   "request_decode_time_seconds": "decode", "request_queue_time_seconds": "queue"}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One simulated node: its pool, its vLLM server's address, how much slower than its peers it runs."""
+
+    pool: str
+    instance: str
+    slow: float  # 1, or SLOW for the sick node
+
+
+def fleet(n: int) -> list[Node]:
+    """n nodes in pools of POOL_SIZE; node 0 of every SLOW_EVERY-th pool is slow."""
+    return [Node(f"pool{i // POOL_SIZE}", f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:8000",
+                 SLOW if (i // POOL_SIZE) % SLOW_EVERY == 0 and i % POOL_SIZE == 0 else 1.0) for i in range(n)]
+
+
+def _cdf(slow: float) -> list[float]:
+    """Share of requests with TTFT <= each bucket bound: lognormal around TTFT_S x slow, sigma 0.5."""
+    return [0.5 * (1 + math.erf(math.log(le / (TTFT_S * slow)) / (0.5 * math.sqrt(2)))) for le in TTFT_BUCKETS]
+
+
+Family = tuple[str, str, list[tuple[str, str, str]]]  # name, type, series: (name suffix, extra labels, value key)
+
+
+def vllm_families() -> list[Family]:
+    """vLLM's series the recording rules read (labels model_name and engine besides pool and instance)."""
+    fams: list[Family] = [(f"vllm:{name}", "histogram", [("_sum", "", key), ("_count", "", "reqs")])
+                          for name, key in VLLM_HISTOGRAMS.items()]
+    buckets = [("_bucket", f',le="{le}"', key) for key, le in zip(BUCKET_KEYS, TTFT_BUCKETS, strict=True)]
+    fams.append(("vllm:time_to_first_token_seconds", "histogram",
+                 [*buckets, ("_bucket", ',le="+Inf"', "reqs"), ("_sum", "", "ttft"), ("_count", "", "reqs")]))
+    fams.append(("vllm:request_success_total", "counter",
+                 [("", f',finished_reason="{r}"', r if r in ("stop", "length") else "zero") for r in FINISHED_REASONS]))
+    fams += [(f"vllm:{g}", "gauge", [("", "", g)])
+             for g in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")]
+    return fams
+
+
+def _verdicts() -> list[Family]:
+    return [("grayguard_probe_last_result", "gauge", [("", f',result="{r}"', f"last_{r}") for r in PROBE_RESULTS]),
+            ("grayguard_probe_consecutive_failures", "gauge", [("", "", "zero")])]
+
+
+def _gauges(names: tuple[str, ...], labels: str = "", prefix: str = "") -> list[Family]:
+    return [(prefix + n, "gauge", [("", labels, n)]) for n in names]
+
+
+def exporter_families() -> list[Family]:
+    """The exporter's full page (it carries the live gauges too): probe series, the GPU series grayguard reads."""
+    gpu = ',gpu="0",uuid="GPU-0"'  # one GPU per node
+    info = f'{gpu},name="NVIDIA H100 80GB HBM3",pci_bus_id="00000000:18:00.0",driver_version="550.54.15"'
+    ecc = [("", f'{gpu},error_type="{t}",counter_type="{c}"', "zero")
+           for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")]
+    return [("grayguard_probe_results_total", "counter", [("", f',result="{r}"', f"probes_{r}")
+                                                         for r in PROBE_RESULTS]),
+            *_verdicts(), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]), *_gauges(LIVE),
+            ("grayguard_exporter_nvml_up", "gauge", [("", "", "one")]),
+            ("grayguard_gpu_info", "gauge", [("", info, "one")]),
+            ("grayguard_gpu_clock_event_reason_active", "gauge",
+             [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS]),
+            *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
+                      "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
+            ("grayguard_gpu_ecc_errors", "gauge", ecc)]
+
+
+def fast_families() -> list[Family]:
+    """The fast path: the live gauges and the probe's and agent's verdicts."""
+    return [*_gauges(LIVE), *_verdicts(), ("grayguard_agent_down", "gauge", [("", "", "zero")])]
+
+
+def static_values(n: Node) -> dict[str, float]:
+    """A node's values that never change: baked into its page's text once."""
+    verdict = "slow" if n.slow > 1 else "ok"
+    out = {"zero": 0, "one": 1, "pcie_link_generation": 5, "pcie_link_max_generation": 5, "pcie_link_width": 16,
+           "pcie_link_max_width": 16, "lost": 0, "row_remap_pending": 0, "row_remap_failure": 0}
+    out.update({f"last_{r}": int(r == verdict) for r in PROBE_RESULTS})
+    out.update({f"probes_{r}": 0 for r in PROBE_RESULTS if r != verdict})
+    out.update({f"reason_{r}": int(n.slow > 1 and r == "hw_thermal_slowdown") for r in CLOCK_REASONS})
+    return out
+
+
+def traffic(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
+    """vLLM's counters advanced by dt seconds of traffic (a noisy latency factor per interval) and its gauges."""
+    reqs = max(0.0, RATE / n.slow ** 0.5 * dt * (1 + 0.1 * g()))
+    lat = n.slow * math.exp(0.1 * g())  # this interval's latency factor: noisy, 4x on the slow node
+    for key, per_req in (("prompt", PROMPT), ("gen", GEN), ("queue", QUEUE_S * lat), ("ttft", TTFT_S * lat),
+                         ("prefill", PREFILL_S * PROMPT * lat), ("decode", ITL_S * GEN * lat), ("n", 1)):
+        acc[key] = acc.get(key, 0.0) + reqs * per_req
+    total = int(acc["n"])
+    out = {key: acc[key] for key in ("prompt", "gen", "queue", "ttft", "prefill", "decode")}
+    out["e2e"] = acc["queue"] + acc["prefill"] + acc["decode"]
+    out.update({"reqs": total, "stop": int(total * 0.7), "length": total - int(total * 0.7),
+                "kv_cache_usage_perc": min(1.0, max(0.0, 0.5 + 0.1 * g())),
+                "num_requests_running": max(0, round(16 + 2 * g())),
+                "num_requests_waiting": max(0, round(1 + g()))})
+    out.update(zip(BUCKET_KEYS, [int(total * c) for c in acc["cdf"]], strict=True))
+    return out
+
+
+def live(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
+    """The exporter's live gauges: noisy, the slow node's latencies SLOW x."""
+    running, itl = max(0, round(16 + 2 * g())), ITL_S * n.slow * math.exp(0.15 * g())
+    return dict(zip(LIVE, (itl, TTFT_S * n.slow * math.exp(0.2 * g()), running / itl,
+                           RATE * PROMPT * math.exp(0.2 * g()), running, max(0, round(1 + g())),
+                           PROBE_S * n.slow * math.exp(0.1 * g()), 5.0 + 0.02 * g(), running), strict=True))
+
+
+def exporter(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
+    """The exporter's full page: the live gauges, the probe counter (one a second), last TTFT, utilization."""
+    acc["probes"] = acc.get("probes", 0.0) + dt
+    out = live(n, acc, dt, g)
+    out.update({f"probes_{'slow' if n.slow > 1 else 'ok'}": int(acc["probes"]),
+                "probe": PROBE_S * n.slow * math.exp(0.2 * g()),
+                "utilization_ratio": min(1.0, 0.9 + 0.03 * g())})
+    return out
+
+
+class Page:
+    """One exposition page of a shard: a format string built once, filled with each scrape's values."""
+
+    def __init__(self, nodes: list[Node], families: list[Family], dynamic, extra_labels: str = "", seed: int = 0):
+        rnd = random.Random(seed)
+        # standard normal noise from a table: a fresh gauss() per value would cost more than the page
+        self.noise = itertools.cycle([rnd.gauss(0, 1) for _ in range(4099)]).__next__
+        self.nodes, self.dynamic, self.lock = nodes, dynamic, threading.Lock()
+        self.acc: list[dict] = [{"n": 0.0, "cdf": _cdf(n.slow)} for n in nodes]
+        parts, self.order, fixed_values = [], [], [static_values(n) for n in nodes]
+        for name, kind, series in families:
+            parts.append(f"# HELP {name} grayguard benchmark stand-in\n# TYPE {name} {kind}\n")
+            for i, (n, fixed) in enumerate(zip(nodes, fixed_values, strict=True)):
+                labels = f'{extra_labels}pool="{n.pool}",instance="{n.instance}"'
+                for suffix, extra, key in series:
+                    value = "%r" if key not in fixed else repr(fixed[key])
+                    parts.append(f"{name}{suffix}{{{labels}{extra}}} {value}\n")
+                    if key not in fixed:
+                        self.order.append((i, key))
+        self.template = "".join(parts)
+        self.last = time.monotonic()
+
+    def render(self) -> bytes:
+        """The page now: every node's values advanced by the time since the last scrape."""
+        with self.lock:
+            now = time.monotonic()
+            dt, self.last = now - self.last, now
+            values = [self.dynamic(n, acc, dt, self.noise) for n, acc in zip(self.nodes, self.acc, strict=True)]
+            return (self.template % tuple([values[i][k] for i, k in self.order])).encode()
+
+
+def pages() -> dict[str, tuple[str, list[Family]]]:
+    """Prometheus job -> (the path that serves it, its families)."""
+    return {"vllm": ("/metrics", vllm_families()), "grayguard-exporter": ("/exporter/metrics", exporter_families()),
+            "grayguard-exporter-fast": ("/metrics/fast", fast_families())}
+
+
+def shard_routes(nodes: list[Node], seed: int) -> dict:
+    """The three pages of one shard as HttpServer routes."""
+    dynamic = {"vllm": (traffic, 'engine="0",model_name="bench",'), "grayguard-exporter": (exporter, ""),
+               "grayguard-exporter-fast": (live, "")}
+
+    def handler(page: Page):
+        def handle(_req: Request) -> Response:
+            return 200, "text/plain; version=0.0.4; charset=utf-8", page.render()
+        return handle
+    return {f"GET {path}": handler(Page(nodes, fams, dynamic[job][0], dynamic[job][1], seed + k))
+            for k, (job, (path, fams)) in enumerate(pages().items())}
+
+
+def series_per_node() -> dict[str, int]:
+    """Series each page carries per node (job name -> count)."""
+    return {job: sum(len(series) for _, _, series in fams) for job, (_, fams) in pages().items()}
+
+
+def serve_fleet(n: int, shard_size: int = SHARD_SIZE, seed: int = 1) -> list[HttpServer]:
+    """Start one server per shard on 127.0.0.1 (ports chosen by the OS); stop() each when done."""
+    nodes = fleet(n)
+    return [HttpServer(("127.0.0.1", 0), shard_routes(nodes[k:k + shard_size], seed + 3 * k), name="promtarget").start()
+            for k in range(0, n, shard_size)]
+
+
+def main() -> None:
+    """Serve until SIGTERM (bench/promcost.py starts and stops it)."""
+    p = argparse.ArgumentParser(description="serve N simulated nodes' series for the Prometheus cost benchmark")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--shard-size", type=int, default=SHARD_SIZE)
+    p.add_argument("--ready-file", required=True, help="where to write {\"ports\": [...]} once serving")
+    args = p.parse_args()
+    servers = serve_fleet(args.nodes, args.shard_size)
+    tmp = Path(args.ready_file + ".tmp")
+    tmp.write_text(json.dumps({"ports": [s.port for s in servers]}))
+    os.replace(tmp, args.ready_file)  # whole or absent: the runner never reads half a file
+    threading.Event().wait()  # serve until SIGTERM
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The Prometheus cost benchmark: the stand-in serves what grayguard reads, and a tiny run on the real Prometheus
+measures real evaluations and answers every query with one series per node. No assertion on speed."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import promtarget
+from bench.controller import add_arguments
+from bench.promcost import measure
+from bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings, format_cost
+from controller.decide import OPTIONAL
+from exporters.gpumetrics import describe_families
+from exporters.server import Exporter
+from grayguard.config import SignalsConfig, parse_config
+from rules.render import render_all
+from sim.metrics import VllmMetrics
+
+NODES = 40
+# read by a rule or query but not served: absent on a healthy fleet (no XID yet), and vLLM's old KV-cache name
+NOT_SERVED = {"grayguard_gpu_xid_errors_total", "vllm:gpu_cache_usage_perc"}
+
+
+def served() -> set[str]:
+    """Every series name the stand-in's three pages carry."""
+    fams = promtarget.vllm_families() + promtarget.exporter_families() + promtarget.fast_families()
+    return {name + suffix for name, _, series in fams for suffix, _, _ in series}
+
+
+def test_the_fast_page_carries_every_series_of_the_exporters_fast_path():
+    e = Exporter("http://127.0.0.1:9", nvml=None, agent=("127.0.0.1", 0))  # built, not started
+    assert {f.name for f in e.fast_registry.collect()} <= {name for name, _, _ in promtarget.fast_families()}
+
+
+def node_series() -> set[str]:
+    """Every series name a node exposes: the real exporter's (GPU families included) and the simulated vLLM's."""
+    e = Exporter("http://127.0.0.1:9", nvml=None, agent=("127.0.0.1", 0))  # built, not started
+    fams = [*e.registry.collect(), *e.fast_registry.collect(), *describe_families(),
+            *VllmMetrics("m", 8192).registry.collect()]
+    return {f.name + suffix for f in fams for suffix in ("", "_total", "_sum", "_count", "_bucket")}
+
+
+def test_every_node_series_the_rules_and_the_queries_read_is_served():
+    cfg = parse_config({"pools": [{"name": "p", "backend": "p"}]})
+    exprs = [r["expr"] for text in render_all(cfg).values() for g in yaml.safe_load(text)["groups"] for r in g["rules"]]
+    exprs += [getattr(SignalsConfig(), f"{n}_query") for n in OPTIONAL]
+    read = {m for e in exprs for m in re.findall(r"(?<![\w:])(?:vllm:\w+|grayguard_\w+)", e)}
+    of_nodes = {m for m in read if m.startswith("vllm:") or m in node_series()}  # not the controller's own
+    assert of_nodes - served() == NOT_SERVED
+
+
+def test_the_stand_in_moves_like_a_fleet_with_a_slow_node():
+    nodes = promtarget.fleet(40)
+    assert [n.slow > 1 for n in nodes].count(True) == 1 and nodes[0].slow > 1 and nodes[20].slow == 1
+    vllm = promtarget.Page(nodes, promtarget.vllm_families(), promtarget.traffic, seed=1)
+    fast = promtarget.Page(nodes, promtarget.fast_families(), promtarget.live, seed=2)
+
+    def values(page, name):
+        text = page.render().decode()
+        return {s.labels["instance"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name}
+    first = values(vllm, "vllm:e2e_request_latency_seconds_sum")
+    vllm.last -= 5  # five seconds of traffic since
+    later = values(vllm, "vllm:e2e_request_latency_seconds_sum")
+    assert len(first) == 40 and all(later[i] > first[i] for i in first)
+    itl = values(fast, "grayguard_live_itl_seconds")
+    slow, others = itl.pop(nodes[0].instance), sorted(itl.values())
+    assert slow > 2 * others[len(others) // 2] and len(set(others)) > 1  # noisy, one node slow
+
+
+def test_bench_controller_flags():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).no_prometheus is False and p.parse_args([]).prometheus_nodes == "1000,10000"
+    a = p.parse_args(["--no-prometheus", "--prometheus-nodes", "40", "--prometheus-seconds", "5"])
+    assert a.no_prometheus and a.prometheus_nodes == "40" and a.prometheus_seconds == 5
+
+
+def test_a_prometheus_that_cannot_keep_up_is_reported_as_such():
+    fast = "grayguard-exporter-fast"
+    c = PromCost(10000, 10, {"vllm": 45, fast: 19}, {"vllm": "5s", fast: "1s"},
+                 nodes_with_data=9000, data_span_s=200, held=2, ticks=[5.0] * 5,
+                 phases={p: Phase(30, 1e5, 1.0) for p in PHASES},
+                 groups={"grayguard-control": GroupCost("grayguard-control", 5, missed=3)},
+                 queries={"latency": QueryCost("q", [5.0], None, ["timeout"])},
+                 scrapes={"vllm": (100, 2, 12.0), fast: (300, 0, 0.9)})
+    notes = "\n".join(findings(c))
+    for said in ("only 9000 of 10000 nodes", "no evaluation of grayguard-control", "skipped 3 evaluations",
+                 "vllm: 100 scrapes of 120 due, 2 failed", "grayguard-exporter-fast: 300 scrapes of 600 due",
+                 "2 of 5 ticks held", "latency 1x timeout", "held 200 s of data"):
+        assert said in notes
+    assert c.offered_samples_per_s == 10000 * 45 / 5 + 10000 * 19
+    assert "nan" in "\n".join(format_cost(c))  # no evaluation: no number made up
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return measure(NODES, seconds=14)  # 7 s alone, 7 s ticking: each sees the 5 s control group at least once
+
+
+def test_a_tiny_run_on_the_real_prometheus_measures_real_work(tiny):
+    c = tiny
+    assert c.nodes_with_data == NODES and c.targets == 1 and c.version
+    assert set(c.groups) == {"grayguard-control", "grayguard-human", "grayguard-controller.alerts",
+                             "grayguard-node.alerts"}
+    control = c.groups["grayguard-control"]
+    assert control.interval_s == 5
+    for phase in PHASES:
+        assert control.evals[phase] and all(t > 0 for t in control.evals[phase]), phase
+        assert c.phases[phase].samples_per_s > 0 and c.phases[phase].prometheus_cores > 0, phase
+    assert all(g.last_duration_s and g.last_duration_s > 0 and not g.failures for g in c.groups.values())
+    assert c.head_series >= NODES * sum(c.series_per_node.values()) and c.rss_max > 0
+    assert set(c.scrapes) == {"vllm", "grayguard-exporter", "grayguard-exporter-fast"}
+    assert all(n > 0 and failed == 0 for n, failed, _ in c.scrapes.values())
+
+
+def test_a_tiny_run_answers_every_query_of_the_tick_with_one_series_per_node(tiny):
+    c = tiny
+    assert c.ticks and all(t > 0 for t in c.ticks) and not c.held
+    wanted = {"latency", "request_rate", "latency_timestamp", "request_rate_timestamp"}
+    wanted |= {n for n in OPTIONAL if n != "peer_group" and getattr(SignalsConfig(), f"{n}_query")}
+    assert set(c.queries) == wanted  # peer_group is off by default (no pool has a peer_group_label)
+    for name, q in c.queries.items():
+        assert not q.errors, name
+        assert q.series == (0 if name == "gpu_xid" else NODES), name  # no XID on a healthy fleet
+    text = "\n".join(format_cost(c))
+    assert f"{NODES} nodes in 2 pools" in text and "grayguard-control" in text and "live_itl" in text
