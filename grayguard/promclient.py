@@ -170,6 +170,20 @@ def read_within(resp: requests.Response, deadline: float) -> bytes:
     return body
 
 
+# a tick runs its optional queries at once (controller/loop.py, one thread each): the connection pool must hold them
+# all, or every tick drops the connections over requests' default 10 and logs "Connection pool is full"
+POOL_CONNECTIONS = 32
+
+
+def pooled_session(size: int = POOL_CONNECTIONS) -> requests.Session:
+    """A requests Session whose connection pool keeps `size` connections per host."""
+    s = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=size)
+    s.mount("http://", adapter)
+    s.mount("https://", adapter)
+    return s
+
+
 class PrometheusClient:
     """Instant and range queries with a timeout."""
 
@@ -177,7 +191,7 @@ class PrometheusClient:
                  environ: Mapping[str, str] | None = None):
         self.cfg = cfg
         self.base = cfg.url.rstrip("/")
-        self.session = session or requests.Session()
+        self.session = session or pooled_session()
         self.headers, self.auth = build_session_headers(cfg, os.environ if environ is None else environ)
         self.verify, self.cert = tls_settings(cfg)
         self._token_error: str | None = None
