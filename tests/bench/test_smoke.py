@@ -15,7 +15,9 @@ from bench.scenarios import SuiteError, expand, load_suite, suites
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    args = argparse.Namespace(suite="smoke", report_dir=str(out), workers=1, policies=None, filter=[], strict=False)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)  # every option at its default, as the command line gives them
+    args = parser.parse_args(["--suite", "smoke", "--report-dir", str(out), "--workers", "1"])
     rc = bench.run(args)
     return rc, out, json.loads((out / "report.json").read_text())
 
@@ -69,7 +71,7 @@ def test_default_suite_is_the_full_cross_product():
     scenarios, spec = load_suite("default")
     groups = Counter(s.group for s in scenarios)
     assert groups["fault"] == 8 * 3 * 2 * 2
-    assert groups["benign"] == 10 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
+    assert groups["benign"] == 11 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
     assert all(len(s.faults) == len(s.nodes) for s in scenarios if s.group == "pool")
     faults = [s for s in scenarios if s.group == "fault"]
     assert {s.tag["fault"] for s in faults} == {"thermal", "pcie", "kv_thrash", "hang", "cuda_error", "garbage",
