@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from controller.live import LiveMemory
 from controller.policy import NodeState
 from controller.signals import SignalMemory
+from grayguard.atomicfile import write_atomic
 from grayguard.vocab import DrainCause, State
 
 log = logging.getLogger("grayguard.state")
@@ -204,17 +204,7 @@ class StateFile:
         return True
 
     def _write(self, text: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".grayguard-state.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, text, prefix=".grayguard-state.")
 
 
 class StateLockError(Exception):

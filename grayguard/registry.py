@@ -20,13 +20,13 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from grayguard.atomicfile import write_atomic
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.etcdgw import ERROR_KINDS, Entry, Registry, RegistryError, WatchEvent
 
@@ -257,22 +257,7 @@ class Snapshot:
         doc = {"format": self.FORMAT, "revision": int(revision), "saved_at": time.time() if now is None else now,
                "records": {k: r.to_dict() for k, r in sorted(records.items())}}
         text = json.dumps(doc, sort_keys=True, indent=1, allow_nan=False)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dirfd = os.open(self.path.parent, os.O_RDONLY)
-        try:  # the rename itself survives a power cut only once the directory is synced
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        write_atomic(self.path, text, sync_dir=True)  # the rename itself survives a power cut once the dir is synced
 
     def load(self) -> tuple[dict[str, NodeRecord], int] | None:
         """({key: record}, revision), or None when there is no file; SnapshotError when it is corrupt
