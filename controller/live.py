@@ -21,10 +21,11 @@ a row once S is below half of `live_cusum_cut`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from controller.peers import Score
 from controller.scoring import weight_factor
+from controller.signals import evolve
 from grayguard.config import ThresholdsConfig
 
 
@@ -57,7 +58,8 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
     calm = m.calm + 1 if m.cut and quiet else 0
     cut = fires or (m.cut and (calm < t.recover_ticks or cusum >= t.live_cusum_cut / 2))
     zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
-    m = replace(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)
+    if (hot, hot_q, cusum, cut, calm if cut else 0, zz) != (m.hot, m.hot_q, m.cusum, m.cut, m.calm, m.z):
+        m = evolve(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)  # else: no copy
     reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, cusum {cusum:.1f})" if cut else ""
     quarantine = None
     if hot_q >= t.live_sustain_ticks:

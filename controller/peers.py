@@ -10,8 +10,9 @@ hardware: it is not scored.
 
 from __future__ import annotations
 
+import bisect
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from controller.scoring import Baseline, baseline, leave_one_out
@@ -102,3 +103,40 @@ def peer_median(node: str, values: Mapping[str, float], groups: Mapping[str, Gro
     pool = [v for m, v in values.items() if m != node]
     pick = same or pool
     return statistics.median(pick) if pick else None
+
+
+def peer_medians(nodes: Iterable[str], values: Mapping[str, float], groups: Mapping[str, Group]
+                 ) -> dict[str, float | None]:
+    """peer_median of each node, the values sorted once per group instead of once per node."""
+    if any(v != v for v in values.values()):  # NaN: sorting depends on the order, so sort as peer_median does
+        return {n: peer_median(n, values, groups) for n in nodes}
+    by: dict[Group, list[float]] = {}
+    for m, v in values.items():
+        by.setdefault(groups.get(m), []).append(v)
+    for vals in by.values():
+        vals.sort()
+    pool = sorted(values.values())
+    out: dict[str, float | None] = {}
+    for n in nodes:
+        same, own = by.get(groups.get(n), []), values.get(n)
+        others = len(same) - (own is not None)
+        pick = same if others else pool
+        if own is None:
+            out[n] = _median(pick) if pick else None
+        else:
+            out[n] = _median_of_others(pick, bisect.bisect_left(pick, own)) if len(pick) > 1 else None
+    return out
+
+
+def _median(sorted_vals: list[float]) -> float:
+    """statistics.median of a sorted list (its arithmetic, so the same float)."""
+    n, mid = len(sorted_vals), len(sorted_vals) // 2
+    return sorted_vals[mid] if n % 2 else (sorted_vals[mid - 1] + sorted_vals[mid]) / 2
+
+
+def _median_of_others(sorted_vals: list[float], i: int) -> float:
+    """statistics.median of a sorted list without its i-th element (scoring.median_without, its arithmetic)."""
+    n = len(sorted_vals) - 1
+    mid = n // 2
+    upper = sorted_vals[mid + (mid >= i)]  # from index i on, the list without i is the list one further
+    return upper if n % 2 else (sorted_vals[mid - 1 + (mid - 1 >= i)] + upper) / 2

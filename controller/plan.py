@@ -57,6 +57,10 @@ def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
         a = actual.get(node)
         if a is None or d.weight is None or a.maint:
             continue  # unknown server (reported by the caller), held by policy, or in operator MAINT on this endpoint
+        configured = a.agent_state is not None and bool(a.agent_state & CHK_ST_CONFIGURED)
+        agent = configured and (node in agent_off) != a.agent_off
+        if d.drain == a.drain and a.weight == d.weight and not agent:
+            continue  # converged: most nodes, most ticks
         reason = f"{d.state.state}: {d.state.reason}" if d.state.reason else str(d.state.state)
         if d.drain and not a.drain:
             drains.append(Change(pool, node, Command(backend, node, "state", "drain"), reason, "ready"))
@@ -64,8 +68,7 @@ def plan_backend(pool: str, backend: str, decisions: Mapping[str, NodeDecision],
             weights.append(Change(pool, node, Command(backend, node, "weight", d.weight), reason, a.weight))
         if not d.drain and a.drain:
             readies.append(Change(pool, node, Command(backend, node, "state", "ready"), reason, "drain"))
-        configured = a.agent_state is not None and bool(a.agent_state & CHK_ST_CONFIGURED)
-        if configured and (node in agent_off) != a.agent_off:
+        if agent:
             action = "disable" if node in agent_off else "enable"
             why = (f"its agent marked it DOWN past the safeguard cap; {reason}" if action == "disable"
                    else "agent check re-armed: probe healthy, drained by the controller, or room in the pool")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from controller import live, peers, signals
 from controller.live import LiveMemory
 from controller.scoring import ema, usable, weight_factor
-from controller.signals import SignalMemory
+from controller.signals import SignalMemory, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
 
@@ -171,11 +171,8 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     t = policy.thresholds
     live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
     prefill = {n: p for n in live if (p := inputs[n].live_prefill_rate) is not None and math.isfinite(p) and p >= 0}
-    gated = set()
-    for n, p in prefill.items():
-        m = peers.peer_median(n, prefill, groups)
-        if m is not None and p > t.live_prefill_gate * m:
-            gated.add(n)
+    medians = peers.peer_medians(prefill, prefill, groups)
+    gated = {n for n, p in prefill.items() if (m := medians[n]) is not None and p > t.live_prefill_gate * m}
     out = {}
     for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
         vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
@@ -236,8 +233,12 @@ def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool 
     return max(1, math.ceil(w)) if s.state == SLOW_START else min(base, round(w))
 
 
+def _with_reason(s: NodeState, reason: str) -> NodeState:
+    return s if s.reason == reason else evolve(s, reason=reason)  # most nodes keep theirs: no copy
+
+
 def _move(s: NodeState, to: str, now: float, reason: str) -> NodeState:
-    return replace(s, state=to, since=now, reason=reason, hot_ticks=0, calm_ticks=0)
+    return evolve(s, state=to, since=now, reason=reason, hot_ticks=0, calm_ticks=0)
 
 
 def seed(i: NodeInput, joined: bool, t: ThresholdsConfig, r: RecoveryConfig, now: float) -> NodeState:
@@ -272,9 +273,9 @@ def warm_up(s: NodeState, now: float, t: ThresholdsConfig, r: RecoveryConfig, wh
     """A node back from a restart (gone from HAProxy, or DOWN by its health check): cold caches and CUDA graphs
     make its first seconds slow, so it holds slow_start_initial for new_node_warmup_s, then slow-starts (HAProxy's
     own `slowstart` does the same after a server comes back UP). Its signals start over."""
-    return replace(_move(s, SLOW_START, now, f"{why}: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then "
-                         "slow start"), ramp_start=now + t.new_node_warmup_s, gone_since=None, was_down=False,
-                   lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(), live_itl=LiveMemory())
+    return evolve(_move(s, SLOW_START, now, f"{why}: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then "
+                        "slow start"), ramp_start=now + t.new_node_warmup_s, gone_since=None, was_down=False,
+                  lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(), live_itl=LiveMemory())
 
 
 def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
@@ -288,12 +289,12 @@ def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         elif s.gone_since is not None and s.state in IN_ROTATION and not inputs[n].hold:
             st[n] = warm_up(s, now, t, r, f"back in HAProxy after {now - s.gone_since:.0f}s away")
         else:
-            st[n] = replace(s, gone_since=None)
+            st[n] = s if s.gone_since is None else evolve(s, gone_since=None)
     for n, s in prev.items():
         if n not in st:
             gone = s.gone_since if s.gone_since is not None else now
             if now - gone < t.forget_after_s:
-                retained[n] = replace(s, gone_since=gone)
+                retained[n] = evolve(s, gone_since=gone)
     return st, retained
 
 
@@ -309,7 +310,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.was_down and not i.down and not i.hold and s.state in IN_ROTATION:
             st[n] = warm_up(s, now, t, r, "back UP after its health check had it DOWN")
         elif s.was_down != check_down:
-            st[n] = replace(st[n], was_down=check_down)
+            st[n] = evolve(st[n], was_down=check_down)
     groups = {n: inputs[n].peer_group for n in names}
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
@@ -323,16 +324,17 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
                 or s.ema is None:
-            st[n] = replace(s, ema=ema(s.ema, i.latency, t.ema_alpha),  # type: ignore[arg-type]
-                            latency_seen_at=i.latency_at)
+            st[n] = evolve(s, ema=ema(s.ema, i.latency, t.ema_alpha),  # type: ignore[arg-type]
+                           latency_seen_at=i.latency_at)
             renewed.add(n)
         fresh[n] = st[n].ema  # type: ignore[assignment]
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
-    probe_ttfts = {n: inputs[n].probe_ttft for n in names if inputs[n].probe_ttft is not None
-                   and st[n].state in IN_ROTATION and not inputs[n].hold}
+    rotating = [n for n in names if st[n].state in IN_ROTATION and not inputs[n].hold]
+    probe_ttfts = {n: inputs[n].probe_ttft for n in rotating if inputs[n].probe_ttft is not None}
+    peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
-    queued = pool_queued(inputs, [n for n in names if st[n].state in IN_ROTATION and not inputs[n].hold], t.min_peers)
+    queued = pool_queued(inputs, rotating, t.min_peers)
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -345,8 +347,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             gateway[n] = (AGENT_REASON.replace("(garbage text, a CUDA error or a hang)", f"({i.agent_why})")
                           if i.agent_why else AGENT_REASON + (f" (its last probe: {i.probe_result})"
                                                               if i.probe_result else ""))
-        if i.gateway_errors is not None:
-            st[n] = replace(st[n], gateway_errors_seen=i.gateway_errors)
+        if i.gateway_errors is not None and i.gateway_errors != seen:
+            st[n] = evolve(st[n], gateway_errors_seen=i.gateway_errors)
 
     # 2. Per-node transitions.
     candidates: list[tuple[float, str, str, str]] = []  # (priority, node, cause, reason)
@@ -356,7 +358,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if i.hold:
             continue
         if s.state in IN_ROTATION:
-            s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peers.peer_median(n, probe_ttfts, groups),
+            s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                    t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
                                    renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
@@ -364,12 +366,13 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             if cand:
                 candidates.append(cand[:1] + (n,) + cand[1:])
             mem, sat = signals.kv_cache(s.signals, i.kv_cache_usage, t)
-            s = replace(s, signals=mem)
+            if mem is not s.signals:
+                s = evolve(s, signals=mem)
             if sat:
                 kv_full.append((-(i.kv_cache_usage or 1.0), n))
         elif s.state == QUARANTINED and now - s.since >= _min_quarantine(s, r) - 1e-9:
-            s = replace(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
-                        canary_ok=0, last_canary=None)
+            s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
+                       canary_ok=0, last_canary=None)
         elif s.state == CANARY and i.canary is not None:
             s = _judge_canary(s, n, i.canary, fresh, groups, policy, now)
         st[n] = s
@@ -387,12 +390,12 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     safeguard = False
     for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
         if (out_now <= cap) if n in away else (out_now < cap):
-            st[n] = replace(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
+            st[n] = evolve(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
             out_now += n not in away
         else:
             safeguard = True
-            st[n] = replace(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
-                            f"rotation of {len(names)} reached{gone}")
+            st[n] = evolve(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
+                           f"rotation of {len(names)} reached{gone}")
     # agents took out more than the cap: release the excess agents first (the controller's own drains stand)
     agent_off, out_now = _agent_releases(st, inputs, names, cap, out_now)
     if out_now > cap:  # the pool shrank, nodes left rotation or the cap was lowered: release the closest to recovery
@@ -408,8 +411,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if out_now + len(kv_zero) < cap:
             kv_zero.add(n)
         else:
-            st[n] = replace(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
-                            + "KV cache saturated, but the safeguard cap keeps it in rotation")
+            st[n] = evolve(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
+                           + "KV cache saturated, but the safeguard cap keeps it in rotation")
 
     # 4. Weights.
     out = {}
@@ -417,15 +420,14 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         s, i = st[n], inputs[n]
         prev_state = prev[n].state if n in prev else HEALTHY if not prev else s.state
         if i.hold:
-            out[n] = NodeDecision(replace(s, reason="operator maintenance (MAINT): left alone"),
-                                  prev_state, None, False)
+            out[n] = NodeDecision(_with_reason(s, "operator maintenance (MAINT): left alone"), prev_state, None, False)
             continue
         if n in kv_zero:
-            s = replace(s, reason=(s.reason + "; " if s.reason and s.state != HEALTHY else "")
-                        + f"KV cache {(i.kv_cache_usage or 1.0):.0%} full: no new traffic until it drains")
+            s = evolve(s, reason=(s.reason + "; " if s.reason and s.state != HEALTHY else "")
+                       + f"KV cache {(i.kv_cache_usage or 1.0):.0%} full: no new traffic until it drains")
         w = target_weight(s, i.base_weight, now, policy, kv_zero=n in kv_zero)
         sc = scored.get(n)
-        out[n] = NodeDecision(replace(s, weight=w), prev_state, w, s.state in EJECTED,
+        out[n] = NodeDecision(s if s.weight == w else evolve(s, weight=w), prev_state, w, s.state in EJECTED,
                               sc.peer_median if sc else None)
     ejected = sum(1 for n in names if st[n].state in EJECTED)
     return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off)
@@ -452,8 +454,8 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
         agent_marked = [n for n in names if inputs[n].agent_down and not inputs[n].hold and st[n].state not in EJECTED]
         for n in agent_marked[:out_now - cap]:
             off.add(n)
-            st[n] = replace(st[n], reason=(st[n].reason + "; " if st[n].reason else "") + "its agent marked it DOWN, "
-                            f"over the safeguard cap of {cap} node(s) out of rotation: agent check disabled")
+            st[n] = evolve(st[n], reason=(st[n].reason + "; " if st[n].reason else "") + "its agent marked it DOWN, "
+                           f"over the safeguard cap of {cap} node(s) out of rotation: agent check disabled")
             out_now -= 1
     return frozenset(off), out_now
 
@@ -475,13 +477,20 @@ def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
     `ratio` x the peers' (the probes are the same 1-token request everywhere, so the prompt mix does not move
     them). Both are needed, and at least one measurement of the node now: absent data alone vetoes nothing.
     """
+    if not like_peers_now(live_sc, ratio):
+        return ""
     li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
     first = [(what, x.ratio) for what, x in (("TTFT", lt), ("probe TTFT median", pm)) if x is not None]
-    if (li is not None and li.ratio >= ratio) or not first or min(r for _, r in first) >= ratio:
-        return ""
     what, r = min(first, key=lambda w: w[1])
     decode = f"live ITL {li.ratio:.2f}x" if li is not None else "no live ITL"
     return f"{decode} and {what} {r:.2f}x peers'"
+
+
+def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> bool:
+    """Whether live_veto has a reason: the same test, without writing the reason (most nodes, every tick)."""
+    li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
+    first = [x.ratio for x in (lt, pm) if x is not None]
+    return not ((li is not None and li.ratio >= ratio) or not first or min(first) >= ratio)
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
@@ -501,71 +510,73 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     renewed: its latency sample is new since the last tick; a sample seen before moves nothing (its score,
     counters and factor are held as the last new sample left them).
     """
-    lat_reason = ""
+    live_sc = live_sc or {}
+    li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
+    veto = like_peers_now(live_sc, t.live_veto_ratio)  # the live signals say it is like its peers now (live_veto)
+    lat_reason = ""  # written only while the latency signal holds the node degraded: the only time it is shown
     prev_factors, prev_lat = s.factors, s.lat_degraded
     if sc is not None and not renewed:
-        lat_reason = (f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
-                      if s.ratio is not None and s.score is not None else "")
+        if s.lat_degraded and s.ratio is not None and s.score is not None:
+            lat_reason = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
         sc = None  # no new evidence: no latency transition, no latency candidacy this tick
     elif sc is None:
-        s = replace(s, score=None, ratio=None)
+        if s.score is not None or s.ratio is not None:
+            s = evolve(s, score=None, ratio=None)
     else:
         outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
         hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
         # the window counts requests that finished in the last 30 s; the live signals say how the node is now.
         # When they say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
         # on, nor is a cut it made held (live_veto).
-        veto = live_veto(live_sc or {}, t.live_veto_ratio)
         if (outlier or hot or s.lat_degraded) and veto:
             outlier = hot = False
-            lat_vetoed = f"; {veto}: not acted on"
+            lat_vetoed = f"; {live_veto(live_sc, t.live_veto_ratio)}: not acted on"
         else:
             lat_vetoed = ""
         calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
         calm_ticks = s.calm_ticks + 1 if calm else 0
         lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not veto)
-        s = replace(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
-                    lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
-        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
+        s = evolve(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
+                   lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
+        if lat_deg:
+            lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
-    # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
-    pm, li = (live_sc or {}).get(PROBE_MEDIAN), (live_sc or {}).get(LIVE_ITL)
     # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue
-    decoding_like_peers = li is not None and (bool(live_veto(live_sc or {}, t.live_veto_ratio))
-                                              or (pool_queued and li.ratio < t.live_cut_ratio))
+    decoding_like_peers = li is not None and (veto or (pool_queued and li.ratio < t.live_cut_ratio))
+    # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
                                                     median_calm=pm is not None and pm.ratio < t.min_relative_gap,
                                                     like_peers=decoding_like_peers)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    lsc = (live_sc or {}).get(LIVE_ITL)
-    lm, lf, l_reason, q = live.assess(s.live_itl, lsc, t, "live ITL")
-    s = replace(s, live_itl=lm)
+    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL")
     l_reasons, l_quarantine = [l_reason] if l_reason else [], None
     if q:
-        probe = (live_sc or {}).get(PROBE_MEDIAN)
-        if probe is not None and probe.ratio >= t.live_probe_confirm:
-            l_quarantine = (lsc.z if lsc else math.inf, f"{q}; probes agree ({probe.ratio:.2f}x peers')")
+        if pm is not None and pm.ratio >= t.live_probe_confirm:
+            l_quarantine = (li.z if li else math.inf, f"{q}; probes agree ({pm.ratio:.2f}x peers')")
         else:
-            why_p = "no probe data" if probe is None else f"probes {probe.ratio:.2f}x peers'"
+            why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
             l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
-    factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
-                                (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
-                                (Signal.LIVE, lf, "; ".join(l_reasons)))
-                    if f[1] < 1.0 and (f[0] != Signal.LATENCY or s.lat_degraded))
-    s = replace(s, signals=mem, factors=factors)
-    why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""]
-                    + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
+    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0 or lf < 1.0
+    factors: tuple = ()  # the factors in force and their reasons: none while no signal cuts the weight
+    why = ""
+    if degraded:
+        factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
+                                    (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
+                                    (Signal.LIVE, lf, "; ".join(l_reasons)))
+                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or s.lat_degraded))
+        why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""]
+                        + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
+    s = evolve(s, live_itl=lm, signals=mem, factors=factors)  # one copy for every signal's memory
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
-    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0 or lf < 1.0
     if s.state == SLOW_START and degraded:  # the factors apply on top of the ramp: a flag never raises its weight
-        s = replace(s, reason=why)
+        s = _with_reason(s, why)
     elif s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
         s = _move(s, HEALTHY, now, "slow start complete")
     elif s.state == HEALTHY and degraded:
-        s = replace(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
+        s = evolve(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
     elif s.state == DEGRADED and not degraded:
         was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat else set())
         cleared = [text for key, text in (
@@ -575,7 +586,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
             if key in was]
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif s.state == DEGRADED or s.state == HEALTHY:
-        s = replace(s, reason=why)
+        s = _with_reason(s, why)
     if p_quarantine or e_quarantine:
         return s, (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
@@ -597,17 +608,17 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     t, r = policy.thresholds, policy.recovery
     base = peers.canary_baseline(n, fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
     if base is None:
-        return replace(s, last_canary=now, reason="canary ran but no peers with data to compare")
+        return evolve(s, last_canary=now, reason="canary ran but no peers with data to compare")
     b, coef = base
     z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
     good = ratio < t.min_relative_gap and z < t.degrade_score
     ok = s.canary_ok + 1 if good else 0
     what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
-    s = replace(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
-                canary_ok=ok, last_canary=now,
-                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
+    s = evolve(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
+               canary_ok=ok, last_canary=now,
+               reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
     if ok >= r.canary_successes:
-        s = replace(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
-                    ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
-                    signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory())
+        s = evolve(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
+                   ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
+                   signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory())
     return s

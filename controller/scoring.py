@@ -14,6 +14,7 @@ policy can require a minimum real-world slowdown as well.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ def median(sorted_vals: list[float]) -> float:
     n = len(sorted_vals)
     mid = n // 2
     return sorted_vals[mid] if n % 2 else 0.5 * (sorted_vals[mid - 1] + sorted_vals[mid])
+
+
+def median_without(sorted_vals: list[float], i: int) -> float:
+    """median(sorted_vals without its i-th element), without building that list."""
+    n = len(sorted_vals) - 1
+    mid = n // 2
+    upper = sorted_vals[mid + (mid >= i)]  # from index i on, the list without i is the list one further
+    return upper if n % 2 else 0.5 * (sorted_vals[mid - 1 + (mid - 1 >= i)] + upper)
 
 
 @dataclass(frozen=True)
@@ -78,22 +87,32 @@ def baseline(values: list[float], min_spread: float) -> Baseline | None:
 
 def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, Baseline]:
     """For each node, the baseline of the *other* nodes (needs at least 2 values)."""
-    names = sorted(values)
-    if len(names) < 2:
+    if len(values) < 2:
         return {}
-    logs = sorted((math.log(values[n]), n) for n in names)
+    logs = sorted((math.log(v), n) for n, v in values.items())  # by value, then name
     lv = [v for v, _ in logs]
-    if len(names) <= EXACT_LOO_MAX:  # dropping one element keeps the list sorted
-        return {n: _from_sorted_logs(lv[:i] + lv[i + 1:], min_spread) for i, (_, n) in enumerate(logs)}
-    # Large pool: exact leave-one-out median from the sorted array, pool-wide MAD (one point of >64
-    # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
-    full = baseline(list(values.values()), min_spread)
-    assert full is not None
     k = len(lv) - 1  # size of each leave-one-out set
+    if len(values) > EXACT_LOO_MAX:
+        # Large pool: exact leave-one-out median from the sorted array, pool-wide MAD (one point of >64
+        # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
+        full = baseline(list(values.values()), min_spread)
+        assert full is not None
+        return {n: Baseline(median_without(lv, i), full.spread, k) for i, (_, n) in enumerate(logs)}
+    # Exact. Dropping one value keeps the list sorted and moves its median by at most one rank, so each node's
+    # median is read off lv by index and takes at most three values; for each, the deviations of every value
+    # from it are sorted once, and a node's MAD is their median without its own deviation. The same numbers as
+    # sorting each node's peers on its own; nodes with the same median and MAD share one (frozen) Baseline.
+    deviations: dict[float, list[float]] = {}
+    shared: dict[tuple[float, float], Baseline] = {}
     out = {}
-    for i, (_, n) in enumerate(logs):
-        def at(j: int, i: int = i) -> float:  # j-th element of lv without index i
-            return lv[j if j < i else j + 1]
-        m = at(k // 2) if k % 2 else 0.5 * (at(k // 2 - 1) + at(k // 2))
-        out[n] = Baseline(m, full.spread, k)
+    for i, (x, n) in enumerate(logs):
+        m = median_without(lv, i)
+        dev = deviations.get(m)
+        if dev is None:
+            dev = deviations[m] = sorted([abs(v - m) for v in lv])
+        mad = median_without(dev, bisect.bisect_left(dev, abs(x - m)))
+        b = shared.get((m, mad))
+        if b is None:
+            b = shared[m, mad] = Baseline(m, max(MAD_SCALE * mad, min_spread), k)
+        out[n] = b
     return out
