@@ -13,6 +13,7 @@ leader key, so etcd never lags what HAProxy was told; a new leader loads them be
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -46,9 +47,44 @@ def replica_key(prefix: str, replica: str) -> str:
     return f"{prefix}/replicas/{replica}"
 
 
-def assign(scopes: Iterable[str], replicas: Iterable[str], holders: Mapping[str, str]) -> dict[str, str]:
-    """Each scope to one of the live replicas, balanced (counts differ by at most one), moving as few as possible:
-    a live holder keeps its scopes up to its fair share; the others go to the least loaded (then by id). Pure."""
+def replica_record(replica: str, scopes: Iterable[str]) -> str:
+    """The value of a sharded replica's key: its id and the pools it lists (its config's)."""
+    return json.dumps({"id": replica, "pools": sorted(scopes)}, separators=(",", ":"))
+
+
+def parse_replica(value: str) -> tuple[str, frozenset[str] | None]:
+    """(id, the pools it lists) from a replica key's value. Pools None: the value is a bare id (a replica of an
+    earlier version), taken to list the same pools as the reader."""
+    try:
+        d = json.loads(value)
+    except ValueError:
+        return value, None
+    if isinstance(d, dict) and isinstance(d.get("id"), str) and isinstance(d.get("pools"), list) \
+            and all(isinstance(p, str) for p in d["pools"]):
+        return d["id"], frozenset(d["pools"])
+    return value, None
+
+
+def assign(scopes: Iterable[str], replicas: Iterable[str], holders: Mapping[str, str],
+           serves: Mapping[str, frozenset[str] | None] | None = None) -> dict[str, str]:
+    """Each scope to one of the live replicas that list it (serves: replica -> its scopes; None or missing: every
+    scope), balanced among the replicas that list the same scopes, moving as few as possible. Replicas whose pool
+    lists differ (a rolling change of the config) still agree: each scope is decided among its own candidates,
+    from what every candidate reads alike. Pure."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    reps = sorted(set(replicas))
+    for s in sorted(set(scopes)):
+        cands = tuple(r for r in reps if serves is None or serves.get(r) is None or s in serves[r])
+        groups.setdefault(cands, []).append(s)
+    out: dict[str, str] = {}
+    for cands, group in groups.items():
+        out.update(_balanced(group, cands, holders))
+    return out
+
+
+def _balanced(scopes: Iterable[str], replicas: Iterable[str], holders: Mapping[str, str]) -> dict[str, str]:
+    """Each scope to one of the replicas, balanced (counts differ by at most one), moving as few as possible:
+    a live holder keeps its scopes up to its fair share; the others go to the least loaded (then by id)."""
     scopes, reps = sorted(set(scopes)), sorted(set(replicas))
     if not reps:
         return {}
@@ -226,11 +262,17 @@ class Leadership:
         try:
             entries, _ = self.store.get_prefix(leader_key(self.prefix, ""))
             replicas = {self.id}
+            serves: dict[str, frozenset[str] | None] = {}
             if self.shard:
                 present, _ = self.store.get_prefix(replica_key(self.prefix, ""))
                 if replica_key(self.prefix, self.id) not in present:
-                    self.store.put(replica_key(self.prefix, self.id), self.id, lease=self._lease or 0)
-                replicas |= {e.value for e in present.values()}
+                    self.store.put(replica_key(self.prefix, self.id), replica_record(self.id, self.scopes),
+                                   lease=self._lease or 0)
+                for e in present.values():
+                    rid, listed = parse_replica(e.value)
+                    replicas.add(rid)
+                    serves[rid] = listed
+                serves[self.id] = frozenset(self.scopes)
         except RegistryError as e:
             self._registry_error("read", e)
             return False
@@ -244,7 +286,11 @@ class Leadership:
                 self._gain(scope, e.create_revision, "its key survived while etcd was unreachable")
         prev = dict(self._leaders)
         self._leaders = {s: e.value for s, e in view.items()}
-        owner = assign(self.scopes, replicas, self._leaders) if self.shard else dict.fromkeys(self.scopes, self.id)
+        if self.shard:  # every scope any replica lists: replicas whose lists differ compute the same assignment
+            owner = assign(set(self.scopes).union(*(p for p in serves.values() if p is not None)), replicas,
+                           self._leaders, serves)
+        else:
+            owner = dict.fromkeys(self.scopes, self.id)
         for scope in self.scopes:
             if owner.get(scope) != self.id or scope in self._held or scope in view:
                 continue

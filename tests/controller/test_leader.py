@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.leader import CLOCK_MARGIN, SCOPE_ALL, Leadership, assign, leader_key, state_key
+from controller.leader import (
+    CLOCK_MARGIN,
+    SCOPE_ALL,
+    Leadership,
+    assign,
+    leader_key,
+    parse_replica,
+    replica_key,
+    replica_record,
+    state_key,
+)
 from controller.metrics import ControllerMetrics
 from controller.policy import NodeState
 from controller.statefile import dump_states
@@ -59,6 +69,27 @@ def test_assign_gives_every_scope_one_live_replica_balanced_and_keeps_holders_wi
     if out:
         assert assign(scopes, reps, out) == out  # balanced already: nothing moves
     assert max(counts) <= fair
+
+
+@given(st.sets(st.sampled_from([f"p{i}" for i in range(8)]), min_size=1),
+       st.dictionaries(st.sampled_from("abcd"), st.one_of(st.none(), st.frozensets(st.sampled_from(
+           [f"p{i}" for i in range(8)]))), min_size=1),
+       st.dictionaries(st.sampled_from([f"p{i}" for i in range(8)]), st.sampled_from("abcdef")))
+def test_assign_gives_a_scope_only_to_a_replica_that_lists_it_and_all_alike_is_the_plain_assignment(scopes, serves,
+                                                                                                   holders):
+    out = assign(scopes, serves, holders, serves)
+    for s in scopes:
+        cands = [r for r, p in serves.items() if p is None or s in p]
+        assert (out.get(s) in cands) if cands else s not in out
+    same = dict.fromkeys(serves, frozenset(scopes))
+    assert assign(scopes, serves, holders, same) == assign(scopes, serves, holders)
+
+
+def test_a_replica_key_holds_its_id_and_pools_and_a_bare_id_of_an_earlier_version_lists_everything():
+    assert parse_replica(replica_record("ctl-1:42", ["p2", "p1"])) == ("ctl-1:42", frozenset({"p1", "p2"}))
+    assert parse_replica("ctl-1:42") == ("ctl-1:42", None)
+    assert parse_replica("123") == ("123", None)  # a numeric id is JSON, but not a record
+    assert parse_replica('{"id": "x", "pools": [1]}') == ('{"id": "x", "pools": [1]}', None)
 
 
 def test_assign_with_no_replica_assigns_nothing():
@@ -214,6 +245,23 @@ def test_a_joining_replica_gets_its_share_by_handover(world):
     owners = led_by(reps)
     assert sorted(len(v) for v in owners.values()) == [1, 2, 2]
     assert sum(map(len, owners.values())) == len(POOLS)  # never two leaders of one pool
+
+
+def test_replicas_whose_pool_lists_differ_leave_no_pool_unled_and_do_not_flap(world):
+    # a rolling config change: b already has p6, a does not yet. Each used to balance its own list: p5 stayed unled.
+    _, etcd = world
+    a = replica(world, "a", POOLS + ("p0",), shard=True)[0]
+    b = replica(world, "b", POOLS + ("p0", "p6"), shard=True)[0]
+    rounds(world, [a, b], 5)
+    every = POOLS + ("p0", "p6")
+    held = {p: [r.id for r in (a, b) if r.scope_of(p) in r._held] for p in every}
+    assert all(len(v) == 1 for v in held.values()), held
+    assert held["p6"] == ["b"]
+    assert sorted(len(r._held) for r in (a, b)) == [3, 4]
+    before = {p: etcd.kv.get(leader_key(PREFIX, p)) for p in every}
+    rounds(world, [a, b], 5)
+    assert {p: etcd.kv.get(leader_key(PREFIX, p)) for p in every} == before  # the same keys: no hand-over
+    assert parse_replica(etcd.kv[replica_key(PREFIX, "b")].value)[1] == frozenset(every)
 
 
 # ---- the controller's gate -------------------------------------------------------------------------------
