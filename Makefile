@@ -1,11 +1,12 @@
 # `make test` and `make demo` work from a fresh clone: they create .venv and install the Debian
 # packages the tests drive for real (haproxy, prometheus + promtool, alertmanager + amtool, victoria-metrics:
-# victoria-metrics, vmagent, vmalert, vmauth; etcd-server: etcd for the fleet registry).
+# victoria-metrics, vmagent, vmalert, vmauth; etcd-server: etcd for the fleet registry; chromium: the tests open the
+# HTML reports in it, headless, a few seconds in all).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics etcd-server
+DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics etcd-server chromium
 
 .PHONY: test demo lint unit deps venv bench clean
 
@@ -25,6 +26,7 @@ deps:
 	command -v amtool >/dev/null 2>&1 || missing="$$missing prometheus-alertmanager"; \
 	command -v vmalert >/dev/null 2>&1 || missing="$$missing victoria-metrics"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \

@@ -2,7 +2,7 @@
 
 Scenarios that share their traffic (same pool, load and seed; different faults) are run as one family:
 the fault-free prefix once, then one branch per fault and one for the healthy baseline (bench.engine
-run_family). Families run in worker processes; the report is written as Markdown and JSON.
+run_family). Families run in worker processes; the report is written as Markdown, HTML and JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench import report_html
 from bench.engine import run_family
 from bench.metrics import summarize
 from bench.report import add_baselines, markdown, targets
@@ -57,7 +58,7 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="smoke", help=f"suite name or YAML path (shipped: {', '.join(suites())})")
     p.add_argument("--report-dir", metavar="DIR",
-                   help="where report.md and report.json go (required, except with --cross-check)")
+                   help="where report.md, report.html and report.json go (required, except with --cross-check)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: min(2, CPUs))")
     p.add_argument("--model", choices=MODELS, default="shipped",
                    help="the simulated vLLM's latency parameters: shipped (sim/model.py's defaults, the suite's "
@@ -258,9 +259,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, tgt, meta)
     (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_html.render(rows, tgt, meta))
     (out / "report.json").write_text(json.dumps({"meta": meta, "targets": tgt, "runs": rows}, indent=1,
                                                 default=str) + "\n")
     print(md.split("\n## Per scenario")[0])
-    print(f"report: {out / 'report.md'}, {out / 'report.json'}  ({wall:.0f}s wall, {workers} worker(s))")
+    print(f"report: {out / 'report.md'}, {out / 'report.html'}, {out / 'report.json'}  ({wall:.0f}s wall, "
+          f"{workers} worker(s))")
     missed = [t for t in tgt if t["status"] == "MISS"]
     return 1 if args.strict and missed else 0

@@ -365,8 +365,8 @@ def _details(rows: list[dict]) -> list[str]:
          "x", "timeouts", "errors", "capacity"], body)
 
 
-def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
-    """The report as Markdown: summary tables, targets, then every run."""
+def markdown_parts(rows: list[dict], tgt: list[dict], meta: dict) -> tuple[list[str], list[str], list[str]]:
+    """The report's Markdown lines in three parts: the title and the targets, the summary tables, every run."""
     head = [f"# grayguard bench: suite `{meta['suite']}`", "",
             f"{meta['scenarios']} scenarios, {meta['runs']} runs in {meta['families']} families, "
             f"{meta['wall_s']} s wall on {meta['workers']} worker(s) ({meta['cpu_s']} s of simulation), "
@@ -374,8 +374,12 @@ def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
     tl = ["### Targets (grayguard default policy)", ""] + [
         f"- **{t['status']}** {t['target']}: {t['measured']}" + (f" ({t['detail']})" if t["detail"] else "")
         for t in tgt] + [""]
-    parts = head + tl + _fault_summary(rows) + _per_fault(rows) + _reflexes(rows) + _pool(rows) + _per_size(rows) \
-        + _sensitivity(rows) \
-        + _benign(rows) + _double(rows) + _linkerd(rows) + _details(rows)
-    return "\n".join(parts) + "\n"
+    tables = _fault_summary(rows) + _per_fault(rows) + _reflexes(rows) + _pool(rows) + _per_size(rows) \
+        + _sensitivity(rows) + _benign(rows) + _double(rows) + _linkerd(rows)
+    return head + tl, tables, _details(rows)
+
+
+def markdown(rows: list[dict], tgt: list[dict], meta: dict) -> str:
+    """The report as Markdown: targets, summary tables, then every run."""
+    return "\n".join(line for part in markdown_parts(rows, tgt, meta) for line in part) + "\n"
 

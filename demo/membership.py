@@ -331,7 +331,9 @@ def _sample(stack: Any, observer: Observer, marks: dict) -> dict:
             lab = a.get("labels", {})
             observer.event("page" if n.path == "/page" else "ticket",
                            f"{a.get('status')} {lab.get('alertname')} {lab.get('node') or lab.get('instance') or ''}",
-                           alert=lab.get("alertname"), status=a.get("status"))
+                           alert=lab.get("alertname"), status=a.get("status"), node=lab.get("node"),
+                           severity=lab.get("severity"), summary=a.get("annotations", {}).get("summary"),
+                           runbook_url=a.get("annotations", {}).get("runbook_url"))
     observer.notes_seen = len(notes)
     return {"t": round(observer.now(), 2), "leader": leader, "nodes": nodes}
 

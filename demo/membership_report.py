@@ -3,7 +3,6 @@ the HAProxy and registry logs and the client records), the verdict, and report.j
 
 from __future__ import annotations
 
-import html
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -11,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from controller.haproxy import DRAIN_MASK, MAINT_MASK
-from demo.report import rolling_percentile, svg_chart
+from demo.report import rolling_percentile
+from demo.report_html import phases_table, timeline, verdict_class
+from grayguard.htmlpage import e, kv_table, page
+from grayguard.svgplot import line_chart
 
 SRV_RUNNING = 2  # srv_op_state of a server that is UP (0: stopped, DOWN; 1: starting; 3: stopping)
 
@@ -168,25 +170,37 @@ def write_report(report: dict, samples: Sequence[dict], records: Sequence[Any], 
             for n in nodes}  # over the last 5 s, while the server is in the backend
     ttft = {"client P99 TTFT": rolling_percentile(records, "ttft_s", 99, 10, 1, end),
             "client P50 TTFT": rolling_percentile(records, "ttft_s", 50, 10, 1, end)}
-    charts = [svg_chart(weights, title="HAProxy weight per server (absent: not in the backend)", ylabel="weight",
+    charts = [line_chart(weights, title="HAProxy weight per server (absent: not in the backend)", ylabel="weight",
                         markers=markers, x_max=end),
-              svg_chart(rate, title="Requests per second by the server that answered (5 s mean)", ylabel="req/s",
+              line_chart(rate, title="Requests per second by the server that answered (5 s mean)", ylabel="req/s",
                         markers=markers, x_max=end),
-              svg_chart(ttft, title="Client TTFT over a 10 s window", ylabel="seconds", markers=markers, log=True,
+              line_chart(ttft, title="Client TTFT over a 10 s window", ylabel="seconds", markers=markers, log=True,
                         x_max=end)]
 
-    def table(d: dict) -> str:
-        return "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in d.items())
-    ev = "".join(f"<tr><td>{e['t']:.2f}</td><td>{html.escape(e['kind'])}</td><td>{html.escape(e['text'])}</td></tr>"
-                 for e in report.get("events", []))
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>grayguard demo: membership</title>
-<style>body{{font-family:sans-serif;margin:20px}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
-padding:2px 8px;text-align:left}}</style></head><body>
-<h1>grayguard demo: {html.escape(j['node'])} joins, {html.escape(c['node'])} crashes</h1>
-<p>{html.escape(report['verdict'])}</p>
-<h2>Join</h2><table>{table(j)}</table><h2>Crash</h2><table>{table(c)}</table>
-<h2>Clients</h2><table>{table({k: v for k, v in report['clients'].items() if k != 'examples'})}</table>
-<h2>Plots</h2>{''.join(charts)}
-<h2>Events</h2><table><tr><th>t (s)</th><th>kind</th><th>what</th></tr>{ev}</table>
-</body></html>"""
-    (out_dir / "report.html").write_text(page)
+    title = f"grayguard demo: {j['node']} joins, {c['node']} crashes"
+    clients = {k: v for k, v in report["clients"].items() if k != "examples"}
+    v = report["verdict"]
+    body = (f'<h1>{e(title)}</h1><p class="story">{e(_story(report))}</p><p class="{verdict_class(v)}">{e(v)}</p>'
+            f"<h2>Join</h2>{kv_table(j)}<h2>Crash</h2>{kv_table(c)}<h2>Clients</h2>{kv_table(clients)}"
+            f"<h2>Client latency per phase (seconds)</h2>{phases_table(report.get('phases') or {})}"
+            f"<h2>Plots</h2>{''.join(charts)}"
+            f"<h2>Timeline</h2>{timeline(report.get('events') or [])}")
+    (out_dir / "report.html").write_text(page(title, body))
+
+
+def _story(r: dict) -> str:
+    """The join and the crash in two sentences."""
+    j, c, f = r["join"], r["crash"], r["clients"]
+    ref = j["registered_s"]
+    if ref is None or j["in_haproxy_s"] is None:
+        join = f"{j['node']} never joined."
+    else:
+        full = (f", at full weight {_s(_round(j['full_weight_s'] - ref))} after registering"
+                if j["full_weight_s"] is not None else "")
+        join = (f"{j['node']} registered at {_s(ref)} and was in HAProxy {_s(j['join_latency_s'])} later at weight "
+                f"{j['entry_weight']}{full}.")
+    crash = "" if c["killed_s"] is None else (
+        f" {c['node']} was killed at {_s(c['killed_s'])}, out of rotation {_s(c.get('out_of_rotation_after_s'))} "
+        f"later by {c.get('taken_out_by') or '-'}, deleted {_s(c.get('deleted_after_s'))} later; {f['failed']} of "
+        f"{f['requests']} client requests failed.")
+    return join + crash

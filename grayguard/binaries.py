@@ -1,5 +1,6 @@
-"""The external programs grayguard drives (promtool, amtool, prometheus, alertmanager, haproxy, etcd) and the
-Debian package that provides each: found on PATH, or a message that says what to install."""
+"""The external programs grayguard drives (promtool, amtool, prometheus, alertmanager, haproxy, etcd; chromium for the
+tests of the HTML reports) and the Debian package that provides each: found on PATH, or a message that says what to
+install."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ DEBIAN_PACKAGES = {
     "vmalert": "victoria-metrics",
     "vmauth": "victoria-metrics",
     "etcd": "etcd-server",
+    "chromium": "chromium",  # only the tests: they open the HTML reports in it
 }
 
 

@@ -38,6 +38,18 @@ def test_smoke_suite_runs_and_writes_reports(smoke, capsys):
     assert data["meta"]["runs"] == len(data["runs"])
 
 
+@pytest.mark.browser
+def test_smoke_report_html_has_the_tables_and_reads_well_in_a_browser(smoke):
+    from tests.support.browser import check_pages
+    _rc, out, data = smoke
+    page = (out / "report.html").read_text()
+    assert "Targets (grayguard default policy)" in page and "<h3>Time to detect</h3>" in page
+    assert page.count('<svg class="plot"') == 1 and "Per fault type" in page and "<details>" in page
+    for p in {r["policy"] for r in data["runs"] if r["group"] == "fault"}:
+        assert f">{p}</text>" in page  # in the plot's legend
+    assert check_pages([out / "report.html"]) == {out / "report.html": []}
+
+
 def test_smoke_measures_what_the_policies_are_known_to_do(smoke):
     _rc, _out, data = smoke
     by = {(r["scenario"], r["policy"]): r for r in data["runs"]}
