@@ -14,6 +14,8 @@ import requests
 
 from bench.promcost import measure
 from bench.promresult import format_cost
+from bench.tickresult import format_tick
+from bench.wholetick import measure_tick
 from controller.haproxy import Command, RuntimeClient, ServerState
 from controller.plan import plan_backend
 from controller.policy import NodeInput, Policy, decide_pool
@@ -40,6 +42,15 @@ Prints measured numbers (this machine, now):
     evaluations, failed or late scrapes, failed queries, a warm-up cut short). The stand-in and the
     controller's client run on the same machine as Prometheus and take their share of its CPU. About
     1.5 minutes at 1,000 nodes and 3.5 at 10,000 on 2 cores; --no-prometheus skips it.
+  * the whole tick at scale on real parts (needs the haproxy and prometheus binaries; bench/wholetick.py): the
+    same stand-in target and Prometheus at --whole-tick-nodes nodes, a real HAProxy with one backend per pool
+    and a server per node (20 per backend: 10,000 servers in 500 backends at 10,000 nodes), and the real
+    Controller, configured with every pool and the shipped defaults, running --whole-tick-ticks ticks of its
+    own Controller.tick() every tick_interval_s after the warm-up. Per tick: the HAProxy read, the Prometheus
+    queries, the decision (decide + plan), the runtime-API writes and their commands, the whole tick and the
+    controller's CPU (median, p90, max); the controller's memory at the first, middle and last tick; each rule
+    group's evaluation time in Prometheus over the same ticks; a verdict against the 500 ms target (issue 18);
+    notes on whatever fell behind. No tick starts after --whole-tick-seconds of ticking. --no-whole-tick skips it.
 Timings are medians over --ticks runs; compare ratios, not absolute numbers, on a noisy machine.
 """
 
@@ -117,6 +128,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prometheus-seconds", type=float, default=60.0, metavar="S",
                    help="window per node count after the warm-up, half without and half with the controller's "
                         "queries (default 60: each half sees two evaluations of the 15 s groups)")
+    p.add_argument("--no-whole-tick", action="store_true", help="skip the whole tick on real parts")
+    p.add_argument("--whole-tick-nodes", default="1000,10000", metavar="N,N",
+                   help="comma-separated simulated node counts for the whole tick (default 1000,10000)")
+    p.add_argument("--whole-tick-ticks", type=int, default=30, metavar="K",
+                   help="controller ticks per node count after the warm-up (default 30; the decision core's "
+                        "memory over 1,000 ticks: python -m bench.scale)")
+    p.add_argument("--whole-tick-seconds", type=float, default=300.0, metavar="S",
+                   help="no new tick after S seconds of ticking, per node count (default 300: a tick that is slow "
+                        "at 10,000 nodes ends the run early rather than after hours)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_prometheus:
         rc = max(rc, run_prometheus([int(x) for x in args.prometheus_nodes.split(",") if x.strip()],
                                     args.prometheus_seconds))
+    if not args.no_whole_tick:
+        rc = max(rc, run_whole_tick([int(x) for x in args.whole_tick_nodes.split(",") if x.strip()],
+                                    args.whole_tick_ticks, args.whole_tick_seconds))
     return rc
 
 
@@ -159,4 +182,21 @@ def run_prometheus(sizes: list[int], seconds: float) -> int:
             print(f"  (Prometheus {cost.version}; scrape intervals: "
                   + ", ".join(f"{job} {i}" for job, i in cost.intervals.items()) + ")")
         print("\n".join(format_cost(cost)), flush=True)
+    return rc
+
+
+def run_whole_tick(sizes: list[int], ticks: int, budget_s: float = 300.0) -> int:
+    """Print the whole tick on real parts at each size; 1 when a size could not be measured."""
+    print(f"whole tick on real parts (stand-in target -> Prometheus with grayguard's rules; HAProxy with a server per "
+          f"node, 20 per backend; the real Controller.tick(), {ticks} ticks per size):", flush=True)
+    rc = 0
+    for n in sizes:
+        try:
+            cost = measure_tick(n, ticks, lambda s: print(f"  whole tick: {s}", file=sys.stderr, flush=True),
+                                budget_s=budget_s)
+        except (OSError, RuntimeError, TimeoutError, requests.RequestException) as e:  # BinaryMissing is an OSError
+            print(f"  {n} nodes: not measured: {e}", flush=True)
+            rc = 1
+            continue
+        print("\n".join(format_tick(cost)), flush=True)
     return rc

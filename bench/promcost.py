@@ -11,10 +11,11 @@ time and each query's answer, samples appended per second, head series, resident
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -51,6 +52,12 @@ def prometheus_setup(ports: list[int], example: Path = EXAMPLE_PROMETHEUS) -> di
     return {"global": ex["global"], "scrape_configs": jobs}
 
 
+def job_intervals(setup: dict) -> dict[str, str]:
+    """job -> its scrape interval in a prometheus_setup."""
+    return {sc["job_name"]: sc.get("scrape_interval", setup["global"]["scrape_interval"])
+            for sc in setup["scrape_configs"]}
+
+
 def measure(nodes: int, seconds: float = 60.0, progress: Callable[[str], None] = lambda s: None,
             warmup_timeout_s: float | None = None) -> PromCost:
     """Start the stand-in and Prometheus for nodes, wait for data, measure for seconds; always stop both."""
@@ -62,17 +69,9 @@ def measure(nodes: int, seconds: float = 60.0, progress: Callable[[str], None] =
             "pools": [{"name": "pool0", "backend": "pool0"}], "rules": {"output_dir": str(wd / "rules")}}))
         cfg = load_config(cfg_file)  # every other field: the shipped default
         rule_files = render_rules(cfg_file, wd / "rules")
-        progress(f"{nodes} nodes: starting the stand-in target")
-        ready = wd / "ports.json"
-        target = ManagedProcess([sys.executable, "-m", "bench.promtarget", "--nodes", str(nodes),
-                                 "--ready-file", str(ready)], wd / "promtarget.log")
-        try:
-            target.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the stand-in target")
-            ports = yaml.safe_load(ready.read_text())["ports"]
+        with stand_in(nodes, wd, progress) as (target, ports):
             setup = prometheus_setup(ports)
-            cost = PromCost(nodes, len(ports), promtarget.series_per_node(),
-                            {sc["job_name"]: sc.get("scrape_interval", setup["global"]["scrape_interval"])
-                             for sc in setup["scrape_configs"]})
+            cost = PromCost(nodes, len(ports), promtarget.series_per_node(), job_intervals(setup))
             progress(f"{nodes} nodes: starting Prometheus (scrape targets per job: {len(ports)})")
             prom = start_prometheus(setup, rule_files, workdir=wd / "prometheus", port=port)
             try:
@@ -80,8 +79,21 @@ def measure(nodes: int, seconds: float = 60.0, progress: Callable[[str], None] =
                            warmup_timeout_s if warmup_timeout_s is not None else 30 + nodes / 100)
             finally:
                 prom.stop()
-        finally:
-            target.stop()
     return cost
+
+
+@contextlib.contextmanager
+def stand_in(nodes: int, wd: Path, progress: Callable[[str], None] = lambda s: None
+             ) -> Iterator[tuple[ManagedProcess, list[int]]]:
+    """The stand-in target serving nodes (a child process, its log in wd): (the process, its ports); stopped after."""
+    progress(f"{nodes} nodes: starting the stand-in target")
+    ready = wd / "ports.json"
+    target = ManagedProcess([sys.executable, "-m", "bench.promtarget", "--nodes", str(nodes),
+                             "--ready-file", str(ready)], wd / "promtarget.log")
+    try:
+        target.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the stand-in target")
+        yield target, yaml.safe_load(ready.read_text())["ports"]
+    finally:
+        target.stop()
 
 
