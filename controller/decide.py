@@ -113,8 +113,34 @@ def own_series(pool: PoolConfig, samples: Sequence[Sample]) -> dict[str, list[Sa
     return out
 
 
+def by_pool(samples: Mapping[str, Sequence[Sample]]) -> dict[str, dict[str | None, list[Sample]]]:
+    """Each query's samples grouped by their `pool` label (None: no pool label), once per tick: a pool then looks
+    at its own series and the unlabelled ones, not at the whole fleet's (pools x nodes, quadratic, at scale)."""
+    out: dict[str, dict[str | None, list[Sample]]] = {}
+    for name, seq in samples.items():
+        groups: dict[str | None, list[Sample]] = {}
+        for s in seq:
+            groups.setdefault(s.labels.get(POOL_LABEL), []).append(s)
+        out[name] = groups
+    return out
+
+
+def pool_samples(grouped: Mapping[str, Mapping[str | None, list[Sample]]], pool: str) -> dict[str, list[Sample]]:
+    """What own_series could take for `pool` from each query (by_pool's groups): its series and the unlabelled ones.
+    pool_data, signal_maps and node_inputs give the same answers on these as on the whole answers."""
+    return {name: [*g.get(pool, ()), *g.get(None, ())] for name, g in grouped.items()}
+
+
 def _matched(by_key: Mapping[str, list[Sample]], keys: Sequence[str]) -> list[Sample]:
-    return [s for k in dict.fromkeys(keys) for s in by_key.get(k, ())]
+    """The samples of a node's series keys (distinct keys, in order: _keys)."""
+    if len(keys) == 1:
+        return by_key.get(keys[0], [])
+    return [s for k in keys for s in by_key.get(k, ())]
+
+
+def _keys(pool: PoolConfig, servers: Mapping[str, ServerState]) -> dict[str, tuple[str, ...]]:
+    """Each server's distinct series keys, once per pool and tick (not once per signal)."""
+    return {n: tuple(dict.fromkeys(series_keys(pool, srv))) for n, srv in servers.items()}
 
 
 def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
@@ -128,13 +154,14 @@ def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Map
     vals: dict[str, dict[str, float]] = {"latency": {}, "rate": {}}
     without: dict[str, str] = {}
     latency_at: dict[str, float] = {}
+    keys = _keys(pool, servers)
     for name in ("latency", "rate"):
         by_key = own_series(pool, samples.get(name, ()))
         ts = samples.get(f"{name}_timestamp")
         ages = None if ts is None else {_ident(s.labels): s.timestamp - s.value for s in ts}
         stamps = {} if ts is None else {_ident(s.labels): s.value for s in ts}
-        for n, srv in servers.items():
-            got = _matched(by_key, series_keys(pool, srv))
+        for n in servers:
+            got = _matched(by_key, keys[n])
             if len(got) > 1:
                 without[n] = "conflict"
             elif got and without.get(n) != "conflict":
@@ -193,6 +220,7 @@ def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState],
     """Node -> value for every optional signal (probe_result and peer_group map to label values), from the
     pool's own series; a node with two series for one signal has none (absent, never a guess)."""
     out: dict[str, dict] = {}
+    keys = _keys(pool, servers)
     for name in OPTIONAL:
         samples = optional.get(name, [])
         if name == "probe_result":
@@ -201,8 +229,8 @@ def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState],
             samples = []
         by_key = own_series(pool, samples)
         out[name] = {}
-        for n, srv in servers.items():
-            got = _matched(by_key, series_keys(pool, srv))
+        for n in servers:
+            got = _matched(by_key, keys[n])
             if len(got) == 1:
                 v = got[0]
                 out[name][n] = (v.labels.get("result") if name == "probe_result" else
@@ -245,16 +273,17 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
                 ) -> dict[str, PoolOutcome]:
     """Every observed pool's decision, in config order."""
     out = {}
+    samples, optional = by_pool(obs.samples), by_pool(obs.optional)
     for pool in pools:
         po = obs.pools.get(pool.name)
         if po is None:
             continue
-        data = pool_data(pool, po.servers, obs.samples, obs.max_age_s,
-                         policies[pool.name].thresholds.min_request_rate)
+        own = pool_samples(samples, pool.name)
+        data = pool_data(pool, po.servers, own, obs.max_age_s, policies[pool.name].thresholds.min_request_rate)
         if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
             continue
         est, outcomes = canary_estimates(po.canaries, po.prev)
-        inputs = node_inputs(pool, po.servers, obs.samples, obs.optional, est, data)
+        inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data)
         d = decide_pool(po.prev, inputs, policies[pool.name], obs.now)
         out[pool.name] = PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
     return out

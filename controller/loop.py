@@ -289,6 +289,7 @@ class Controller:
         views = list(hap.values())  # first endpoint first
         pools = {}
         held: list[str] = []  # pools without fresh data
+        grouped = decide.by_pool(samples)  # once: each pool then matches its own series, not the fleet's
         for pool in self.cfg.pools:
             if not self._leads(pool.name):
                 continue
@@ -303,7 +304,7 @@ class Controller:
                 if name not in servers:
                     self._warn_once(f"server:{pool.name}:{name}", f"pool={pool.name}: configured server "
                                     f"{name!r} is not in HAProxy backend {pool.backend!r}")
-            why = self.check_pool_data(pool, servers, samples)
+            why = self.check_pool_data(pool, servers, decide.pool_samples(grouped, pool.name))
             if why:  # the pool holds: not observed, so not decided, and the tick is no success
                 result.errors.append(why)
                 held.append(why)
