@@ -14,6 +14,7 @@ import requests
 
 from bench.promcost import measure
 from bench.promresult import format_cost
+from bench.scale import format_scale, measure_scale
 from bench.tickresult import format_tick
 from bench.wholetick import measure_tick
 from controller.haproxy import Command, RuntimeClient, ServerState
@@ -25,7 +26,12 @@ HELP = ("benchmark the controller: decision time per tick at scale, HAProxy batc
 DESCRIPTION = """\
 Prints measured numbers (this machine, now):
   * decide + plan time for one whole tick over N nodes split into pools (default 1,000 and 10,000
-    nodes in pools of 20), with noisy latencies and one slow node in every tenth pool;
+    nodes in pools of 20), with noisy latencies and one slow node in every tenth pool; the ratio of the
+    largest size to the smallest, and 10,000 nodes against the 100 ms target (issue 18);
+  * the same on the realistic trace (bench/trace_large.py: every signal the shipped defaults read, faults
+    on single nodes and whole pools coming and going, the loop closed), --scale-ticks ticks per size:
+    median, p90, CPU, the garbage collector's share, memory (the decision core's memory over 1,000 ticks
+    and the replay against recorded decisions: python -m bench.scale);
   * one HAProxy runtime-API batch of 1,000 weight changes over one connection, next to the same
     1,000 changes sent one connection each (needs the haproxy binary);
   * what grayguard's shipped defaults cost a real Prometheus (needs the prometheus binary) at
@@ -121,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
     p.add_argument("--pool-size", type=int, default=20, help="nodes per pool (default 20: 10,000 nodes = 500 pools)")
     p.add_argument("--ticks", type=int, default=5, help="ticks per measurement (default 5)")
+    p.add_argument("--scale-ticks", type=int, default=30, metavar="K",
+                   help="ticks per size of the realistic trace (bench/trace_large.py: every signal, faults coming "
+                        "and going, closed loop; 0: skip; memory over 1,000 ticks: python -m bench.scale)")
     p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
     p.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus cost measurement")
     p.add_argument("--prometheus-nodes", default="1000,10000", metavar="N,N",
@@ -139,14 +148,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "at 10,000 nodes ends the run early rather than after hours)")
 
 
+DECISION_TARGET_S = 0.1  # issue 18: decide + plan for 10,000 nodes in 500 pools, median
+
+
+def decision_verdict(results: list[dict], ratio: bool = True) -> list[str]:
+    """The ratio of the largest size's median to the smallest's, and the median at 10,000 nodes against the 100 ms
+    target (only when 10,000 nodes were measured)."""
+    lines = []
+    if ratio and len(results) > 1:
+        a, b = results[0], results[-1]
+        lines.append(f"  {b['nodes']} / {a['nodes']} nodes: {b['median_s'] / a['median_s']:.1f}x the median time")
+    for r in results:
+        if r["nodes"] == 10000:
+            x = r["median_s"] / DECISION_TARGET_S
+            lines.append(f"  verdict: median {r['median_s'] * 1000:.0f} ms at 10000 nodes: "
+                         + ("within the 100 ms target" if x <= 1 else f"OVER the 100 ms target ({x:.1f}x)"))
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     print("decision time per tick (decide + plan, every pool):", flush=True)
-    for n in [int(x) for x in args.nodes.split(",") if x.strip()]:
+    sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
+    results = []
+    for n in sizes:
         print(f"  measuring {n} nodes...", file=sys.stderr, flush=True)
         r = bench_decide(n, args.pool_size, args.ticks)
+        results.append(r)
         print(f"  {r['nodes']:>6} nodes in {r['pools']:>4} pools: median {r['median_s'] * 1000:8.1f} ms, "
               f"max {r['max_s'] * 1000:8.1f} ms over {r['ticks']} ticks ({r['planned_changes']} changes planned)",
               flush=True)
+    print("\n".join(decision_verdict(results)), flush=True)
+    if args.scale_ticks:
+        print(f"  measuring the realistic trace ({args.scale_ticks} ticks per size)...", file=sys.stderr, flush=True)
+        r = measure_scale(sizes, ticks=args.scale_ticks, pool_size=args.pool_size, memory_at=(1, args.scale_ticks))
+        print("\n".join(format_scale(r)), flush=True)
+        print("\n".join(decision_verdict(r["sizes"], ratio=False)), flush=True)
     rc = 0
     if args.haproxy_batch:
         try:

@@ -130,3 +130,19 @@ def test_a_tiny_run_answers_every_query_of_the_tick_with_one_series_per_node(tin
         assert q.series == (0 if name == "gpu_xid" else NODES), name  # no XID on a healthy fleet
     text = "\n".join(format_cost(c))
     assert f"{NODES} nodes in 2 pools" in text and "grayguard-control" in text and "live_itl" in text
+
+
+def test_bench_controller_decision_verdict_and_the_realistic_trace(capsys):
+    from bench.controller import decision_verdict, run
+    assert decision_verdict([{"nodes": 1000, "median_s": 0.05}, {"nodes": 10000, "median_s": 0.55}]) == [
+        "  10000 / 1000 nodes: 11.0x the median time", "  verdict: median 550 ms at 10000 nodes: OVER the 100 ms "
+        "target (5.5x)"]
+    assert decision_verdict([{"nodes": 10000, "median_s": 0.08}], ratio=False) == [
+        "  verdict: median 80 ms at 10000 nodes: within the 100 ms target"]
+    assert decision_verdict([{"nodes": 40, "median_s": 0.01}]) == []  # no 10,000 nodes measured: no verdict
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--nodes", "40,100", "--ticks", "2", "--scale-ticks", "3", "--haproxy-batch", "0",
+                             "--no-prometheus", "--no-whole-tick"])) == 0
+    out = capsys.readouterr().out
+    assert "100 / 40 nodes:" in out and "on the realistic trace" in out and "memory after tick    3" in out
