@@ -76,7 +76,9 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
 
     median_calm: the median of the node's last few probes is like its peers' (controller/live.py's probe median):
-    a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none).
+    a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none);
+    unless the GPU reports trouble (corroborated): a throttled or link-degraded GPU answering a slow probe is the
+    fault's first sign, seconds before the median of the last probes moves.
     like_peers: the node decodes now, and its live signals are like its peers' (policy.live_veto): a probe that
     timed out or was slow waited in a queue its peers have too (a saturated pool), which is load, not a failure:
     it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count.
@@ -102,7 +104,8 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if ((result == ProbeResult.SLOW and slower) or far) and (median_calm or like_peers) and not m.probe_slow:
+    if ((result == ProbeResult.SLOW and slower) or far) and ((median_calm and not corroborated) or like_peers) \
+            and not m.probe_slow:
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     elif (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1

@@ -262,6 +262,25 @@ def test_a_slow_probe_behind_a_passing_backlog_is_noise_when_the_probe_median_is
     assert run(None)[-1][0] == DEGRADED  # no median (too few probes): the slow probes count, as before
 
 
+def test_a_slow_probe_on_a_gpu_reporting_trouble_drains_at_once_though_the_probe_median_has_not_moved_yet():
+    """A GPU throttling under load answers its first slow probe: the fault's first sign, seconds before the median
+    of its last probes moves (make demo: the cut came 2 s later without this). The same probe with the median calm
+    and no evidence is a passing backlog (above). Its live ITL has begun to rise, below the cut (the live window
+    still holds mostly tokens from before the fault)."""
+    live = {"n0": 0.026, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+
+    def first_tick(evidence: bool):
+        states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+        inputs = _inputs(live, probes={"n0": 0.055, "n1": 0.05, "n2": 0.05, "n3": 0.05})
+        inputs["n0"] = replace(inputs["n0"], probe_result="slow", probe_ttft=0.5, gpu_throttled=evidence)
+        for n in ("n1", "n2", "n3"):
+            inputs[n] = replace(inputs[n], probe_result="ok", probe_ttft=0.05)
+        d = decide_pool(states, inputs, Policy(), 100.0)
+        return d.nodes["n0"].state.state, d.nodes["n0"].weight
+    assert first_tick(True) == (QUARANTINED, 0)  # slow first tokens on hardware that says it is sick
+    assert first_tick(False) == (HEALTHY, 100)
+
+
 def test_the_veto_needs_a_measurement_of_the_node_now():
     from controller.policy import live_veto
     calm, hot = Score(z=0.1, ratio=1.0, peer_median=0.02), Score(z=4.0, ratio=1.6, peer_median=0.02)
