@@ -31,7 +31,7 @@ from grayguard.config import parse_config
 from grayguard.vocab import State
 from localstack.etcd import EtcdProc
 from localstack.procs import wait_until
-from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, samples, servers
+from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, Sampler, samples, servers
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e
@@ -146,23 +146,6 @@ class Replica:
         """Stop ticking and renewing without resigning: what a crash leaves behind (the lease runs out)."""
         self.stop.set()
         self.thread.join(10)
-
-
-class Sampler:
-    """Calls fn every interval in a thread until stopped; the results, with their monotonic times."""
-
-    def __init__(self, fn, interval_s: float):
-        self.fn, self.interval, self.rows, self.done = fn, interval_s, [], threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.done.wait(self.interval):
-            self.rows.append((time.monotonic(), self.fn()))
-
-    def close(self):
-        self.done.set()
-        self.thread.join(5)
 
 
 @dataclass

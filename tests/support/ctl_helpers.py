@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -114,3 +115,20 @@ def fake_controller(pools: list[dict], haproxies, prom, canary=None, clock=time.
            "pools": pools, "state_file": None, "signals": {f"{k}_query": "" for k in OPTIONAL}, **(extra or {})}
     return Controller(parse_config(doc), prom, haproxies, canary=canary, metrics=ControllerMetrics.create(),
                       clock=clock)
+
+
+class Sampler:
+    """Calls fn every interval in a thread until stopped; the results, with their monotonic times."""
+
+    def __init__(self, fn, interval_s: float):
+        self.fn, self.interval, self.rows, self.done = fn, interval_s, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(self.interval):
+            self.rows.append((time.monotonic(), self.fn()))
+
+    def close(self):
+        self.done.set()
+        self.thread.join(5)
