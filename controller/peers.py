@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from controller.scoring import Baseline, baseline, leave_one_out
+from controller.scoring import Baseline, baseline, leave_one_out, median, median_without
 
 Group = str | None
 
@@ -122,21 +122,8 @@ def peer_medians(nodes: Iterable[str], values: Mapping[str, float], groups: Mapp
         others = len(same) - (own is not None)
         pick = same if others else pool
         if own is None:
-            out[n] = _median(pick) if pick else None
+            out[n] = median(pick) if pick else None
         else:
-            out[n] = _median_of_others(pick, bisect.bisect_left(pick, own)) if len(pick) > 1 else None
+            out[n] = median_without(pick, bisect.bisect_left(pick, own)) if len(pick) > 1 else None
     return out
 
-
-def _median(sorted_vals: list[float]) -> float:
-    """statistics.median of a sorted list (its arithmetic, so the same float)."""
-    n, mid = len(sorted_vals), len(sorted_vals) // 2
-    return sorted_vals[mid] if n % 2 else (sorted_vals[mid - 1] + sorted_vals[mid]) / 2
-
-
-def _median_of_others(sorted_vals: list[float], i: int) -> float:
-    """statistics.median of a sorted list without its i-th element (scoring.median_without, its arithmetic)."""
-    n = len(sorted_vals) - 1
-    mid = n // 2
-    upper = sorted_vals[mid + (mid >= i)]  # from index i on, the list without i is the list one further
-    return upper if n % 2 else (sorted_vals[mid - 1 + (mid - 1 >= i)] + upper) / 2
