@@ -15,8 +15,13 @@ def first_time(samples: Sequence[dict], since: float, pred) -> float | None:
 
 
 def headline(samples: Sequence[dict], events: Sequence[dict], faulty: str, fault_start: float,
-             fault_end: float | None, base_weight: int = 100) -> dict[str, Any]:
-    """The figures report.json leads with (seconds from the start of the run; None: did not happen)."""
+             fault_end: float | None, base_weight: int = 100, marks: Sequence[dict] = ()) -> dict[str, Any]:
+    """The figures report.json leads with (seconds from the start of the run; None: did not happen).
+
+    marks: demo.watch's changes of weights and states, timestamped to a tenth of a second; read with the
+    once-a-second samples, whichever saw a change first.
+    """
+    samples = sorted([*samples, *marks], key=lambda s: s["t"]) if marks else samples
     def node(s: dict) -> dict:
         return s["nodes"].get(faulty, {})
     def weight(s: dict) -> int:

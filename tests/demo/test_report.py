@@ -22,3 +22,13 @@ def test_headline_reports_other_nodes_quarantined():
                                                              "n2": {"state": "quarantined", "weight": 0}}}]
     h = headline(samples, [], "n1", 30, None)
     assert h["false_quarantines"] == ["n2"] and h["first_weight_cut_s"] is None and h["recovered_s"] is None
+
+
+def test_headline_takes_the_watchers_marks_when_they_saw_the_change_first():
+    # the once-a-second samples saw the cut at 33; the watcher's 0.1 s polls at 32.3 (weight) and 32.4 (state)
+    samples = [sample(0, "healthy", 100), sample(32, "healthy", 100), sample(33, "quarantined", 0, True)]
+    marks = [{"t": 32.3, "nodes": {"n1": {"weight": 0, "drained": True, "state": "healthy"}}},
+             {"t": 32.4, "nodes": {"n1": {"weight": 0, "drained": True, "state": "quarantined"}}}]
+    h = headline(samples, [], "n1", 30, None, marks=marks)
+    assert h["first_weight_cut_s"] == 32.3 and h["quarantine_s"] == 32.4
+    assert headline(samples, [], "n1", 30, None)["first_weight_cut_s"] == 33  # without marks: the samples'
