@@ -35,7 +35,8 @@ def test_stack_quarantines_a_throttled_node_and_pages(tmp_path):
     r, log = scenario(tmp_path, "thermal", "node2", 36, k=8)
     assert r["quarantine_s"] is not None, log
     assert r["quarantine_s"] - r["fault_start_s"] <= 30
-    assert r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] <= r["quarantine_s"]
+    # the watcher (0.1 s) can see the controller's state a poll before the tick's HAProxy write lands
+    assert r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] <= r["quarantine_s"] + 1.0
     assert r["false_quarantines"] == [], log
     p = pages(r, "GrayguardNodeQuarantined")
     assert p and p[0]["node"] == "node2" and p[0]["pool"] == "chat", log

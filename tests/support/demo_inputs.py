@@ -54,9 +54,9 @@ def events(controller: bool = True, fault: bool = True) -> list[dict]:
     out = [{"t": 12.0, "kind": "controller", "text": "controller started (10s rate windows are full)"}] \
         if controller else []
     if fault:
-        out += [{"t": 30.1, "kind": "fault", "text": "thermal injected on node3 k=10", "node": "node3",
+        out += [{"t": 30.0, "kind": "fault", "text": "thermal injected on node3 k=10", "node": "node3",
                  "fault": "thermal", "action": "injected", "params": {"k": 10}},
-                {"t": 90.1, "kind": "fault", "text": "thermal cleared on node3", "node": "node3", "fault": "thermal",
+                {"t": 90.0, "kind": "fault", "text": "thermal cleared on node3", "node": "node3", "fault": "thermal",
                  "action": "cleared"}]
     if controller and fault:
         steps = ((33.1, "healthy", "quarantined", "probe slow (788 ms vs peers 369 ms) with GPU evidence: GPU "
