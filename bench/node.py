@@ -174,13 +174,14 @@ class LiveSignals:
         self.phase = phase  # first scrape, in [0, scrape_s)
         # (t, itl sum, count, ttft sum, count, prompt tokens)
         self.readings: deque[tuple[float, float, int, float, int, int]] = deque()
-        # (t, itl, ttft, probe median, prompt tokens/s, decode batch)
-        self.computed: deque[tuple[float, float | None, float | None, float | None, float | None, float | None]] \
-            = deque()
+        # (t, itl, ttft, probe median, prompt tokens/s, decode batch, KV-cache usage)
+        self.computed: deque[tuple[float, float | None, float | None, float | None, float | None, float | None,
+                                   float | None]] = deque()
 
     def read(self, t: float, itl_sum: float, itl_count: int, ttft_sum: float, ttft_count: int,
-             probe_median: float | None, prompt_total: int = 0) -> None:
-        """One reading of vLLM's /metrics at t, and the exporter's computation from it."""
+             probe_median: float | None, prompt_total: int = 0, kv_usage: float | None = None) -> None:
+        """One reading of vLLM's /metrics at t, and the exporter's computation from it (the KV-cache usage is the
+        reading's own gauge)."""
         r = self.readings
         r.append((t, itl_sum, itl_count, ttft_sum, ttft_count, prompt_total))
         old = t - self.window_s
@@ -195,7 +196,7 @@ class LiveSignals:
             ttft = (ttft_sum - base[3]) / dn if dn else None
             prefill = (prompt_total - base[5]) / (t - base[0])
             batch = (itl_sum - base[1]) / (t - base[0]) if itl is not None else None
-        self.computed.append((t, itl, ttft, probe_median, prefill, batch))
+        self.computed.append((t, itl, ttft, probe_median, prefill, batch, kv_usage))
 
     def last_scrape(self, now: float) -> float | None:
         """The node's last scrape at or before now (None before the first)."""
@@ -203,17 +204,18 @@ class LiveSignals:
             return None
         return self.phase + math.floor((now - self.phase) / self.scrape_s) * self.scrape_s
 
-    def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None, float | None]:
-        """(live ITL, live TTFT, probe TTFT median, prompt tokens/s, decode batch) as the controller reads them at
-        now (ticks move forward)."""
+    def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None, float | None,
+                                      float | None]:
+        """(live ITL, live TTFT, probe TTFT median, prompt tokens/s, decode batch, KV-cache usage) as the controller
+        reads them at now (ticks move forward)."""
         s = self.last_scrape(now)
         c = self.computed
         if s is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         while len(c) > 1 and c[1][0] <= s:
             c.popleft()
         if not c or c[0][0] > s:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         return c[0][1:]
 
 
@@ -280,7 +282,8 @@ class VirtualNode:
         """The exporter reads vLLM's /metrics at t (a probe start) and recomputes its live signals."""
         w = self.live.window_s
         self.live.read(t, self.itl_sum, self.itl_count, self.ttft_sum, self.ttft_count,
-                       self.probes.ttft_median(t, 2 * w), self.prompt_total)
+                       self.probes.ttft_median(t, 2 * w), self.prompt_total,
+                       self.engine.kv_usage() if self.spec.backend == "vllm" else None)
 
     def forget_before(self, t: float) -> None:
         """Drop records older than t (ticks only move forward)."""
@@ -298,7 +301,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
     that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
-    KV cache, GPU flags) are read as of now - gauge_lag. gateway: (DOWN, DOWN by error-limit, DOWN (agent),
+    GPU flags) are read as of now - gauge_lag; the KV-cache usage is the exporter's fast path's, as last scraped
+    (else vLLM's own gauge now). gateway: (DOWN, DOWN by error-limit, DOWN (agent),
     agent disabled) as HAProxy's runtime API shows them now, for a policy behind HAProxy's reflexes
     (bench.lb.Gateway); None: no reflexes. stat: (scur, stot) of the server in HAProxy's `show stat` now
     (the balancer's model); None: unknown. The live signals are the exporter's, as last scraped (LiveSignals).
@@ -320,12 +324,14 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
-    live_itl, live_ttft, probe_median, prefill_rate, decode_batch = node.live.at(now)
+    live_itl, live_ttft, probe_median, prefill_rate, decode_batch, live_kv = node.live.at(now)
+    if live_kv is None and node.spec.backend == "vllm":  # signals.kv_cache_query: else vLLM's own series
+        live_kv = node.engine.kv_usage()
     return NodeObs(
         latency=e2e / weighted if weighted > 0 else None,
         request_rate=n / scn.window_s,
         error_ratio=errors / (n + errors) if n + errors else None,
-        kv_cache_usage=node.engine.kv_usage() if node.spec.backend == "vllm" else None,
+        kv_cache_usage=live_kv,
         gpu_throttled=name in THERMAL_FAULTS and busy,
         pcie_degraded=name == "pcie" and busy,
         gpu_xid=node.xid_at is not None and now - node.xid_at < 300.0,

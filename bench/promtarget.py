@@ -41,7 +41,7 @@ CLOCK_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_
 LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
         "grayguard_live_prompt_tokens_per_second", "grayguard_live_requests_running",
         "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds",
-        "grayguard_live_decode_batch")
+        "grayguard_live_decode_batch", "grayguard_live_kv_cache_usage_ratio")
 BUCKET_KEYS = tuple(f"le{k}" for k in range(len(TTFT_BUCKETS)))
 VLLM_HISTOGRAMS = {"e2e_request_latency_seconds": "e2e", "request_prompt_tokens": "prompt",
                    "request_generation_tokens": "gen", "request_prefill_time_seconds": "prefill",
@@ -151,7 +151,8 @@ def live(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
     running, itl = max(0, round(16 + 2 * g())), ITL_S * n.slow * math.exp(0.15 * g())
     return dict(zip(LIVE, (itl, TTFT_S * n.slow * math.exp(0.2 * g()), running / itl,
                            RATE * PROMPT * math.exp(0.2 * g()), running, max(0, round(1 + g())),
-                           PROBE_S * n.slow * math.exp(0.1 * g()), 5.0 + 0.02 * g(), running), strict=True))
+                           PROBE_S * n.slow * math.exp(0.1 * g()), 5.0 + 0.02 * g(), running,
+                           min(1.0, max(0.0, 0.5 + 0.1 * g()))), strict=True))
 
 
 def exporter(n: Node, acc: dict, dt: float, g) -> dict[str, float]:

@@ -107,7 +107,7 @@ class NodeState:
     lat_factor: float = 1.0  # its factor (kept while the node has no data)
     signals: SignalMemory = field(default_factory=SignalMemory)
     factors: tuple = ()  # ((Signal, factor, reason), ...) in force, for /status and metrics
-    cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors, gateway)
+    cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors, gateway, kv_cache)
     ramp_start: float | None = None  # slow start ramps from here (a new node's warm-up ends here)
     gone_since: float | None = None  # absent from HAProxy since
     gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
@@ -334,6 +334,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
+    kv_used = {n: inputs[n].kv_cache_usage for n in rotating if inputs[n].kv_cache_usage is not None}
+    peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= t.min_peers else {}
     queued = pool_queued(inputs, rotating, t.min_peers)
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
@@ -361,6 +363,11 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                    t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
                                    renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
+            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t)
+            if mem is not s.signals:
+                s = evolve(s, signals=mem)
+            if kv_why and not cand:  # ranked by how many times its peers' usage it holds
+                cand = (i.kv_cache_usage / max(peer_kv[n] or 0.0, 1e-3), DrainCause.KV_CACHE, kv_why)  # type: ignore
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:

@@ -61,6 +61,7 @@ class SignalMemory:
     error_ticks: int = 0  # consecutive ticks above error_ratio
     circuit_ticks: int = 0  # consecutive ticks above circuit_error_ratio
     kv_saturated: bool = False
+    kv_hot: int = 0  # consecutive ticks the KV cache was an outlier against the peers' (kv_outlier)
 
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
@@ -156,3 +157,26 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
     names = (("GPU throttling under load", gpu_throttled), ("PCIe link below its maximum under load", pcie_degraded),
              ("uncorrectable ECC errors", ecc), ("XID errors", xid))
     return tuple(n for n, flag in names if flag)
+
+
+def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
+               t: ThresholdsConfig) -> tuple[SignalMemory, str | None]:
+    """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, tick after
+    tick: a quarantine reason once it held kv_outlier_ticks ticks in a row, else None.
+
+    A node whose KV budget shrank (another process holding GPU memory, a leak, a smaller
+    gpu_memory_utilization) fills its cache with a fraction of its peers' requests; the rest wait for a slot, so
+    their first tokens come late while the per-token latency looks normal. Saturation alone (kv_cache) is load
+    and only pauses new traffic; usage kv_outlier_ratio times the peers' (and at least kv_outlier_min) is not a
+    share of load. Absent data (the node's or its peers') holds the count; any tick below the bar resets it.
+    """
+    if t.kv_outlier_ticks <= 0 or usage is None or peer_usage is None:
+        return m, None
+    hot = usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage)
+    run = m.kv_hot + 1 if hot else 0
+    if run != m.kv_hot:
+        m = evolve(m, kv_hot=run)
+    if run >= t.kv_outlier_ticks:
+        return m, (f"KV cache {usage:.0%} full vs its peers' {peer_usage:.0%} for {run} ticks: less room for the "
+                   f"KV cache than its peers (GPU memory taken or a KV budget that shrank), requests wait for a slot")
+    return m, None

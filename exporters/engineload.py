@@ -18,8 +18,11 @@ VLLM_WAITING = "vllm:num_requests_waiting"  # gauge: requests queued for the bat
 VLLM_ITL = "vllm:inter_token_latency_seconds"  # histogram: time between two tokens of a request, per token
 VLLM_TPOT = "vllm:time_per_output_token_seconds"  # its name before vLLM 0.11 (hidden in 0.12, gone in 0.33)
 VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram: arrival to first token, observed at the first token
+VLLM_KV = "vllm:kv_cache_usage_perc"  # gauge: KV-cache usage, 0-1 (1 = full)
+VLLM_KV_OLD = "vllm:gpu_cache_usage_perc"  # its name before vLLM 0.10
 _HISTOGRAMS = (VLLM_ITL, VLLM_TPOT, VLLM_TTFT)
-_NAMES = (VLLM_TOKENS, VLLM_RUNNING, VLLM_PROMPT, VLLM_WAITING,
+_MAXED = (VLLM_KV, VLLM_KV_OLD)  # a share, not a count: the fullest engine's (data parallel: one per engine)
+_NAMES = (VLLM_TOKENS, VLLM_RUNNING, VLLM_PROMPT, VLLM_WAITING, *_MAXED,
           *(h + suffix for h in _HISTOGRAMS for suffix in ("_sum", "_count")))
 
 
@@ -35,6 +38,7 @@ class EngineLoad:
     itl_count: float | None = None  # inter-token gaps observed
     ttft_sum: float | None = None  # seconds, time-to-first-token histogram
     ttft_count: float | None = None  # first tokens observed
+    kv_usage: float | None = None  # KV-cache usage 0-1, the fullest of its label sets (the new name, else the old)
 
 
 def parse_engine_load(text: str) -> EngineLoad:
@@ -49,11 +53,13 @@ def parse_engine_load(text: str) -> EngineLoad:
     return EngineLoad(generation_tokens=sums.get(VLLM_TOKENS), running=sums.get(VLLM_RUNNING),
                       prompt_tokens=sums.get(VLLM_PROMPT), waiting=sums.get(VLLM_WAITING),
                       itl_sum=sums.get(itl + "_sum"), itl_count=sums.get(itl + "_count"),
-                      ttft_sum=sums.get(VLLM_TTFT + "_sum"), ttft_count=sums.get(VLLM_TTFT + "_count"))
+                      ttft_sum=sums.get(VLLM_TTFT + "_sum"), ttft_count=sums.get(VLLM_TTFT + "_count"),
+                      kv_usage=sums.get(VLLM_KV) if VLLM_KV in sums else sums.get(VLLM_KV_OLD))
 
 
 def _sums(text: str) -> dict[str, float | None]:
-    """Name -> sum over label sets for the names read; a name with an unreadable sample maps to None."""
+    """Name -> sum over label sets for the names read (the largest for a share: _MAXED); a name with an unreadable
+    sample maps to None."""
     sums: dict[str, float | None] = {}
     broken: set[str] = set()
     for line in text.splitlines():
@@ -64,6 +70,8 @@ def _sums(text: str) -> dict[str, float | None]:
             continue
         if value is None:
             broken.add(name)  # one unreadable sample spoils the sum: no evidence rather than a wrong one
+        elif name in _MAXED:
+            sums[name] = max(sums.get(name) or 0.0, value)
         else:
             sums[name] = (sums.get(name) or 0.0) + value
     for name in broken:

@@ -50,6 +50,8 @@ class LiveCollector:
                "window"), s.prompt_tokens_per_second),
             (g("grayguard_live_requests_running", "vLLM's running requests at its newest reading"), s.running),
             (g("grayguard_live_requests_waiting", "vLLM's waiting requests at its newest reading"), s.waiting),
+            (g("grayguard_live_kv_cache_usage_ratio", "vLLM's KV-cache usage (0-1) at its newest reading, the "
+               "fullest engine's"), s.kv_usage),
             (g("grayguard_live_decode_batch", "Mean number of sequences decoding over the live window: delta of the "
                "ITL histogram's sum over the window (the batch size the live ITL was measured at)"), s.decode_batch),
             (g("grayguard_probe_ttft_median_seconds", "Median TTFT of the last 5 answered probes within twice the "

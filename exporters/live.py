@@ -49,6 +49,7 @@ class LiveSignals:
     decode_batch: float | None = None  # mean sequences decoding over the span: delta(ITL sum) / span (Little's
     # law: every decoding sequence adds one second of gaps per second), the batch its ITL was measured at
     waiting: float | None = None  # requests waiting at the newest reading
+    kv_usage: float | None = None  # vLLM's KV-cache usage (0-1) at the newest reading
     span: float | None = None  # s between the two readings the deltas are taken over
     probe_ttft_median: float | None = None  # s: median TTFT of the last answered probes
 
@@ -96,8 +97,8 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
 
     The newest reading is compared with the base: the latest reading at least window older than it, else the
     oldest reading when that one is at least window / 2 older (a window still filling), else there is no base
-    and only running and waiting are known. Nothing from the readings when the newest is more than window old
-    at now (a stuck prober says nothing).
+    and only running, waiting and the KV-cache usage are known. Nothing from the readings when the newest is more
+    than window old at now (a stuck prober says nothing).
     """
     median = probe_ttft_median(answers, now, window)
     if not readings or now - readings[-1].at > window:
@@ -107,7 +108,8 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
     if i is None and len(readings) > 1 and new.at - readings[0].at >= window / 2:
         i = 0
     if i is None:
-        return LiveSignals(running=new.load.running, waiting=new.load.waiting, probe_ttft_median=median)
+        return LiveSignals(running=new.load.running, waiting=new.load.waiting, kv_usage=new.load.kv_usage,
+                           probe_ttft_median=median)
     old = readings[i]
     span = new.at - old.at
     tokens = _delta(old.load.generation_tokens, new.load.generation_tokens)
@@ -117,7 +119,7 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
     return LiveSignals(itl=itl, ttft=_mean(old.load, new.load, "ttft"),
                        tokens_per_second=tokens / span if tokens is not None else None,
                        prompt_tokens_per_second=prompt / span if prompt is not None else None,
-                       running=new.load.running, waiting=new.load.waiting,
+                       running=new.load.running, waiting=new.load.waiting, kv_usage=new.load.kv_usage,
                        decode_batch=gaps / span if gaps is not None and itl is not None else None,
                        span=span, probe_ttft_median=median)
 

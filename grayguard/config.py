@@ -218,7 +218,9 @@ class SignalsConfig:
     probe_ttft_query: str = "max by (pool, instance) (grayguard_probe_last_ttft_seconds)"
     probe_failures_query: str = "max by (pool, instance) (grayguard_probe_consecutive_failures)"
     error_ratio_query: str = "instance:vllm_request_errors:ratio_rate30s"
-    kv_cache_query: str = "instance:vllm_kv_cache_usage_ratio:max"
+    # the exporter's 1 s fast path first (exporters/fastpath.py), else vLLM's own series at its scrape interval
+    kv_cache_query: str = ("max by (pool, instance) (grayguard_live_kv_cache_usage_ratio) "
+                           "or instance:vllm_kv_cache_usage_ratio:max")
     gpu_throttled_query: str = (
         "max by (pool, instance) (grayguard_gpu_clock_event_reason_active{reason=~\"hw_slowdown|sw_thermal_slowdown|"
         "hw_thermal_slowdown|hw_power_brake_slowdown\"}) * on (pool, instance) "
@@ -273,6 +275,13 @@ class ThresholdsConfig:
     # KV-cache saturation: load, not sickness (no quarantine, no page)
     kv_saturated: float = 0.95  # usage at which the node gets no new traffic...
     kv_drained: float = 0.85  # ...until it falls below this
+    # a KV cache far fuller than the peers' at a like share of traffic: less room for it (GPU memory taken by
+    # something else, a KV budget that shrank), so requests queue for a slot. Quarantined after kv_outlier_ticks
+    # ticks in a row at least kv_outlier_min full and kv_outlier_ratio times the median of its peers' usage
+    # (controller/signals.py: kv_outlier; 0 ticks: off)
+    kv_outlier_ratio: float = 4.0
+    kv_outlier_min: float = 0.3
+    kv_outlier_ticks: int = 5
     # live signals (controller/live.py): the exporter's live ITL and probe TTFT median against the peers'
     live_cut_ratio: float = 1.5  # ratio to the peer median that, on live_confirm_ticks ticks in a row, cuts
     live_confirm_ticks: int = 1
@@ -338,6 +347,9 @@ class ThresholdsConfig:
         _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
                f"must be in ({p}error_ratio, 1]")
         _check(0 < self.kv_drained < self.kv_saturated <= 1, p + "kv_drained", f"must be in (0, {p}kv_saturated)")
+        _check(self.kv_outlier_ratio > 1, p + "kv_outlier_ratio", "must be > 1 (times the peers' usage)")
+        _check(0 < self.kv_outlier_min <= 1, p + "kv_outlier_min", "must be in (0, 1]")
+        _check(self.kv_outlier_ticks >= 0, p + "kv_outlier_ticks", "must be >= 0 (0: off)")
         _check(self.evidence_sustain_ticks <= self.sustain_ticks, p + "evidence_sustain_ticks",
                f"must be <= {p}sustain_ticks (evidence shortens, never lengthens)")
         _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")

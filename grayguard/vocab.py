@@ -71,3 +71,4 @@ class DrainCause(StrEnum):
     ERRORS = "errors"
     GATEWAY = "gateway"  # HAProxy marked it DOWN for errors (observe layer7 error-limit): its own circuit breaker
     SEEDED = "seeded"  # found drained in HAProxy by a controller with no state for the node
+    KV_CACHE = "kv_cache"  # its KV cache far fuller than its peers' (a KV budget that shrank)

@@ -163,12 +163,12 @@ def test_live_signals_fall_back_to_half_a_window_and_report_no_tokens_as_none():
     live.read(8.0, 1.5, 20, 1.2, 6, 0.05)  # base 3.0: no token in between
     assert [c[1:3] for c in live.computed] == [(None, None), (None, None), (0.075, 0.15), (0.075, 0.18),
                                               (None, pytest.approx(0.225))]
-    assert live.at(0.4) == (None, None, None, None, None)  # no scrape yet
-    assert live.at(2.9) == (None, None, None, None, None)  # the 2.5 scrape saw the reading at 2.0
+    assert live.at(0.4) == (None, None, None, None, None, None)  # no scrape yet
+    assert live.at(2.9) == (None, None, None, None, None, None)  # the 2.5 scrape saw the reading at 2.0
     # the 7.5 scrape saw the reading at 6.0, not 8.0; 1.5 s of inter-token gaps in 6 s: 0.25 sequences decoding
-    assert live.at(7.9) == (0.075, 0.18, 0.05, 0.0, 0.25)
+    assert live.at(7.9) == (0.075, 0.18, 0.05, 0.0, 0.25, None)
     # no prompt finished: 0 tokens/s, a value; no token: no ITL, and no batch to measure it at
-    assert live.at(8.5) == (None, pytest.approx(0.225), 0.05, 0.0, None)
+    assert live.at(8.5) == (None, pytest.approx(0.225), 0.05, 0.0, None, None)
 
 
 def test_the_prefill_rate_is_prompt_tokens_over_the_span():
@@ -176,6 +176,14 @@ def test_the_prefill_rate_is_prompt_tokens_over_the_span():
     live.read(0.0, 0.0, 0, 0.0, 0, None, 0)
     live.read(5.0, 1.0, 10, 0.5, 5, None, 4000)
     assert live.computed[-1][4] == 800.0
+
+
+def test_the_kv_usage_is_the_readings_gauge_as_last_scraped():
+    live = LiveSignals(window_s=5.0, scrape_s=1.0, phase=0.0)
+    live.read(0.5, 0.0, 0, 0.0, 0, None, 0, 0.2)
+    live.read(1.5, 0.0, 0, 0.0, 0, None, 0, 0.9)
+    assert live.at(1.9)[5] == 0.2  # the 1.0 scrape saw the 0.5 reading
+    assert live.at(2.0)[5] == 0.9
 
 
 def test_gateway_stat_counts_requests_on_and_sent_to_each_server():

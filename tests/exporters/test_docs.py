@@ -37,7 +37,8 @@ def test_the_fast_page_carries_the_live_series_and_the_verdict_gauges_only():
     live = {"grayguard_live_itl_seconds", "grayguard_live_ttft_seconds",
             "grayguard_live_generation_tokens_per_second", "grayguard_live_prompt_tokens_per_second",
             "grayguard_live_requests_running", "grayguard_live_requests_waiting",
-            "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds", "grayguard_live_decode_batch"}
+            "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds", "grayguard_live_decode_batch",
+            "grayguard_live_kv_cache_usage_ratio"}
     fast = exposed_names(exporter.fast_registry)
     assert fast == live | {"grayguard_probe_last_result", "grayguard_probe_consecutive_failures",
                            "grayguard_agent_down"}

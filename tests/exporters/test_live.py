@@ -77,6 +77,25 @@ def test_parse_missing_or_broken_histogram_series_is_none(text, expected):
     assert parse_engine_load(text) == expected
 
 
+def test_parse_kv_cache_usage_is_the_fullest_engines_new_name_first():
+    page = ('vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+            'vllm:gpu_cache_usage_perc{engine="0"} 0.9\n')
+    assert parse_engine_load(page).kv_usage == 0.75  # a share: the fullest engine's, never a sum over engines
+    assert parse_engine_load('vllm:gpu_cache_usage_perc{engine="0"} 0.4\n').kv_usage == 0.4  # vLLM before 0.10
+    assert parse_engine_load(PAGE).kv_usage is None  # absent is not zero
+    assert parse_engine_load('vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} NaN\n'
+                             ).kv_usage is None  # one unreadable engine: no evidence
+
+
+def test_live_kv_usage_is_the_newest_readings_with_or_without_a_span():
+    one = feed((100.0, EngineLoad(running=2, kv_usage=0.3)))
+    assert live_signals(one, (), 100.5).kv_usage == 0.3  # no span yet: known like running and waiting
+    many = feed(*steady(6), (106.5, EngineLoad(generation_tokens=700, running=4, waiting=2, itl_sum=14.0,
+                                                 itl_count=700, ttft_sum=0.6, ttft_count=6, kv_usage=0.6)))
+    assert live_signals(many, (), 107.0).kv_usage == 0.6
+    assert live_signals(many, (), 120.0).kv_usage is None  # a stuck prober says nothing
+
+
 # --- the live window ------------------------------------------------------------------------------------------
 
 def test_normal_flow_uses_the_latest_reading_at_least_w_older():

@@ -27,7 +27,7 @@ WAIT_S = 30.0  # generous: every wait polls and returns as soon as its condition
 LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
         "grayguard_live_prompt_tokens_per_second",
         "grayguard_live_requests_running", "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds",
-        "grayguard_live_window_seconds", "grayguard_live_decode_batch")
+        "grayguard_live_window_seconds", "grayguard_live_decode_batch", "grayguard_live_kv_cache_usage_ratio")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,7 @@ def test_fast_page_has_the_live_series_and_nothing_else(node_under_load):
     # 4 closed-loop streams decode most of the time (and a 1-token probe never decodes): 1 to 4 sequences
     assert 1.0 <= fast["grayguard_live_decode_batch"] <= 4.05, fast["grayguard_live_decode_batch"]
     assert fast["grayguard_probe_ttft_median_seconds"] > 0
+    assert 0 < fast["grayguard_live_kv_cache_usage_ratio"] < 1  # 4 streams hold some of the simulated KV cache
     assert fast['grayguard_probe_last_result{result="ok"}'] + fast['grayguard_probe_last_result{result="slow"}'] == 1
     assert fast["grayguard_probe_consecutive_failures"] == 0 and fast["grayguard_agent_down"] == 0
     names = {key.split("{")[0] for key in fast}
@@ -87,7 +88,7 @@ def test_fast_page_has_the_live_series_and_nothing_else(node_under_load):
                      "grayguard_agent_down"}
     full = scrape(exporter, "/metrics")
     assert set(LIVE) <= set(full)  # the full page has them too
-    assert len(fast) == 19 and len(full) > 5 * len(fast), (len(fast), len(full))
+    assert len(fast) == 20 and len(full) > 5 * len(fast), (len(fast), len(full))
 
 
 def test_thermal_slowdown_shows_in_live_itl_within_seconds(sim, node_under_load):

@@ -44,7 +44,7 @@ def test_the_words():
     assert PROBE_RESULTS == ("ok", "slow", "timeout", "connect_error", "http_error", "cuda_error", "bad_response",
                              "starting")
     assert set(Signal) == {"latency", "probe", "errors", "kv_cache", "live"}
-    assert set(DrainCause) == {"latency", "probe", "errors", "gateway", "seeded"}
+    assert set(DrainCause) == {"latency", "probe", "errors", "gateway", "seeded", "kv_cache"}
     # seeded: found drained by a controller with no state; gateway: HAProxy's error-limit fired
     assert set(DrainCause) - {"seeded", "gateway"} <= set(Signal)
 

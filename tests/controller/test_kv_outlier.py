@@ -1,0 +1,81 @@
+"""A KV cache far fuller than the peers' quarantines (controller/signals.py: kv_outlier; policy: decide_pool)."""
+
+import pytest
+
+from controller.policy import NodeInput, NodeState, Policy, decide_pool
+from controller.signals import SignalMemory, kv_outlier
+from grayguard.config import ConfigError, RecoveryConfig, ThresholdsConfig
+from grayguard.vocab import DrainCause, State
+
+T = ThresholdsConfig()
+
+
+def run(usages, peer, t=T, m=None):
+    m, why = m or SignalMemory(), None
+    for u in usages:
+        m, why = kv_outlier(m, u, peer, t)
+    return m, why
+
+
+def test_quarantine_reason_after_the_ticks_in_a_row():
+    m, why = run([0.6] * (T.kv_outlier_ticks - 1), 0.1)
+    assert m.kv_hot == T.kv_outlier_ticks - 1 and why is None
+    m, why = run([0.6], 0.1, m=m)
+    assert why and "KV cache 60% full vs its peers' 10%" in why and f"for {T.kv_outlier_ticks} ticks" in why
+
+
+@pytest.mark.parametrize("usage, peer", [
+    (0.6, 0.2),   # 3x the peers': a larger share of long contexts, not a shrunk cache
+    (0.25, 0.01),  # far above idle peers, but a quarter full is room, not a queue
+    (0.99, 0.5),  # the whole pool is full: load
+])
+def test_not_an_outlier(usage, peer):
+    m, why = run([usage] * 20, peer)
+    assert why is None and m.kv_hot == 0
+
+
+def test_one_tick_below_the_bar_starts_over_and_absent_holds():
+    m, _ = run([0.6, 0.6, 0.6], 0.1)
+    held, why = kv_outlier(m, None, 0.1, T)  # the node's value is absent: hold
+    assert held.kv_hot == 3 and why is None
+    held, _ = kv_outlier(m, 0.6, None, T)  # no peers' value: hold
+    assert held.kv_hot == 3
+    reset, _ = kv_outlier(m, 0.2, 0.1, T)
+    assert reset.kv_hot == 0
+
+
+def test_zero_ticks_switches_it_off():
+    off = ThresholdsConfig(kv_outlier_ticks=0)
+    assert run([1.0] * 50, 0.01, t=off) == (SignalMemory(), None)
+
+
+@pytest.mark.parametrize("field, value", [("kv_outlier_ratio", 1.0), ("kv_outlier_min", 0.0), ("kv_outlier_min", 1.5),
+                                          ("kv_outlier_ticks", -1)])
+def test_bad_thresholds_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"thresholds.{field}"):
+        ThresholdsConfig(**{field: value}).validate("thresholds")
+
+
+def pool(usages, prev=None, now=0.0):
+    inputs = {n: NodeInput(100, 0.02, request_rate=5.0, kv_cache_usage=u) for n, u in usages.items()}
+    return decide_pool(prev or {}, inputs, Policy(T, RecoveryConfig()), now)
+
+
+def test_decide_pool_quarantines_the_node_holding_its_cache_full_for_a_share_of_traffic():
+    usages = {"a": 0.08, "b": 0.1, "c": 0.12, "d": 0.09, "x": 0.7}
+    prev: dict[str, NodeState] = {}
+    for k in range(T.kv_outlier_ticks):
+        d = pool(usages, prev, float(k))
+        prev = {n: nd.state for n, nd in d.nodes.items()}
+        assert (prev["x"].state == State.QUARANTINED) == (k == T.kv_outlier_ticks - 1), (k, prev["x"])
+    x = d.nodes["x"]
+    assert x.drain and x.weight == 0 and x.state.cause == DrainCause.KV_CACHE and "KV cache 70% full" in x.state.reason
+    assert all(d.nodes[n].state.state == State.HEALTHY for n in "abcd")
+
+
+def test_decide_pool_leaves_a_pool_whose_caches_are_all_busy_alone():
+    prev: dict[str, NodeState] = {}
+    for k in range(3 * T.kv_outlier_ticks):
+        d = pool({"a": 0.5, "b": 0.6, "c": 0.55, "x": 0.9}, prev, float(k))
+        prev = {n: nd.state for n, nd in d.nodes.items()}
+    assert all(nd.state.state == State.HEALTHY for nd in d.nodes.values())
