@@ -161,7 +161,7 @@ class Run:
                         _k, sent = self.probe_inflight.pop(rid)
                         ttft = ev.time - sent
                         node.probes.finish(ev.time, "bad_response" if bad else
-                                           "slow" if ttft > self.scn.probe_slow_s else "ok", ttft)
+                                           "slow" if ttft > self.scn.probe_slow_s else "ok", ttft, sent=sent)
                     elif c is not None and rid in c.requests:
                         name, _k, sent = c.requests[rid]
                         ttft = ev.time - sent
@@ -406,6 +406,7 @@ class Run:
             return
         rid = self._new_id()
         self.probe_inflight[rid] = (k, t)
+        node.probes.start(t)
         self.probe_deadlines.append((t + scn.probe_deadline_s, rid))
         node.engine.submit(rid, PROBE_PROMPT_TOKENS, 1, t)
         self.advance(k, t)
@@ -422,7 +423,7 @@ class Run:
             # the probe was sent; a loaded node that still makes tokens is slow, not hung
             hung = node.last_token <= sent and node.engine.num_running + getattr(node.engine, "num_waiting", 0) > 0
             node.engine.abort(rid)
-            node.probes.finish(t, "timeout", None, hung=hung)
+            node.probes.finish(t, "timeout", None, hung=hung, sent=sent)
 
     def canary_step(self, t: float) -> None:
         c = self.canary

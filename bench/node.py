@@ -118,18 +118,29 @@ PROBE_MEDIAN_MIN = 3  # at least 3 of them, ended within the last 2 live windows
 class ProbeLog:
     """The exporter's micro-probe state for one node over time, as its gauges would be scraped."""
 
-    def __init__(self) -> None:
-        self.history: deque[tuple[float, str, float | None, int]] = deque()  # (time, result, last ttft, failures)
+    def __init__(self, slow_s: float = math.inf) -> None:
+        self.slow_s = slow_s  # the exporter's slow threshold: a probe waiting longer is exported slow while it waits
+        # (time, result, last ttft, failures, when that probe was sent)
+        self.history: deque[tuple[float, str, float | None, int, float]] = deque()
+        self.waiting: list[float] = []  # when each probe still waiting for its answer was sent (oldest first)
         self.answered: deque[tuple[float, float]] = deque(maxlen=PROBE_MEDIAN_OF)  # (end, ttft) of ok / slow probes
         self.failures = 0
         self.last_ttft: float | None = None
         self.agent_down = False  # the exporter's agent verdict after its last probe (exporters/agent.py)
 
-    def finish(self, t: float, result: str, ttft: float | None, hung: bool = False) -> None:
+    def start(self, t: float) -> None:
+        """A probe was sent at t and waits for its first token."""
+        self.waiting.append(t)
+
+    def finish(self, t: float, result: str, ttft: float | None, hung: bool = False, sent: float | None = None) -> None:
         """One probe ended at t with result (ok, slow, timeout, cuda_error, bad_response, connect_error).
 
         hung: a timeout during which vLLM made no token progress while it had requests (a hang, not load).
+        sent: when it was sent (default t: it failed at once).
         """
+        sent = t if sent is None else sent
+        if sent in self.waiting:
+            self.waiting.remove(sent)
         if result in ("ok", "slow"):
             self.failures = 0
             self.last_ttft = ttft
@@ -138,7 +149,7 @@ class ProbeLog:
         else:
             self.failures += 1
         self.agent_down = result in AGENT_DOWN_RESULTS or (result == "timeout" and hung)
-        self.history.append((t, result, self.last_ttft, self.failures))
+        self.history.append((t, result, self.last_ttft, self.failures, sent))
 
     def ttft_median(self, t: float, horizon_s: float) -> float | None:
         """Median TTFT of the last answered probes that ended in (t - horizon_s, t]; None with fewer than 3."""
@@ -149,13 +160,23 @@ class ProbeLog:
         return recent[n // 2] if n % 2 else (recent[n // 2 - 1] + recent[n // 2]) / 2
 
     def at(self, t: float) -> tuple[str, float | None, int] | None:
-        """The gauges as of time t (None before the first probe ended)."""
+        """The gauges as of time t (None before the first probe ended); ticks move forward.
+
+        As the exporter shows them (exporters/prober.py: Prober.exported): when the last probe answered and the next
+        one has waited longer than the slow threshold at t, `slow` with the time waited as its TTFT.
+        """
         h = self.history
         while len(h) > 1 and h[1][0] <= t:
             h.popleft()
         if not h or h[0][0] > t:
             return None
-        return h[0][1], h[0][2], h[0][3]
+        result, ttft, failures = h[0][1], h[0][2], h[0][3]
+        if result in ("ok", "slow"):
+            # the probe waiting at t: one that ended after t (the next entry), else the one still waiting now
+            sent = h[1][4] if len(h) > 1 else self.waiting[0] if self.waiting else None
+            if sent is not None and sent <= t and t - sent > self.slow_s:
+                return "slow", t - sent, failures
+        return result, ttft, failures
 
 
 class LiveSignals:
@@ -239,7 +260,7 @@ class VirtualNode:
         self.rng = random.Random(seed ^ 0x9E3779B9)  # draws for cuda_error / garbage rates
         self.finished: deque[tuple[float, float, int, int]] = deque()  # (time, e2e, prompt, generated)
         self.errors: deque[float] = deque()  # times of requests that ended in an error (CUDA)
-        self.probes = ProbeLog()
+        self.probes = ProbeLog(scn.probe_slow_s)
         self.xid_at: float | None = None  # when a cuda_error fault emitted its XID
         self.last_token = -math.inf  # when the engine last produced a token (the agent's hang evidence)
         # vLLM's cumulative ITL and TTFT histograms (sum, count), what the exporter's fast path reads
@@ -268,7 +289,7 @@ class VirtualNode:
         self.itl_count = self.ttft_count = 0
         self.prompt_total = 0
         self.last_token = -math.inf
-        self.probes = ProbeLog()
+        self.probes = ProbeLog(self.probes.slow_s)
         self.live = LiveSignals(self.live.window_s, self.live.scrape_s, self.live.phase)
 
     def fault_name(self) -> str | None:

@@ -41,9 +41,12 @@ class LiveMemory:
     z: float = 0.0  # the score that set the cut (its factor holds while the node has no data)
 
 
-def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
+def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, sustain: int | None = None
            ) -> tuple[LiveMemory, float, str, str | None]:
-    """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick."""
+    """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick.
+
+    sustain: ticks in a row at the quarantine ratio that quarantine (default live_sustain_ticks; the policy passes
+    evidence_sustain_ticks when the GPU reports trouble, as it does for the 30 s window's outlier)."""
     if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
     ratio, z = sc.ratio, sc.z
@@ -62,7 +65,7 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str
         m = evolve(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)  # else: no copy
     reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, cusum {cusum:.1f})" if cut else ""
     quarantine = None
-    if hot_q >= t.live_sustain_ticks:
+    if hot_q >= (t.live_sustain_ticks if sustain is None else sustain):
         quarantine = f"{what} {ratio:.2f}x peer median, score {z:.1f} for {hot_q} tick(s)"
     elif cusum >= t.live_cusum_quarantine:
         quarantine = f"{what} persistently {ratio:.2f}x peer median (cusum {cusum:.1f})"

@@ -171,14 +171,20 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     t = policy.thresholds
     live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
     prefill = {n: p for n in live if (p := inputs[n].live_prefill_rate) is not None and math.isfinite(p) and p >= 0}
-    medians = peers.peer_medians(prefill, prefill, groups)
+    # the reference is what the nodes at their full share prefill: a node whose weight is cut (degraded, slow start)
+    # gets fewer new prompts because of the cut, and counting its low rate would make its healthy peers look
+    # prefill-heavy, gate their ITLs and leave the cut node with no peers to be scored against
+    full = {n: p for n, p in prefill.items() if st[n].state == HEALTHY}
+    medians = peers.peer_medians(prefill, full, groups)
     gated = {n for n, p in prefill.items() if (m := medians[n]) is not None and p > t.live_prefill_gate * m}
     out = {}
     for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
-        vals = {n: v for n in live if (name == PROBE_MEDIAN or n not in gated)
-                and usable(v := getattr(inputs[n], name))}
+        vals = {n: v for n in live if usable(v := getattr(inputs[n], name))}
         vals = at_equal_batch(vals, inputs, t.live_batch_slope)  # the first token, too, comes out of a shared step
-        out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+        sc = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+        # a gated node gets no live score, but stays one of its peers' references: its inflated latency only
+        # makes them look faster (taking it out can leave a node without a peer of its group to be scored against)
+        out[name] = sc if name == PROBE_MEDIAN else {n: x for n, x in sc.items() if n not in gated}
     return out, gated
 
 
@@ -557,10 +563,14 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                                                     median_calm=pm is not None and pm.ratio < t.min_relative_gap,
                                                     like_peers=decoding_like_peers)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL")
+    # GPU evidence shortens the live signal's sustain as it does the window's, and is the second witness
+    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",
+                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks)
     l_reasons, l_quarantine = [l_reason] if l_reason else [], None
     if q:
-        if pm is not None and pm.ratio >= t.live_probe_confirm:
+        if evidence:
+            l_quarantine = (li.z if li else math.inf, q)
+        elif pm is not None and pm.ratio >= t.live_probe_confirm:
             l_quarantine = (li.z if li else math.inf, f"{q}; probes agree ({pm.ratio:.2f}x peers')")
         else:
             why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"

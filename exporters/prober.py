@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -76,6 +77,7 @@ class Prober:
         self._count = 0
         self._last_ts: float | None = None
         self._last_at: float | None = None  # clock() when the last probe ended (the wall time is for the metric)
+        self._inflight_since: float | None = None  # clock() when the probe now waiting for its first token was sent
         self._started = clock()
         self._readings: tuple[Reading, ...] = ()  # vLLM's /metrics over the live window (exporters/live.py)
         self._answers: tuple[Answer, ...] = ()  # the last answered probes, for the probe TTFT median
@@ -147,6 +149,22 @@ class Prober:
         with self._cond:
             return self._state, self._last_at
 
+    def exported(self) -> tuple[ProbeState, float | None]:
+        """The state the gauges show now, and the wall time of the last probe's end.
+
+        A probe still waiting for its first token past the slow threshold is slow already, whatever it ends as
+        (slow, or a timeout at the deadline): when the last probe answered, the gauges say `slow` with the time
+        waited so far as its TTFT (a lower bound) at once, not when the answer comes. A last probe that failed
+        stays as it was: the failure is the news, and its streak goes on counting.
+        """
+        with self._cond:
+            state, ts, since = self._state, self._last_ts, self._inflight_since
+        if since is not None and state.last_result in ANSWERED:
+            waited = self._clock() - since
+            if waited > self.config.slow_threshold:
+                state = dataclasses.replace(state, last_result=ProbeResult.SLOW, last_ttft=waited)
+        return state, ts
+
     def live(self) -> LiveSignals:
         """The live values now (exporters/live.py), from the recent /metrics readings and answered probes."""
         with self._cond:
@@ -205,6 +223,8 @@ class Prober:
         # vLLM's token counter now, alongside the probe: if the probe times out, did vLLM generate anything meanwhile?
         before = asyncio.ensure_future(self._engine_load(session, headers))
         try:
+            with self._cond:
+                self._inflight_since = self._clock()  # cleared by _record, with the result it ends as
             obs = await self.client.observe(session, headers, self.config.deadline)
             raw = classify(obs, self.config.slow_threshold)
             progress = await self._progress(session, headers, before) if raw == ProbeResult.TIMEOUT else None
@@ -213,6 +233,8 @@ class Prober:
             return result
         finally:
             before.cancel()  # only when stopping or on a bug
+            with self._cond:
+                self._inflight_since = None
 
     async def _engine_load(self, session: aiohttp.ClientSession,
                            headers: dict[str, str]) -> tuple[EngineLoad | None, float]:
@@ -239,6 +261,7 @@ class Prober:
             result = settle(raw, previous, not_ready=not_ready, since_start=since,
                             startup_grace=self.config.startup_grace)
             self._state = advance(previous, result, obs.ttft, ready=ready, detail=detail, progress=progress)
+            self._inflight_since = None
             self._count += 1
             self._last_ts = self._wall()
             self._last_at = self._clock()
@@ -290,8 +313,7 @@ class _StateCollector:
         return list(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        with self._p._cond:
-            state, ts = self._p._state, self._p._last_ts
+        state, ts = self._p.exported()
         fams = self._families()
         last, ttft, fails, stamp = fams
         if state.last_result is not None:

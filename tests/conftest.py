@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from localstack.haproxy import HaproxyProc, haproxy_config
@@ -19,3 +21,63 @@ def haproxy_factory(tmp_path):
     yield make
     for p in procs:
         p.stop()
+
+
+# `make test` runs the suite in two processes (pytest-xdist, `-n 2 --dist loadgroup`): the modules below are pure
+# (no server, no wall-clock figure) and run beside the rest; every other module, the ones that start real
+# processes or time real seconds, stays in one group that one process runs in turn, as a plain `pytest` does, so
+# no two stacks compete for the cores and their timings are what they were. A new module is in that group until
+# it is listed here. Each listed module is a group of its own, so its module fixtures are built once.
+PARALLEL_SAFE = frozenset({
+    "bench/test_agent.py",
+    "bench/test_benign_events.py",
+    "bench/test_canary_shared.py",
+    "bench/test_engine.py",
+    "bench/test_live.py",
+    "bench/test_model_option.py",
+    "bench/test_reflexes.py",
+    "bench/test_report_html.py",
+    "bench/test_shipped_timing.py",
+    "bench/test_smoke.py",
+    "controller/test_decide_pools.py",
+    "controller/test_decisions_identical.py",
+    "controller/test_fuzz_parsers.py",
+    "controller/test_garbage_one_strike.py",
+    "controller/test_kv_outlier.py",
+    "controller/test_leader.py",
+    "controller/test_live.py",
+    "controller/test_membership.py",
+    "controller/test_policy.py",
+    "controller/test_scoring.py",
+    "controller/test_signals_replay.py",
+    "controller/test_startup_checks.py",
+    "controller/test_tick_pure.py",
+    "dashboards/test_render.py",
+    "demo/test_membership_report.py",
+    "demo/test_report.py",
+    "demo/test_report_browser.py",
+    "demo/test_report_html.py",
+    "exporters/test_live.py",
+    "exporters/test_probe.py",
+    "grayguard/test_config_fuzz.py",
+    "grayguard/test_config_sections.py",
+    "grayguard/test_htmlpage.py",
+    "grayguard/test_httpserve.py",
+    "grayguard/test_promclient_pool.py",
+    "grayguard/test_vocab.py",
+    "rules/test_cli.py",
+    "rules/test_render.py",
+    "rules/test_rerender.py",
+    "rules/test_rerender_offtick.py",
+    "sim/test_calibrate.py",
+    "sim/test_faults.py",
+    "sim/test_model.py",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        module = item.path.relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group(module if module in PARALLEL_SAFE else "realtime"))

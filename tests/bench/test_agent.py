@@ -127,9 +127,9 @@ def test_an_overloaded_node_that_still_makes_tokens_is_not_agent_down():
     for node in run.nodes:  # record every probe the exporter finishes
         finish = node.probes.finish
 
-        def spy(t, result, ttft, hung=False, _finish=finish):
+        def spy(t, result, ttft, hung=False, sent=None, _finish=finish):
             timeouts.append((result, hung))
-            _finish(t, result, ttft, hung)
+            _finish(t, result, ttft, hung, sent)
         node.probes.finish = spy
     res = run.execute()
     assert sum(1 for r, _h in timeouts if r == "timeout") > 20

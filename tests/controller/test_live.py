@@ -9,7 +9,17 @@ import pytest
 
 from controller.live import LiveMemory, assess
 from controller.peers import Score
-from controller.policy import DEGRADED, HEALTHY, QUARANTINED, SLOW_START, NodeInput, NodeState, Policy, decide_pool
+from controller.policy import (
+    DEGRADED,
+    HEALTHY,
+    QUARANTINED,
+    SLOW_START,
+    NodeInput,
+    NodeState,
+    Policy,
+    _live_scores,
+    decide_pool,
+)
 from grayguard.config import ThresholdsConfig
 from grayguard.vocab import DrainCause
 
@@ -318,3 +328,40 @@ def test_in_a_saturated_pool_a_probe_timeout_is_load_while_the_node_decodes_at_i
     # the others answer at once and n0's probes stopped answering: its timeouts count
     calm = run(0.030, {n: "ok" for n in live} | {"n0": "timeout"}, medians={n: 0.05 for n in live if n != "n0"})
     assert calm["n0"].state == QUARANTINED
+
+
+def test_with_gpu_evidence_a_live_outlier_at_the_quarantine_ratio_drains_at_once_without_the_probes():
+    """Evidence shortens the live signal's sustain as it does the window's, and is the second witness."""
+    live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+    even = {n: 0.05 for n in live}  # the probes see nothing yet
+    pol = Policy()
+    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    inputs = _inputs(live, probes=even)
+    inputs["n0"] = replace(inputs["n0"], pcie_degraded=True)
+    d = decide_pool(states, inputs, pol, 100.0)
+    n0 = d.nodes["n0"].state
+    assert pol.thresholds.evidence_sustain_ticks == 1 and n0.state == QUARANTINED, n0.reason
+    assert "GPU evidence: PCIe link below its maximum under load" in n0.reason and n0.cause == DrainCause.LATENCY
+    out = _ticks(live, 3, probes=even)  # the same without the evidence: cut, not drained
+    assert all(s.state == DEGRADED for s, _ in out)
+
+
+def test_a_gated_node_stays_a_reference_and_a_cut_node_is_no_reference_for_the_gate():
+    """Mixed pool, two nodes a group (too small to score alone): n0 slow, its group peer n1 prefilling more than
+    the slower group. n1 is gated (not scored) but still the reference that n0 is scored against."""
+    groups = {"n0": "h100", "n1": "h100", "n2": "a100", "n3": "a100"}
+    live = {"n0": 0.060, "n1": 0.020, "n2": 0.032, "n3": 0.031}
+    prefill = {"n0": 300.0, "n1": 1600.0, "n2": 700.0, "n3": 900.0}  # n0 gets fewer prompts: it is slow
+    pol = Policy()
+    states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+    inputs = {n: replace(i, peer_group=groups[n]) for n, i in _inputs(live, prefill=prefill).items()}
+    d = decide_pool(states, inputs, pol, 100.0)
+    assert d.nodes["n0"].state.state == DEGRADED and "live ITL" in d.nodes["n0"].state.reason
+    assert d.nodes["n1"].state.state == HEALTHY
+    # n0 now cut: its low prefill rate is no reference, so n1 (1600 vs the a100s' 800) is not even gated
+    st = {n: nd.state for n, nd in d.nodes.items()}
+    _, gated = _live_scores(inputs, st, list(live), groups, pol)
+    assert gated == {"n1"}  # 1600 > 1.5 x median(700, 900)? yes: 1600 > 1200
+    inputs["n1"] = replace(inputs["n1"], live_prefill_rate=1100.0)
+    _, gated = _live_scores(inputs, st, list(live), groups, pol)
+    assert gated == set()  # 1100 < 1.5 x 800; with n0's 300 counted, the median would be 700 and 1100 > 1050

@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 
 from exporters.probe import (
     ANSWERED,
@@ -28,6 +29,7 @@ from exporters.probe import (
     settle,
     sse_payload,
 )
+from exporters.prober import ProbeConfig, Prober
 
 
 def chunk(text):
@@ -224,3 +226,25 @@ def test_pick_model(models, model):
 
 def test_judge_event_ok_for_a_vllm_chunk():
     assert judge_event(chunk(" Paris")) == "ok"
+
+
+def test_a_probe_waiting_past_the_slow_threshold_is_exported_slow_before_it_answers():
+    now = [100.0]
+    reg = CollectorRegistry()
+    p = Prober("http://127.0.0.1:1", ProbeConfig(slow_threshold=0.3), registry=reg, clock=lambda: now[0],
+               wall=lambda: 1.7e9)
+    p._state = ProbeState(ever_ready=True, last_result="ok", last_ttft=0.05)
+    p._inflight_since = 100.0
+    now[0] = 100.2  # under the threshold: the last answer stands
+    assert p.exported()[0].last_result == "ok" and p.exported()[0].last_ttft == 0.05
+    now[0] = 100.7  # past it: slow already, TTFT at least what it waited
+    state = p.exported()[0]
+    assert state.last_result == "slow" and abs(state.last_ttft - 0.7) < 1e-9
+    page = generate_latest(reg).decode()
+    assert 'grayguard_probe_last_result{result="slow"} 1.0' in page and "grayguard_probe_last_ttft_seconds 0.7" in page
+    assert p.state.last_result == "ok"  # only the gauges: the agent and the counters see finished probes
+    p._state = ProbeState(ever_ready=True, consecutive_failures=1, last_result="timeout", last_ttft=0.05)
+    assert p.exported()[0].last_result == "timeout"  # a failure stays the news; its streak goes on
+    p._inflight_since = None
+    p._state = ProbeState(ever_ready=True, last_result="ok", last_ttft=0.05)
+    assert p.exported()[0].last_result == "ok"  # nothing in flight
