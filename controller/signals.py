@@ -82,7 +82,9 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     fault's first sign, seconds before the median of the last probes moves.
     like_peers: the node decodes now, and its live signals are like its peers' (policy.live_veto): a probe that
     timed out or was slow waited in a queue its peers have too (a saturated pool), which is load, not a failure:
-    it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count.
+    it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count. A slow probe
+    on a GPU that reports trouble (corroborated) counts all the same: the live signals are averages over the last
+    seconds and lag the fault they would deny.
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
@@ -105,7 +107,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
     slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if ((result == ProbeResult.SLOW and slower) or far) and ((median_calm and not corroborated) or like_peers) \
+    if ((result == ProbeResult.SLOW and slower) or far) and (median_calm or like_peers) and not corroborated \
             and not m.probe_slow:
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     elif (result == ProbeResult.SLOW and slower) or far:
