@@ -36,8 +36,9 @@ deps:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two processes: the pure modules beside the real-service ones, which run one at a time (tests/conftest.py).
 test: deps $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 demo: deps $(STAMP)
 	$(BIN)/grayguard demo $(DEMO_ARGS)
