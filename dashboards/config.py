@@ -25,6 +25,10 @@ class DashboardConfig:
     live_sustain_ticks: int = _T.live_sustain_ticks  # ticks at live_quarantine_ratio before quarantine (described)
     live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
     live_prefill_gate: float = _T.live_prefill_gate  # prompt tokens/s ratio that leaves the live ITL out (described)
+    kv_outlier_ratio: float = _T.kv_outlier_ratio  # KV usage ratio to the peers' that quarantines (described)
+    kv_outlier_min: float = _T.kv_outlier_min  # ...at least this full (drawn on the KV panel)
+    kv_outlier_ticks: int = _T.kv_outlier_ticks  # ...for this many ticks (described)
+    kv_saturated: float = _T.kv_saturated  # drawn on the KV panel: no new traffic from here
     controller_job: str = _R.controller_job  # controller series without a pool label are selected by job
     controller_stale_s: float = _R.controller_stale_s  # drawn on the last-successful-tick panel
     probe_failures: int = _R.probe_failures  # drawn on the consecutive-probe-failures panel
@@ -52,6 +56,8 @@ class DashboardConfig:
                    live_cut_ratio=t.live_cut_ratio, live_quarantine_ratio=t.live_quarantine_ratio,
                    live_sustain_ticks=t.live_sustain_ticks, live_probe_confirm=t.live_probe_confirm,
                    live_prefill_gate=t.live_prefill_gate, live_batch_slope=t.live_batch_slope,
+                   kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min,
+                   kv_outlier_ticks=t.kv_outlier_ticks, kv_saturated=t.kv_saturated,
                    controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,
                    probe_failures=r.probe_failures, tick_interval_s=cfg.tick_interval_s,
                    vllm_prefix=r.vllm_prefix)

@@ -21,6 +21,7 @@ PROBE_MEDIAN = "grayguard_probe_ttft_median_seconds"
 RUNNING, WAITING = "grayguard_live_requests_running", "grayguard_live_requests_waiting"
 BATCH = "grayguard_live_decode_batch"
 GENERATED, PROMPT = "grayguard_live_generation_tokens_per_second", "grayguard_live_prompt_tokens_per_second"
+KV = "grayguard_live_kv_cache_usage_ratio"
 
 ABSENT = ("A gap is no data, not zero: no token produced over the window, the window still filling, or a stuck "
           "prober (docs/exporters.md, \"Live fast path\").")
@@ -116,4 +117,14 @@ def panels(cfg: DashboardConfig) -> list:
            "ITL left out that tick: long prompts share its steps and inflate its ITL (load, not sickness).",
            [Q(per_node(GENERATED), "{{instance}} generated"), Q(per_node(PROMPT), "{{instance}} prompt")],
            "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True),
+        ts("KV-cache usage per node",
+           "vLLM's KV-cache usage at the exporter's newest reading (grayguard_live_kv_cache_usage_ratio, 0-1). At "
+           f"kv_saturated ({cfg.kv_saturated:.0%}, red) the node gets no new traffic until it drains (load). A node "
+           f"at least kv_outlier_min ({cfg.kv_outlier_min:.0%}, orange) full and kv_outlier_ratio "
+           f"({cfg.kv_outlier_ratio:g}x) times its peers' median for {cfg.kv_outlier_ticks} ticks in a row is "
+           "quarantined: it fills its cache with a fraction of its peers' traffic (less room: GPU memory taken, a "
+           "KV budget that shrank), and its requests wait for a slot. Dashed: the pool's median node.",
+           [Q(per_node(KV), "{{instance}}"), Q(pool_median(KV), "pool median")], "percentunit", lo=0,
+           dashed="^pool median$", steps=[(cfg.kv_outlier_min, "orange"), (cfg.kv_saturated, "red")],
+           legend_table=True),
     ]

@@ -57,7 +57,7 @@ def test_the_live_row_follows_the_30s_window_row():
     assert [p["title"] for p in live_panels(pool_doc())] == [
         "Live inter-token latency per node", "Live ITL vs pool median", "Live TTFT per node",
         "Probe TTFT median per node", "Running / waiting requests per node", "Decode batch per node",
-        "Live tokens per second per node"]
+        "Live tokens per second per node", "KV-cache usage per node"]
 
 
 def test_live_queries_read_only_series_the_fast_path_exports():
@@ -119,18 +119,19 @@ SLOPE = 1 / 64  # exact in binary, so promtool's exact comparison holds (the def
 # batch); e is another pool's, far slower, and must change nothing here.
 FLEET = {
     ("chat", "a:8000"): {"itl": 0.02, "decode_batch": 1, "ttft": 0.1, "probe": 0.2, "running": 8, "waiting": 0,
-                         "generated": 400, "prompt": 1000},
+                         "generated": 400, "prompt": 1000, "kv": 0.1},
     # b runs a batch of 33: its raw ITL is 1.5x a's, and at equal batch (1 + 32/64 = 1.5) the same as a's
     ("chat", "b:8000"): {"itl": 0.03, "decode_batch": 33, "ttft": 0.1, "probe": 0.2, "running": 33, "waiting": 0,
-                         "generated": 660, "prompt": 1000},
+                         "generated": 660, "prompt": 1000, "kv": 0.3},
     ("chat", "c:8000"): {"itl": 0.06, "decode_batch": 1, "ttft": 0.4, "probe": 0.3, "running": 9, "waiting": 3,
-                         "generated": 150, "prompt": 1000},
-    ("chat", "d:8000"): {"probe": 0.25, "running": 0, "waiting": 0, "generated": 0, "prompt": 0},
+                         "generated": 150, "prompt": 1000, "kv": 0.9},
+    ("chat", "d:8000"): {"probe": 0.25, "running": 0, "waiting": 0, "generated": 0, "prompt": 0, "kv": 0.0},
     ("other", "e:8000"): {"itl": 1.0, "decode_batch": 1, "ttft": 9.0, "probe": 9.0, "running": 1, "waiting": 9,
-                          "generated": 1, "prompt": 1},
+                          "generated": 1, "prompt": 1, "kv": 1.0},
 }
 SERIES = {"itl": live.ITL, "decode_batch": live.BATCH, "ttft": live.TTFT, "probe": live.PROBE_MEDIAN,
-          "running": live.RUNNING, "waiting": live.WAITING, "generated": live.GENERATED, "prompt": live.PROMPT}
+          "running": live.RUNNING, "waiting": live.WAITING, "generated": live.GENERATED, "prompt": live.PROMPT,
+          "kv": live.KV}
 
 
 def quantile(q: float, values: list[float]) -> float:
@@ -169,6 +170,7 @@ PANELS = {
     "Running / waiting requests per node": ("running", "waiting"),
     "Decode batch per node": ("decode_batch",),
     "Live tokens per second per node": ("generated", "prompt"),
+    "KV-cache usage per node": ("kv", "median"),
 }
 
 
