@@ -372,8 +372,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
-            if kv_why and not cand:  # ranked by how many times its peers' usage it holds
-                cand = (i.kv_cache_usage / max(peer_kv[n] or 0.0, 1e-3), DrainCause.KV_CACHE, kv_why)  # type: ignore
+            if kv_why and not cand:  # ranked by how many times its peers' usage it holds (both known: kv_why says so)
+                cand = (i.kv_cache_usage / max(peer_kv[n], 1e-3), DrainCause.KV_CACHE, kv_why)
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
