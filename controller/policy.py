@@ -155,6 +155,9 @@ AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage t
 # (heavy-tailed prompts queue ahead of a probe): it confirms a live quarantine. The live TTFT joins the live ITL to
 # veto the 30 s window's past. The NodeInput fields scored each tick:
 LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
+# A gated (prefill-heavy) node's live ITL score: never scored (no cut, no quarantine, no veto), only the evidence
+# that it decodes at its peers' pace for a probe that timed out in a saturated pool (load, not a hang)
+GATED_ITL = "live_itl_gated"
 
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
@@ -185,6 +188,8 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
         # a gated node gets no live score, but stays one of its peers' references: its inflated latency only
         # makes them look faster (taking it out can leave a node without a peer of its group to be scored against)
         out[name] = sc if name == PROBE_MEDIAN else {n: x for n, x in sc.items() if n not in gated}
+        if name == LIVE_ITL:
+            out[GATED_ITL] = {n: x for n, x in sc.items() if n in gated}
     return out, gated
 
 
@@ -369,7 +374,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                    t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
                                    renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
-            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t)
+            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
             if kv_why and not cand:  # ranked by how many times its peers' usage it holds (both known: kv_why says so)
@@ -554,8 +559,11 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         if lat_deg:
             lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
-    # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue
-    decoding_like_peers = li is not None and (veto or (pool_queued and li.ratio < t.live_cut_ratio))
+    # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue; in
+    # that pool a prefill-heavy node (its ITL unscored) that still decodes within the cut ratio is loaded, not hung
+    dec = li if li is not None else live_sc.get(GATED_ITL)
+    decoding_like_peers = (li is not None and veto) or (pool_queued and dec is not None
+                                                         and dec.ratio < t.live_cut_ratio)
     # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,

@@ -162,7 +162,7 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
 
 
 def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
-               t: ThresholdsConfig) -> tuple[SignalMemory, str | None]:
+               t: ThresholdsConfig, prefill_heavy: bool = False) -> tuple[SignalMemory, str | None]:
     """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, tick after
     tick: a quarantine reason once it held kv_outlier_ticks ticks in a row, else None.
 
@@ -171,10 +171,14 @@ def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
     their first tokens come late while the per-token latency looks normal. Saturation alone (kv_cache) is load
     and only pauses new traffic; usage kv_outlier_ratio times the peers' (and at least kv_outlier_min) is not a
     share of load. Absent data (the node's or its peers') holds the count; any tick below the bar resets it.
+
+    prefill_heavy: the node prefills far more prompt tokens than its peers (policy's live_prefill_gate): it holds
+    longer contexts (a tenant's 8k-token prompts), so a fuller cache is its load, not a smaller budget; the tick
+    resets the count. A node with a shrunk budget serves less under leastconn, so it is never gated for more.
     """
     if t.kv_outlier_ticks <= 0 or usage is None or peer_usage is None:
         return m, None
-    hot = usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage)
+    hot = not prefill_heavy and usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage)
     run = m.kv_hot + 1 if hot else 0
     if run != m.kv_hot:
         m = evolve(m, kv_hot=run)

@@ -79,3 +79,25 @@ def test_decide_pool_leaves_a_pool_whose_caches_are_all_busy_alone():
         d = pool({"a": 0.5, "b": 0.6, "c": 0.55, "x": 0.9}, prev, float(k))
         prev = {n: nd.state for n, nd in d.nodes.items()}
     assert all(nd.state.state == State.HEALTHY for nd in d.nodes.values())
+
+
+def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
+    """Found on the benchmark (long_prompt_8k, seeds 4 and 7): a tenant pinned to one node sends 7.6k-token prompts;
+    its cache is 63 % full against its peers' 4 %, because it holds contexts 40x theirs. It prefills far more prompt
+    tokens than they do (the live prefill gate): load, not a shrunk KV budget."""
+    m, why = run([0.6] * (T.kv_outlier_ticks - 1), 0.04)
+    held, why = kv_outlier(m, 0.63, 0.04, T, prefill_heavy=True)
+    assert held.kv_hot == 0 and why is None  # the heavy tick starts the count over
+
+    def ticks(prefill_x):
+        usages = {"a": 0.04, "b": 0.05, "c": 0.04, "x": 0.63}
+        prev: dict[str, NodeState] = {}
+        for k in range(3 * T.kv_outlier_ticks):
+            inputs = {n: NodeInput(100, 0.02, request_rate=5.0, kv_cache_usage=u, live_itl=0.02,
+                                   live_prefill_rate=1000.0 * (prefill_x if n == "x" else 1.0))
+                      for n, u in usages.items()}
+            d = decide_pool(prev, inputs, Policy(T, RecoveryConfig()), float(k))
+            prev = {n: nd.state for n, nd in d.nodes.items()}
+        return prev["x"]
+    assert ticks(4.0).state == State.HEALTHY  # 4x its peers' prompt tokens: gated, its full cache is its load
+    assert ticks(1.0).state == State.QUARANTINED  # the same cache at a like share of prompts: a shrunk budget

@@ -335,6 +335,36 @@ def test_in_a_saturated_pool_a_probe_timeout_is_load_while_the_node_decodes_at_i
     assert calm["n0"].state == QUARANTINED
 
 
+def test_in_a_saturated_pool_a_prefill_heavy_node_whose_probes_time_out_is_loaded_not_hung():
+    """Found on the benchmark (pool_overload, seeds 2 and 7): after a 3x surge every probe times out; the node left
+    with the longest backlog prefills 1.5x its peers, so the prefill gate leaves its live ITL unscored. It still
+    decodes at their pace: its 20 consecutive timeouts are load, as they were the tick before the gate."""
+    live = {f"n{i}": 0.042 * (1 + 0.02 * i) for i in range(4)}
+    prefill = {"n0": 4500.0, "n1": 2200.0, "n2": 2700.0, "n3": 3400.0}  # 4500 > 1.5 x 2700
+
+    def run(n0_itl, results):
+        pol = Policy()
+        states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+        for tick in range(6):
+            inputs = _inputs(dict(live, n0=n0_itl) if n0_itl else live, probes={}, prefill=prefill)
+            for n in live:
+                res = results.get(n, "timeout")
+                inputs[n] = replace(inputs[n], probe_result=res, probe_ttft=None if res == "timeout" else 1.5,
+                                    probe_failures=20 + tick if res == "timeout" else 0,
+                                    live_itl=None if n0_itl is None and n == "n0" else inputs[n].live_itl)
+            d = decide_pool(states, inputs, pol, 100.0 + tick)
+            states = {n: nd.state for n, nd in d.nodes.items()}
+        return states, inputs
+    states, inputs = run(0.050, {})
+    _, gated = _live_scores(inputs, states, list(live), {n: None for n in live}, Policy())
+    assert gated == {"n0"}  # the gate holds: its ITL is not scored, only read as evidence that it decodes
+    assert all(s.state == HEALTHY for s in states.values()), {n: s.reason for n, s in states.items()}
+    hung, _ = run(None, {})  # decodes nothing: its timeouts count, gated or not
+    assert hung["n0"].state == QUARANTINED and "failed probes" in hung["n0"].reason
+    slow, _ = run(0.042 * 1.6, {})  # gated, but decoding past the cut ratio: no excuse for its timeouts
+    assert slow["n0"].state == QUARANTINED
+
+
 def test_with_gpu_evidence_a_live_outlier_at_the_quarantine_ratio_drains_at_once_without_the_probes():
     """Evidence shortens the live signal's sustain as it does the window's, and is the second witness."""
     live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}
