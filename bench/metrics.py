@@ -50,6 +50,24 @@ def transitions(res: RunResult) -> list[tuple[float, int, str]]:
 
     The slow start of a node that joined the pool (a new node's warm-up) is not a cut while it lasts.
     """
+    return [(t, k, new) for t, k, old, new in _changes(res) if new != "full" and (new == "quarantine" or old == "full")]
+
+
+def out_of_full(res: RunResult) -> list[tuple[float, float, int]]:
+    """(start, end, node) of every span a node spent below its full weight (cut or quarantined); a span still
+    open at the run's end ends there."""
+    start: dict[int, float] = {}
+    out = []
+    for t, k, old, new in _changes(res):
+        if old == "full":
+            start[k] = t
+        elif new == "full":
+            out.append((start.pop(k), t, k))
+    return out + [(t0, float(res.scenario.duration_s), k) for k, t0 in start.items()]
+
+
+def _changes(res: RunResult) -> list[tuple[float, int, str, str]]:
+    """(time, node, kind before, kind after) at each change of a node's kind (full, cut, quarantine)."""
     scn = res.scenario
     bases = [n.base_weight for n in scn.nodes]
     joins = [sorted(scn.joins(n.name)) for n in scn.nodes]
@@ -64,8 +82,8 @@ def transitions(res: RunResult) -> list[tuple[float, int, str]]:
         if st != "slow_start" or d or w >= bases[k]:
             warming[k] = False
         new = "full" if warming[k] else _kind(w, d, st, bases[k])
-        if new != kind[k] and new != "full" and (new == "quarantine" or kind[k] == "full"):
-            out.append((t, k, new))
+        if new != kind[k]:
+            out.append((t, k, kind[k], new))
         kind[k] = new
     return out
 
@@ -146,6 +164,9 @@ def summarize(res: RunResult) -> dict:
                 false_cuts += 1
             else:
                 false_quarantines += 1
+    # the longest time a node without a fault (or before its fault) spent cut or drained (issue 13: no false cut
+    # longer than one tick)
+    false_spans = [t1 - t0 for t0, t1, k in out_of_full(res) if t0 < fault_at.get(scn.nodes[k].name, math.inf)]
     n = counts["requests"]
     t_bad_drain = None  # from the first garbage answer delivered to the drain of the node that gave it
     if first_bad < math.inf:
@@ -182,6 +203,7 @@ def summarize(res: RunResult) -> dict:
         "t_agent_down_s": worst(agent_first),
         "faulty_cut": len(first["cut"]), "faulty_quarantined": len(first["quarantine"]),
         "false_cuts": false_cuts, "false_quarantines": false_quarantines,
+        "false_cut_longest_s": max(false_spans, default=None), "tick_s": scn.tick_s,
         "ttft_p99_settled": settled,
         "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "ttft_p999": percentile(ttft, 99.9),
         "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99), "e2e_p999": percentile(e2e, 99.9),

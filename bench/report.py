@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from bench.detection import detection_targets, percentile_table
 from sim.faults import LATENCY_FAULTS
 
 POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard", "oracle")
@@ -118,7 +119,7 @@ def targets(rows: list[dict]) -> list[dict]:
                        None if not faults or not others else ok, ", ".join(parts),
                        f"scenarios where grayguard's P99 TTFT was >5 % worse: {', '.join(losses)} of {len(faults)}; "
                        f"P99 e2e grayguard/other: {', '.join(e2e)}"))
-    return out + reflex_targets(gg)
+    return out + reflex_targets(gg) + detection_targets(rows, _target)
 
 
 def reflex_targets(gg: list[dict]) -> list[dict]:
@@ -375,7 +376,7 @@ def markdown_parts(rows: list[dict], tgt: list[dict], meta: dict) -> tuple[list[
         f"- **{t['status']}** {t['target']}: {t['measured']}" + (f" ({t['detail']})" if t["detail"] else "")
         for t in tgt] + [""]
     tables = _fault_summary(rows) + _per_fault(rows) + _reflexes(rows) + _pool(rows) + _per_size(rows) \
-        + _sensitivity(rows) + _benign(rows) + _double(rows) + _linkerd(rows)
+        + percentile_table(rows) + _sensitivity(rows) + _benign(rows) + _double(rows) + _linkerd(rows)
     return head + tl, tables, _details(rows)
 
 

@@ -32,6 +32,7 @@ PARALLEL_SAFE = frozenset({
     "bench/test_agent.py",
     "bench/test_benign_events.py",
     "bench/test_canary_shared.py",
+    "bench/test_detection.py",
     "bench/test_engine.py",
     "bench/test_live.py",
     "bench/test_model_option.py",

@@ -10,7 +10,7 @@ import pytest
 
 from bench.engine import OK, TIMEOUT, Run, run, run_family
 from bench.lb import LeastConn, RoundRobin, make_balancer
-from bench.metrics import capacity_kept, percentile, summarize, transitions
+from bench.metrics import capacity_kept, out_of_full, percentile, summarize, transitions
 from bench.node import FixedBackend, NodeObs, VirtualNode, node_input, observe
 from bench.policies import Envoy, Grayguard, Seeds, make_policy
 from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario, make_arrivals
@@ -235,6 +235,11 @@ def test_percentile_and_transitions_and_capacity():
     assert capacity_kept(r, 0.0, 100.0) == pytest.approx(1 - (0.5 / 3) * 0.2)
     s = summarize(r)
     assert s["t_cut_s"] == 10.0 and s["t_quarantine_s"] == 20.0 and s["false_cuts"] == 1
+    # spans below full weight: node0's cut runs on into its quarantine and to the run's end; node1's lasts 20 s
+    assert sorted(out_of_full(r)) == [(20.0, 100.0, 0), (40.0, 60.0, 1)]
+    assert s["false_cut_longest_s"] == 20.0 and s["tick_s"] == scn.tick_s
+    r.timeline += [(70.0, 2, 80, False, "degraded"), (71.0, 2, 100, False, "healthy")]  # one tick
+    assert summarize(r)["false_cut_longest_s"] == 20.0 and (70.0, 71.0, 2) in out_of_full(r)
 
 
 def test_routing_does_not_depend_on_how_often_nodes_are_stepped():

@@ -27,7 +27,7 @@ def test_smoke_suite_runs_and_writes_reports(smoke, capsys):
     assert rc == 0
     md = (out / "report.md").read_text()
     assert "### Targets" in md and "## Per scenario" in md
-    assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS", "n/a"} and len(data["targets"]) == 10
+    assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS", "n/a"} and len(data["targets"]) == 16
     assert "### The whole pool failing at once" in md and "### Fast failures and garbage" in md
     scenarios, _ = load_suite("smoke")
     runs = {(r["scenario"], r["policy"]) for r in data["runs"]}
