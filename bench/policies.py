@@ -180,7 +180,7 @@ class Grayguard(Detector):
     def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, policy: Policy | None = None) -> None:
         super().__init__(nodes, scn)
         self.interval_s = scn.tick_s
-        self.policy = policy or Policy()
+        self.policy = policy or Policy(window_s=scn.window_s)
         self.states: dict[str, NodeState] = {}
         # what the engine was last told per node (it starts at base weight, in rotation, agent enabled)
         self.last = {n.name: Assign(n.base_weight) for n in nodes}

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from controller import live, peers, signals
 from controller.live import LiveMemory
-from controller.scoring import ema, usable, weight_factor
+from controller.scoring import ema, usable, weight_factor, with_sampling_noise
 from controller.signals import SignalMemory, evolve
-from grayguard.config import Config, RecoveryConfig, ThresholdsConfig
+from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
@@ -37,11 +37,13 @@ class Policy:
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     group_speed: Mapping[str, float] = field(default_factory=dict)  # pools[].group_speed
+    window_s: float = 30.0  # rules.control_window in seconds: the 30 s window's requests = request rate x this
 
 
 def pool_policies(cfg: Config) -> dict[str, Policy]:
     """Each pool's Policy, as the live loop and `grayguard replay` both build it (group_speed is per pool)."""
-    return {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed)) for p in cfg.pools}
+    window = duration_seconds(cfg.rules.control_window)
+    return {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed), window) for p in cfg.pools}
 
 
 @dataclass(frozen=True)
@@ -340,6 +342,13 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             renewed.add(n)
         fresh[n] = st[n].ema  # type: ignore[assignment]
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
+    if t.window_noise_cv > 0:  # a thin window (few requests) is a noisy mean: its score says so
+        for n, sc in scored.items():
+            rate = inputs[n].request_rate
+            z = with_sampling_noise(sc.z, sc.ratio, None if rate is None else rate * policy.window_s,
+                                    t.window_noise_cv)
+            if z != sc.z:
+                scored[n] = peers.Score(z, sc.ratio, sc.peer_median)
     rotating = [n for n in names if st[n].state in IN_ROTATION and not inputs[n].hold]
     probe_ttfts = {n: inputs[n].probe_ttft for n in rotating if inputs[n].probe_ttft is not None}
     peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)

@@ -116,3 +116,15 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
             b = shared[m, mad] = Baseline(m, max(MAD_SCALE * mad, min_spread), k)
         out[n] = b
     return out
+
+
+def with_sampling_noise(z: float, ratio: float, samples: float | None, cv: float) -> float:
+    """The score z of a value that is a mean over `samples` observations of per-observation variability cv, once
+    that mean's own noise (about cv / sqrt(samples), in log units) joins the peers' spread: z shrinks by
+    sqrt(1 + (noise / spread)^2), the spread being log(ratio) / z. A node whose window holds few requests is
+    compared with the patience its few samples deserve. Unknown samples, cv 0 or a score of 0: z as it is."""
+    if not z or cv <= 0 or samples is None or ratio <= 0 or ratio == 1.0:
+        return z
+    spread = math.log(ratio) / z
+    noise = cv / math.sqrt(max(samples, 1.0))
+    return z / math.sqrt(1.0 + (noise / spread) ** 2)

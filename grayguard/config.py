@@ -254,6 +254,10 @@ class ThresholdsConfig:
     hysteresis: float = 0.5  # a degraded node must fall this far below degrade_score to count as calm
     min_relative_gap: float = 1.25  # never an outlier below this multiple of the peer median
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
+    # the per-request variability (coefficient of variation) of the latency per weighted token: the 30 s window's
+    # value is a mean over the requests that finished in it, noisy by about this / sqrt(their count), and that
+    # noise joins the peers' spread in the node's score (a node finishing 30 requests: +/-18 %); 0: not counted
+    window_noise_cv: float = 1.0
     max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
     min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
     # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
@@ -323,6 +327,7 @@ class ThresholdsConfig:
         _check(self.hysteresis >= 0, p + "hysteresis", "must be >= 0")
         _check(self.min_relative_gap >= 1, p + "min_relative_gap", "must be >= 1 (a multiple of the median)")
         _check(self.min_spread > 0, p + "min_spread", "must be > 0")
+        _check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
         _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.scoring import baseline, ema, leave_one_out, usable
+from controller.scoring import baseline, ema, leave_one_out, usable, with_sampling_noise
 
 
 def seeds_z(values, i):
@@ -65,3 +65,15 @@ def test_large_pool_still_isolates_one_slow_node():
     loo = leave_one_out(vals, 0.1)
     z, ratio = loo["n7"].score(vals["n7"])
     assert ratio == pytest.approx(2.0, rel=0.1) and z > 5
+
+
+def test_a_mean_over_few_requests_is_scored_with_its_own_noise():
+    z = math.log(1.45) / 0.1  # 1.45x the peers at the spread floor: 3.7
+    thin = with_sampling_noise(z, 1.45, 30.0, 1.0)  # a window of 30 requests: +/-18 %
+    assert thin == pytest.approx(math.log(1.45) / math.hypot(0.1, 1 / math.sqrt(30)))
+    assert thin < 2.0 < with_sampling_noise(z, 1.45, 300.0, 1.0) < z  # a busy node keeps most of its score
+    assert with_sampling_noise(math.log(3) / 0.1, 3.0, 30.0, 1.0) > 3.5  # a 3x node is an outlier all the same
+    assert with_sampling_noise(-z, 1 / 1.45, 30.0, 1.0) == pytest.approx(-thin)  # faster: symmetric
+    for off in ((z, 1.45, None, 1.0), (z, 1.45, 30.0, 0.0), (0.0, 1.0, 30.0, 1.0)):
+        assert with_sampling_noise(*off) == off[0]  # unknown count, off, or no gap: as it was
+

@@ -64,6 +64,8 @@ def with_override(where: str, override: dict) -> dict:
      "thresholds.min_relative_gap: must be >= 1 (a multiple of the median)"),
     ("thresholds", {"min_spread": 0},
      "thresholds.min_spread: must be > 0"),
+    ("thresholds", {"window_noise_cv": -0.5},
+     "thresholds.window_noise_cv: must be >= 0 (0: not counted)"),
     ("thresholds", {"max_ejected_fraction": 1.5},
      "thresholds.max_ejected_fraction: must be in [0, 1]"),
     ("thresholds", {"min_peers": 2},
