@@ -6,7 +6,7 @@ from etcd) and no weight moving; a replica that joins later gets its share by ha
 about a tick at most. The unsharded election: test_leader_e2e.py; the assignment on an in-memory etcd:
 test_leader.py.
 
-Prometheus is a fake seam (latencies fixed per node, in every pool node0 10x its peers: drained, node1 1.3x: a cut
+Prometheus is a fake seam (latencies fixed per node, in every pool node0 10x its peers: drained, node1 1.5x: a cut
 weight); a "perturber" sets node4's weight to 77 in every backend every 0.2 s, so each pool's leader has something
 to repair, and writes, on nearly every tick.
 """
@@ -43,7 +43,7 @@ POOLS = [f"p{i}" for i in range(6)]
 BACKEND = {p: f"vllm_{p}" for p in POOLS}
 POOL_OF = {be: p for p, be in BACKEND.items()}
 NODES = 5  # per pool: with max_ejected_fraction 0.3, one may be drained
-LAT = {0: 0.2, 1: 0.026}  # node0 10x its peers (drained), node1 1.3x (degraded: a cut weight); the others 0.02
+LAT = {0: 0.2, 1: 0.03}  # node0 10x its peers (drained), node1 1.5x (degraded: a cut weight); the others 0.02
 KEPT = ("node1", "node2", "node3")  # weights that must not move (node0 is drained, node4 perturbed)
 
 
