@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable
+from operator import itemgetter
+
+from sim.faults import LATENCY_FAULTS
+
+by_size = itemgetter("size")
 
 GG = "grayguard"
-REFERENCES = frozenset({"oracle"})
-SLOWDOWN_FAULTS = ("thermal", "pcie", "kv_thrash", "slow_recovery")  # the node answers, slowly
+REFERENCES = frozenset({"oracle"})  # knows the fault schedule: a floor to read against, not a rival to beat
 Target = Callable[[str, bool | None, str, str], dict]
 
 
@@ -51,12 +55,12 @@ def detection_targets(rows: list[dict], target: Target) -> list[dict]:
     mid = _slow(gg, 1.5, 2.0)
     late = [r for r in mid if _late(r["t_cut_s"]) > 20]
     out.append(target("1.5x slowdowns cut within 20 s", None if not mid else not late,
-                      ", ".join(f"n{r['size']} {_s(_late(r['t_cut_s']))}" for r in sorted(mid, key=_size)),
+                      ", ".join(f"n{r['size']} {_s(_late(r['t_cut_s']))}" for r in sorted(mid, key=by_size)),
                       ", ".join(r["scenario"] for r in late)))
     small = [r for r in _slow(gg, 1.25, 1.5) if r["size"] in (8, 32)]
     missed = [r for r in small if r["t_cut_s"] is None]
     out.append(target("1.25x slowdowns cut in the 8- and 32-node pools", None if not small else not missed,
-                      ", ".join(f"n{r['size']} {_s(_late(r['t_cut_s']))}" for r in sorted(small, key=_size)),
+                      ", ".join(f"n{r['size']} {_s(_late(r['t_cut_s']))}" for r in sorted(small, key=by_size)),
                       ", ".join(r["scenario"] for r in missed)))
     benign = [r for r in gg if r["group"] == "benign"]
     bad = [r for r in benign if r["false_quarantines"] or r.get("false_agent_downs")
@@ -73,12 +77,8 @@ def detection_targets(rows: list[dict], target: Target) -> list[dict]:
     return out
 
 
-def _size(r: dict) -> int:
-    return r["size"]
-
-
 def _p99_targets(rows: list[dict], gg: list[dict], target: Target) -> list[dict]:
-    slow = [r for r in gg if r["group"] == "fault" and r["fault"] in SLOWDOWN_FAULTS]
+    slow = [r for r in gg if r["group"] == "fault" and r["fault"] in LATENCY_FAULTS]
     m = statistics.median(x for r in slow if (x := r["ttft_p99_x"]) is not None) if slow else None
     out = [target("slowdown faults: P99 TTFT <= 1.1x the healthy baseline (median)",
                   None if m is None else m <= 1.1, f"median {m:.3f}x over {len(slow)} scenarios" if m else "–", "")]

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import statistics
 
-from bench.detection import detection_targets, percentile_table
+from bench.detection import GG, REFERENCES, detection_targets, percentile_table
 from sim.faults import LATENCY_FAULTS
 
 POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard", "oracle")
-REFERENCES = frozenset({"oracle"})  # knows the fault schedule: a floor to read against, not a rival to beat
 FAULTED = ("fault", "sensitivity", "double", "linkerd", "pool")
 FAST_FAILS = ("cuda_error", "refused")  # faults HAProxy's reflexes see: the node answers 500 or refuses
 RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
-GG = "grayguard"
 
 
 def _order(policies) -> list[str]:

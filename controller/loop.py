@@ -25,7 +25,7 @@ from controller.desired import from_decision
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend, tier_view
-from controller.policy import NodeState, Policy, PoolDecision, pool_policies
+from controller.policy import NodeState, PoolDecision, config_policy, pool_policies
 from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
@@ -66,7 +66,7 @@ class Controller:
                  state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
                  dry_run: bool = False, leadership: Leadership | None = None):
         self.cfg = cfg
-        self.policy = Policy(cfg.thresholds, cfg.recovery)
+        self.policy = config_policy(cfg)
         self.policies = pool_policies(cfg)  # the same builder as replay
         self.prom = prom
         self.haproxies = haproxies

@@ -40,10 +40,14 @@ class Policy:
     window_s: float = 30.0  # rules.control_window in seconds: the 30 s window's requests = request rate x this
 
 
+def config_policy(cfg: Config, group_speed: Mapping[str, float] | None = None) -> Policy:
+    """The Policy of the config's thresholds, recovery and control window (and a pool's group_speed)."""
+    return Policy(cfg.thresholds, cfg.recovery, dict(group_speed or {}), duration_seconds(cfg.rules.control_window))
+
+
 def pool_policies(cfg: Config) -> dict[str, Policy]:
     """Each pool's Policy, as the live loop and `grayguard replay` both build it (group_speed is per pool)."""
-    window = duration_seconds(cfg.rules.control_window)
-    return {p.name: Policy(cfg.thresholds, cfg.recovery, dict(p.group_speed), window) for p in cfg.pools}
+    return {p.name: config_policy(cfg, p.group_speed) for p in cfg.pools}
 
 
 @dataclass(frozen=True)

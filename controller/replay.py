@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO
 
-from controller.policy import NodeInput, NodeState, Policy, canary_due, decide_pool, pool_policies
-from grayguard.config import ConfigError, duration_seconds, load_config
+from controller.policy import NodeInput, NodeState, Policy, canary_due, config_policy, decide_pool, pool_policies
+from grayguard.config import ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
@@ -201,8 +201,7 @@ def run(args: argparse.Namespace) -> int:
     out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (stdout must not be closed)
     counts: dict[str, int] = {}
     try:
-        fallback = Policy(cfg.thresholds, cfg.recovery, window_s=duration_seconds(cfg.rules.control_window))
-        for rec in replay(rows, fallback, args.base_weight, policies):
+        for rec in replay(rows, config_policy(cfg), args.base_weight, policies):
             out.write(json.dumps(rec) + "\n")
             counts[rec["state"]] = counts.get(rec["state"], 0) + 1
     finally:
