@@ -76,7 +76,7 @@ def controller_config(wd: Path, prom_port: int, endpoint: str, pools: list[str])
 def memory_mark(ctl: Controller, tick: int) -> MemoryMark:
     """The controller's memory now, after a collection: RSS, Python blocks, what it keeps between ticks."""
     gc.collect()
-    kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl._reason_series, ctl._no_data, ctl.warned)
+    kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows, ctl._no_data, ctl.warned)
     return MemoryMark(tick, rss_bytes(), sys.getallocatedblocks(), deep_size(kept))
 
 

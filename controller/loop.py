@@ -9,7 +9,6 @@ restarted HAProxy or a lost write is repaired on the next tick. When the data ca
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import time
@@ -22,6 +21,7 @@ from controller import canary, decide
 from controller.clock import SteadyClock
 from controller.desired import dump as dump_desired
 from controller.desired import from_decision
+from controller.export import NodeSeries, node_row
 from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend, tier_view
@@ -29,7 +29,6 @@ from controller.policy import NodeState, PoolDecision, config_policy, pool_polic
 from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
-from grayguard.vocab import EJECTED, STATES, Signal, State
 
 if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
     from controller.leader import Leadership
@@ -79,7 +78,7 @@ class Controller:
         self.last_decisions: dict[str, PoolDecision] = {}
         self.last_tick: float | None = None
         self.warned: set[str] = set()
-        self._reason_series: dict[tuple[str, str], tuple[str, str]] = {}
+        self.node_series = NodeSeries(self.metrics)  # each node's series as last shown: writes only changes
         self._no_data: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, reason) -> nodes last reported
         # with a registry (controller/leader.py): only the pools this replica leads are observed, decided and
         # written; None: it runs alone and leads every pool
@@ -397,8 +396,7 @@ class Controller:
             if states is not None:  # None: nothing was ever published, keep what this replica has (its state file)
                 self.states[pool] = states
         for pool in sorted((self._led or frozenset()) - turn.led):  # the new leader's series are the truth
-            self.metrics.forget_pool(pool)
-            self._reason_series = {k: v for k, v in self._reason_series.items() if k[0] != pool}
+            self.node_series.forget_pool(pool)
         self._led = turn.led
         if not turn.led:
             result.standby = result.held = turn.why
@@ -442,37 +440,10 @@ class Controller:
         m.pool_ejected.labels(p).set(decision.ejected)
         m.pool_max_ejected.labels(p).set(decision.max_ejected)
         m.pool_safeguard.labels(p).set(1 if decision.safeguard else 0)
-        for n, d in decision.nodes.items():
-            s = d.state
-            for st in STATES:
-                m.node_state.labels(p, n, st).set(1 if s.state == st else 0)
-            m.node_base_weight.labels(p, n).set(servers[n].initial_weight)
-            m.node_info.labels(p, n, pool.backend, decide.series_key(pool, servers[n])).set(1)
-            active = {k: f for k, f, _ in s.factors}
-            kv_zero = d.weight == 0 and not d.drain and servers[n].initial_weight > 0
-            for signal in (Signal.LATENCY, Signal.PROBE, Signal.ERRORS):
-                m.node_factor.labels(p, n, signal).set(active.get(signal, 1.0))
-            m.node_factor.labels(p, n, Signal.KV_CACHE).set(0.0 if kv_zero else 1.0)
-            if d.weight is not None:
-                m.node_weight.labels(p, n).set(d.weight)
-            for gauge, value in ((m.node_score, s.score), (m.node_latency_ema, s.ema),
-                                 (m.node_peer_median, d.peer_median)):
-                if value is None:  # absent is not zero
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(p, n)
-                else:
-                    gauge.labels(p, n).set(value)
-            key = (s.state, reason_code(s, kv_zero))
-            old = self._reason_series.get((p, n))
-            if old != key:  # one reason series per node: drop the previous one
-                if old is not None:
-                    m.node_reason.remove(p, n, *old)
-                m.node_reason.labels(p, n, *key).set(1)
-                self._reason_series[(p, n)] = key
-        tracked = set(decision.nodes) | set(decision.retained)  # retained: gone from HAProxy < forget_after_s
-        for gone in sorted({n for q, n in self._reason_series if q == p} - tracked):
-            m.forget_node(p, gone)  # its state was dropped: every series goes, so its page resolves
-            del self._reason_series[(p, gone)]
+        rows = {n: node_row(d, servers[n].initial_weight, pool.backend, decide.series_key(pool, servers[n]))
+                for n, d in decision.nodes.items()}
+        # retained: gone from HAProxy < forget_after_s; the others' states were dropped: their series go
+        self.node_series.export(p, rows, set(decision.nodes) | set(decision.retained))
 
     def _warn_once(self, key: str, msg: str) -> None:
         if key not in self.warned:
@@ -500,14 +471,3 @@ class Controller:
             doc["leadership"] = self.leadership.status()
         return doc
 
-
-def reason_code(s: NodeState, kv_zero: bool) -> str:
-    """A low-cardinality summary of why a node is where it is: the signals in force, or its stage."""
-    if s.state in EJECTED:
-        return s.cause or "latency"
-    parts = [k for k, _, _ in s.factors]
-    if kv_zero:
-        parts.append(Signal.KV_CACHE)
-    if s.state == State.SLOW_START:
-        parts.insert(0, "recovery")
-    return ",".join(parts) or "none"
