@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.reflexes import CHECK_STATUS_HANA
@@ -155,26 +156,49 @@ def host_port(host: str, port: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def parse_servers_state(text: str) -> list[ServerState]:
-    """Parse `show servers state` output (format version 1)."""
+# the columns of a `show servers state` line: those it must have, then optional ones (defaults when absent)
+_STATE_COLUMNS = ("be_name", "srv_name", "srv_addr", "srv_port", "srv_uweight", "srv_iweight", "srv_admin_state",
+                  "srv_op_state")
+_OPTIONAL_COLUMNS = ("srv_fqdn", "srv_check_status", "srv_agent_state")
+
+
+def parse_servers_state(text: str, stat: Mapping[tuple[str, str], Mapping[str, str]] | None = None
+                        ) -> list[ServerState]:
+    """Parse `show servers state` output (format version 1); stat: `show stat` columns by (backend, server)
+    (parse_stat_columns: hanafail, status, last_agt) to fill in, None: left unknown.
+
+    10,000 servers are parsed every tick at scale: a line that has every column the header names is read by
+    position; any other line by name (a short line lacks its last columns: an optional one is absent, a
+    required one is an error)."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines or lines[0].strip() != "1":
         raise HaproxyError("bad_reply", f"unexpected `show servers state` reply: {text[:120]!r}")
     header: list[str] = []
+    at: tuple[int, ...] | None = None  # positions of every column, when the header names them all
     out = []
     for ln in lines[1:]:
         if ln.startswith("#"):
             header = ln.lstrip("# ").split()
+            pos = {c: i for i, c in enumerate(header)}  # a repeated name: the last one, as dict(zip()) keeps
+            cols = (*_STATE_COLUMNS, *_OPTIONAL_COLUMNS)
+            at = tuple(pos[c] for c in cols) if all(c in pos for c in cols) else None
             continue
-        f = dict(zip(header, ln.split(), strict=False))
+        fields = ln.split()
+        if at is not None and len(fields) >= len(header):
+            f = dict(zip(_STATE_COLUMNS + _OPTIONAL_COLUMNS, [fields[i] for i in at], strict=True))
+        else:
+            f = dict(zip(header, fields, strict=False))
         try:
+            backend, name = f["be_name"], f["srv_name"]
+            row = {} if stat is None else stat.get((backend, name), {})
             out.append(ServerState(
-                backend=f["be_name"], name=f["srv_name"], address=host_port(f["srv_addr"], f["srv_port"]),
+                backend=backend, name=name, address=host_port(f["srv_addr"], f["srv_port"]),
                 weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
                 admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"]),
                 fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"],
                 check_status=int(f["srv_check_status"]) if f.get("srv_check_status", "").isdigit() else None,
-                agent_state=int(f["srv_agent_state"]) if f.get("srv_agent_state", "").isdigit() else None))
+                agent_state=int(f["srv_agent_state"]) if f.get("srv_agent_state", "").isdigit() else None,
+                hanafail=_hanafail(row), status=row.get("status"), agent_text=agent_answer(row.get("last_agt"))))
         except (KeyError, ValueError) as e:
             raise HaproxyError("bad_reply", f"cannot parse server state line {ln!r}: {e}") from e
     return out
@@ -315,13 +339,7 @@ class RuntimeClient:
         reply, stat = self.execute([cmd, f"show stat {backend or -1} 4 -1"])
         if "can't find backend" in reply.lower():
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
-        rows = parse_stat_columns(stat, "hanafail", "status", "last_agt")  # one pass over the CSV
-        out = []
-        for s in parse_servers_state(reply):
-            row = rows.get((s.backend, s.name), {})
-            out.append(replace(s, hanafail=_hanafail(row), status=row.get("status"),
-                               agent_text=agent_answer(row.get("last_agt"))))
-        return out
+        return parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
         """(current, initial) weight of one server."""

@@ -11,7 +11,14 @@ import responses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.haproxy import HaproxyError, ServerState, classify_reply, parse_backend_algos, parse_servers_state
+from controller.haproxy import (
+    HaproxyError,
+    ServerState,
+    classify_reply,
+    host_port,
+    parse_backend_algos,
+    parse_servers_state,
+)
 from grayguard.config import PrometheusConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 
@@ -41,7 +48,10 @@ def cell(col):
 def servers_state_text(draw):
     """Mostly well-formed `show servers state` output with random cells, headers and stray lines."""
     cols = draw(st.one_of(st.just(STATE_COLS), st.just(STATE_COLS), st.permutations(STATE_COLS),
-                          st.lists(st.sampled_from(STATE_COLS), max_size=30)))
+                          st.lists(st.sampled_from(STATE_COLS), max_size=30),
+                          st.permutations(STATE_COLS).flatmap(  # every column, some twice
+                              lambda c: st.lists(st.sampled_from(STATE_COLS), min_size=1, max_size=3).map(
+                                  lambda twice: c + twice))))
     lines = [draw(st.sampled_from(["1", "1", "1", "1 ", "2", "", "# 1"]))]
     lines.append("# " + " ".join(cols))
     for _ in range(draw(st.integers(0, 5))):
@@ -70,6 +80,46 @@ def test_parse_servers_state_raises_only_haproxy_errors(text):
     except HaproxyError:
         return
     _check_states(got)
+
+
+
+def _states_by_name(text):
+    """The reference: every line read by name (dict(zip(header, fields))), as parse_servers_state did before it read
+    a full line by position."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines or lines[0].strip() != "1":
+        raise HaproxyError("bad_reply", "")
+    header, out = [], []
+    for ln in lines[1:]:
+        if ln.startswith("#"):
+            header = ln.lstrip("# ").split()
+            continue
+        f = dict(zip(header, ln.split(), strict=False))
+        try:
+            out.append(ServerState(
+                backend=f["be_name"], name=f["srv_name"], address=host_port(f["srv_addr"], f["srv_port"]),
+                weight=int(f["srv_uweight"]), initial_weight=int(f["srv_iweight"]),
+                admin_state=int(f["srv_admin_state"]), op_state=int(f["srv_op_state"]),
+                fqdn=None if f.get("srv_fqdn", "-") == "-" else f["srv_fqdn"],
+                check_status=int(f["srv_check_status"]) if f.get("srv_check_status", "").isdigit() else None,
+                agent_state=int(f["srv_agent_state"]) if f.get("srv_agent_state", "").isdigit() else None))
+        except (KeyError, ValueError) as e:
+            raise HaproxyError("bad_reply", str(e)) from e
+    return out
+
+
+@FUZZ
+@given(servers_state_text())
+def test_parse_servers_state_by_position_reads_what_by_name_reads(text):
+    try:
+        want = _states_by_name(text)
+    except HaproxyError:
+        want = None
+    try:
+        got = parse_servers_state(text)
+    except HaproxyError:
+        got = None
+    assert got == want
 
 
 @FUZZ
