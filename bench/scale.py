@@ -24,6 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.trace_large import TraceParams, canonical, combine, digest, pool_digests, run
+from controller.export import NodeSeries, node_row
+from controller.metrics import ControllerMetrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "decisions_large_trace.json"
 TRACES = {"test": TraceParams(pools=50, ticks=300), "full": TraceParams()}  # 1,000 nodes x 300 s; 10,000 x 1,000 s
@@ -110,12 +112,14 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
     """Decision time per tick (decide_pool + plan_backend over every pool: wall, CPU, and the part of the wall time
     Python's cyclic garbage collector took) at each size on the realistic trace, in one run; at the largest size
     also the controller's memory after the ticks in memory_at (1-based): the states it keeps and its last
-    decisions (deep size), and the process' RSS. collect_between_ticks: gc.collect() after every tick, outside the
-    timed window (as a shell that collects while it waits for the next tick would).
+    decisions (deep size), its metrics (the registry with every node's series, as the controller exports them
+    after each tick: controller/export.py) and the process' RSS. The export is timed on its own (export_median_s),
+    outside the decision's window. collect_between_ticks: gc.collect() after every tick, outside the timed window
+    (as a shell that collects while it waits for the next tick would).
 
     Returns {"sizes": [{nodes, pools, ticks, median_s, p90_s, max_s, cpu_median_s, gc_median_s, gc_share,
-    changes}], "ratio": median at the largest size / median at the smallest, "memory": [{tick, nodes, kept_bytes,
-    rss_bytes}]}.
+    changes, export_median_s, export_first_s}], "ratio": median at the largest size / median at the smallest,
+    "memory": [{tick, nodes, kept_bytes, metrics_bytes, series, rss_bytes}]}.
     """
     sizes, marks = sorted(sizes), set(memory_at)
     out: dict = {"sizes": [], "memory": [], "collect_between_ticks": collect_between_ticks}
@@ -132,9 +136,17 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
     try:
         for n in sizes:
             params = TraceParams(seed=seed, pools=max(1, n // pool_size), pool_size=pool_size, ticks=ticks)
-            wall, cpu, in_gc, changes = [], [], [], 0
+            wall, cpu, in_gc, changes, export = [], [], [], 0, []
+            metrics = ControllerMetrics.create()
+            series = NodeSeries(metrics)
             for t in run(params):
                 end = t.started + t.seconds
+                e0 = time.perf_counter()
+                for p, d in t.decisions.items():
+                    rows = {n: node_row(nd, t.servers[p][n].initial_weight, p, t.servers[p][n].address)
+                            for n, nd in d.nodes.items()}
+                    series.export(p, rows, set(d.nodes) | set(d.retained))
+                export.append(time.perf_counter() - e0)
                 wall.append(t.seconds)
                 cpu.append(t.cpu_seconds)
                 in_gc.append(sum(min(b, end) - max(a, t.started) for a, b in pauses if b > t.started and a < end))
@@ -145,7 +157,9 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
                     del t
                     gc.collect()
                     out["memory"].append({"tick": len(wall), "nodes": nodes, "kept_bytes": deep_size(kept),
-                                          "rss_bytes": rss_bytes()})
+                                          "metrics_bytes": deep_size((metrics.registry, series.rows,
+                                                                      series.children)),
+                                          "series": _series_count(metrics), "rss_bytes": rss_bytes()})
                     del kept
                 elif collect_between_ticks:
                     gc.collect()
@@ -153,11 +167,17 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
             out["sizes"].append({"nodes": params.pools * pool_size, "pools": params.pools, "ticks": len(wall),
                                  "median_s": statistics.median(wall), "p90_s": _p90(wall), "max_s": max(wall),
                                  "cpu_median_s": statistics.median(cpu), "gc_median_s": statistics.median(in_gc),
-                                 "gc_share": sum(in_gc) / sum(wall), "changes": changes})
+                                 "gc_share": sum(in_gc) / sum(wall), "changes": changes,
+                                 "export_median_s": statistics.median(export[1:] or export),
+                                 "export_first_s": export[0]})
     finally:
         gc.callbacks.remove(on_gc)
     out["ratio"] = out["sizes"][-1]["median_s"] / out["sizes"][0]["median_s"]
     return out
+
+
+def _series_count(metrics: ControllerMetrics) -> int:
+    return sum(len(f.samples) for f in metrics.registry.collect())
 
 
 def _p90(xs: list[float]) -> float:
@@ -172,13 +192,15 @@ def format_scale(r: dict) -> list[str]:
         lines.append(f"  {s['nodes']:>6} nodes in {s['pools']:>4} pools: median {s['median_s'] * 1000:7.1f} ms, "
                      f"p90 {s['p90_s'] * 1000:7.1f} ms, max {s['max_s'] * 1000:7.1f} ms over {s['ticks']} ticks "
                      f"(CPU median {s['cpu_median_s'] * 1000:.1f} ms; garbage collector {s['gc_share']:.0%} of the "
-                     f"time); {s['changes']} changes planned")
+                     f"time); {s['changes']} changes planned; metrics export median "
+                     f"{s['export_median_s'] * 1000:.1f} ms (first tick {s['export_first_s'] * 1000:.0f} ms)")
     if len(r["sizes"]) > 1:
         a, b = r["sizes"][0], r["sizes"][-1]
         lines.append(f"  {b['nodes']} / {a['nodes']} nodes: {r['ratio']:.1f}x the median time")
     for m in r["memory"]:
         lines.append(f"  memory after tick {m['tick']:>4} ({m['nodes']} nodes): controller states and decisions "
-                     f"{m['kept_bytes'] / 2**20:6.1f} MiB, process RSS {m['rss_bytes'] / 2**20:6.1f} MiB")
+                     f"{m['kept_bytes'] / 2**20:6.1f} MiB, metrics {m['metrics_bytes'] / 2**20:6.1f} MiB "
+                     f"({m['series']:,} samples), process RSS {m['rss_bytes'] / 2**20:6.1f} MiB")
     return lines
 
 
