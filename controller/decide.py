@@ -8,6 +8,7 @@ so a tick can be tested on hand-built observations.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -99,17 +100,37 @@ class PoolData:
 
 
 def _ident(labels: Mapping[str, str]) -> frozenset:
-    return frozenset((k, v) for k, v in labels.items() if k != "__name__")  # timestamp() drops the name
+    """A series' identity in its timestamp() query: its labels but the metric name (timestamp() drops it).
+    A tick builds one per timestamp sample and matched node: a copy and frozenset(items()) run in C, where a
+    generator over the labels would not."""
+    if "__name__" in labels:
+        labels = dict(labels)
+        del labels["__name__"]
+    return frozenset(labels.items())
 
 
-def own_series(pool: PoolConfig, samples: Sequence[Sample]) -> dict[str, list[Sample]]:
-    """The pool's own samples by series key: a series labelled with another pool is never this pool's (a
-    global view shares `instance` values across pools); one without a `pool` label is matched by key alone."""
-    out: dict[str, list[Sample]] = {}
+class _Conflict:
+    """Two or more series for one node (own_series, _node_series): which one is its own would be a guess."""
+
+    def __repr__(self) -> str:
+        return "CONFLICT"
+
+
+CONFLICT = _Conflict()
+
+
+def own_series(pool: PoolConfig, samples: Sequence[Sample]) -> dict[str, Sample | _Conflict]:
+    """The pool's own sample of each series key, CONFLICT for a key with two or more: a series labelled with
+    another pool is never this pool's (a global view shares `instance` values across pools); one without a
+    `pool` label is matched by key alone. One sample per key, not a list: every query of every pool comes
+    through here, and a node takes a key's sample only when it is the only one."""
+    out: dict[str, Sample | _Conflict] = {}
+    label, name = pool.series_label, pool.name
     for s in samples:
-        key = s.labels.get(pool.series_label)
-        if key is not None and s.labels.get(POOL_LABEL, pool.name) == pool.name:
-            out.setdefault(key, []).append(s)
+        labels = s.labels
+        key = labels.get(label)
+        if key is not None and labels.get(POOL_LABEL, name) == name:
+            out[key] = CONFLICT if key in out else s
     return out
 
 
@@ -118,10 +139,10 @@ def by_pool(samples: Mapping[str, Sequence[Sample]]) -> dict[str, dict[str | Non
     at its own series and the unlabelled ones, not at the whole fleet's (pools x nodes, quadratic, at scale)."""
     out: dict[str, dict[str | None, list[Sample]]] = {}
     for name, seq in samples.items():
-        groups: dict[str | None, list[Sample]] = {}
+        groups: defaultdict[str | None, list[Sample]] = defaultdict(list)  # every sample of the tick: no setdefault
         for s in seq:
-            groups.setdefault(s.labels.get(POOL_LABEL), []).append(s)
-        out[name] = groups
+            groups[s.labels.get(POOL_LABEL)].append(s)
+        out[name] = dict(groups)  # plain: looking up a pool without series must not add it
     return out
 
 
@@ -131,46 +152,68 @@ def pool_samples(grouped: Mapping[str, Mapping[str | None, list[Sample]]], pool:
     return {name: [*g.get(pool, ()), *g.get(None, ())] for name, g in grouped.items()}
 
 
-def _matched(by_key: Mapping[str, list[Sample]], keys: Sequence[str]) -> list[Sample]:
-    """The samples of a node's series keys (distinct keys, in order: _keys)."""
+def _node_series(by_key: Mapping[str, Sample | _Conflict], keys: Sequence[str]) -> Sample | _Conflict | None:
+    """A node's one sample by its series keys (distinct, _keys; by_key: own_series): None if it has none,
+    CONFLICT if two (two series for one key, or one for each of two keys)."""
     if len(keys) == 1:
-        return by_key.get(keys[0], [])
-    return [s for k in keys for s in by_key.get(k, ())]
+        return by_key.get(keys[0])
+    got = [by_key[k] for k in keys if k in by_key]
+    return got[0] if len(got) == 1 else CONFLICT if got else None
+
+
+def _one_each(by_key: Mapping[str, Sample | _Conflict], keys: Mapping[str, tuple[str, ...]]) -> dict[str, Sample]:
+    """Node -> its one sample (by_key: own_series), in server order; a node with none or a conflict has none."""
+    out = {}
+    for n, ks in keys.items():
+        s = by_key.get(ks[0]) if len(ks) == 1 else _node_series(by_key, ks)  # one key (most nodes): no call
+        if s is not None and s is not CONFLICT:
+            out[n] = s
+    return out
 
 
 def _keys(pool: PoolConfig, servers: Mapping[str, ServerState]) -> dict[str, tuple[str, ...]]:
     """Each server's distinct series keys, once per pool and tick (not once per signal)."""
-    return {n: tuple(dict.fromkeys(series_keys(pool, srv))) for n, srv in servers.items()}
+    out = {}
+    for n, srv in servers.items():
+        keys = series_keys(pool, srv)
+        out[n] = keys if len(keys) == 1 else tuple(dict.fromkeys(keys))  # one key: most servers, nothing to dedupe
+    return out
 
 
 def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
-              max_age_s: float = math.inf, min_request_rate: float = 0.0) -> PoolData:
+              max_age_s: float = math.inf, min_request_rate: float = 0.0,
+              keys: Mapping[str, tuple[str, ...]] | None = None) -> PoolData:
     """Match the pool's latency and rate series to its servers; drop what cannot be trusted.
 
     A node with two series for its key has no data (which one is its own is a guess); a series older than
     max_age_s (its age: Prometheus' evaluation time minus the data's own timestamp, both Prometheus' clock)
     is no data; a pool where not one node has a fresh series holds.
+    keys: _keys(pool, servers), if the caller has them.
     """
     vals: dict[str, dict[str, float]] = {"latency": {}, "rate": {}}
     without: dict[str, str] = {}
     latency_at: dict[str, float] = {}
-    keys = _keys(pool, servers)
+    keys = keys if keys is not None else _keys(pool, servers)
     for name in ("latency", "rate"):
         by_key = own_series(pool, samples.get(name, ()))
         ts = samples.get(f"{name}_timestamp")
-        ages = None if ts is None else {_ident(s.labels): s.timestamp - s.value for s in ts}
-        stamps = {} if ts is None else {_ident(s.labels): s.value for s in ts}
+        # each series' timestamp() sample (its value the data's time, its timestamp the evaluation's), by identity;
+        # of two with one identity the last counts
+        stamped = None if ts is None else {_ident(s.labels): s for s in ts}
         for n in servers:
-            got = _matched(by_key, keys[n])
-            if len(got) > 1:
+            got = _node_series(by_key, keys[n])
+            if got is CONFLICT:
                 without[n] = "conflict"
-            elif got and without.get(n) != "conflict":
-                age = 0.0 if ages is None else ages.get(_ident(got[0].labels))
+            elif got is not None and without.get(n) != "conflict":
+                if stamped is None:  # no timestamp() answer at all: the age is not checked
+                    age, at = 0.0, None
+                else:
+                    t = stamped.get(_ident(got.labels))
+                    age, at = (None, None) if t is None else (t.timestamp - t.value, t.value)
                 if age is None or not age <= max_age_s:  # unknown (or NaN) age is not trusted either
                     without[n] = "stale"
                 else:
-                    vals[name][n] = got[0].value
-                    at = stamps.get(_ident(got[0].labels))
+                    vals[name][n] = got.value
                     if name == "latency" and at is not None and math.isfinite(at):
                         latency_at[n] = at
     with_data = []
@@ -215,36 +258,39 @@ def canary_estimates(rounds: Sequence[CanaryRound], prev: Mapping[str, NodeState
     return est, outcomes
 
 
-def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState],
-                optional: Mapping[str, Sequence[Sample]]) -> dict[str, dict]:
+def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState], optional: Mapping[str, Sequence[Sample]],
+                keys: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, dict]:
     """Node -> value for every optional signal (probe_result and peer_group map to label values), from the
-    pool's own series; a node with two series for one signal has none (absent, never a guess)."""
+    pool's own series; a node with two series for one signal has none (absent, never a guess).
+    keys: _keys(pool, servers), if the caller has them."""
     out: dict[str, dict] = {}
-    keys = _keys(pool, servers)
+    keys = keys if keys is not None else _keys(pool, servers)
     for name in OPTIONAL:
-        samples = optional.get(name, [])
+        samples = optional.get(name, ())
         if name == "probe_result":
             samples = [s for s in samples if s.value == 1]
         if name == "peer_group" and not pool.peer_group_label:
-            samples = []
-        by_key = own_series(pool, samples)
-        out[name] = {}
-        for n in servers:
-            got = _matched(by_key, keys[n])
-            if len(got) == 1:
-                v = got[0]
-                out[name][n] = (v.labels.get("result") if name == "probe_result" else
-                                v.labels.get(pool.peer_group_label or "") if name == "peer_group" else v.value)
+            samples = ()
+        one = _one_each(own_series(pool, samples), keys) if samples else {}  # an absent signal: nothing to match
+        if name == "probe_result":
+            out[name] = {n: s.labels.get("result") for n, s in one.items()}
+        elif name == "peer_group":
+            out[name] = {n: s.labels.get(pool.peer_group_label or "") for n, s in one.items()}
+        else:
+            out[name] = {n: s.value for n, s in one.items()}
     return out
 
 
 def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
                 optional: Mapping[str, Sequence[Sample]], canaries: Mapping[str, float],
-                data: PoolData | None = None) -> dict[str, NodeInput]:
-    """The policy's input for every server of the pool, matched to the pool's own samples by series key."""
-    data = data or pool_data(pool, servers, samples)
+                data: PoolData | None = None, keys: Mapping[str, tuple[str, ...]] | None = None
+                ) -> dict[str, NodeInput]:
+    """The policy's input for every server of the pool, matched to the pool's own samples by series key.
+    keys: _keys(pool, servers), if the caller has them."""
+    keys = keys if keys is not None else _keys(pool, servers)
+    data = data or pool_data(pool, servers, samples, keys=keys)
     lat, rate = data.latency, data.rate  # by node
-    sig = signal_maps(pool, servers, optional)  # by node
+    sig = signal_maps(pool, servers, optional, keys)  # by node
     inputs = {}
     for n, s in servers.items():
         key = n  # every map above is by node name (pool_data and signal_maps match series keys)
@@ -279,11 +325,13 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
         if po is None:
             continue
         own = pool_samples(samples, pool.name)
-        data = pool_data(pool, po.servers, own, obs.max_age_s, policies[pool.name].thresholds.min_request_rate)
+        keys = _keys(pool, po.servers)  # once for pool_data and node_inputs
+        data = pool_data(pool, po.servers, own, obs.max_age_s, policies[pool.name].thresholds.min_request_rate,
+                         keys)
         if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
             continue
         est, outcomes = canary_estimates(po.canaries, po.prev)
-        inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data)
+        inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data, keys)
         d = decide_pool(po.prev, inputs, policies[pool.name], obs.now)
         out[pool.name] = PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
     return out

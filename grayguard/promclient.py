@@ -9,8 +9,10 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 
 import requests
@@ -39,6 +41,15 @@ class Sample:
     value: float  # may be NaN or Inf: callers decide (they treat both as no data)
     timestamp: float
 
+    def __init__(self, labels: dict[str, str], value: float, timestamp: float):
+        # The fields written straight into the instance's dict: the __init__ dataclass writes for a frozen class
+        # calls object.__setattr__ once per field, twice the cost, and a tick builds one Sample per series and
+        # query (180,000 at 10,000 nodes). Still frozen: setting a field afterwards raises FrozenInstanceError.
+        fields = self.__dict__
+        fields["labels"] = labels
+        fields["value"] = value
+        fields["timestamp"] = timestamp
+
 
 def _parse_value(v: object) -> float:
     try:
@@ -66,6 +77,56 @@ def _pair(p: object) -> tuple[float, float]:
     if not isinstance(p, list) or len(p) != 2:
         raise PromError("bad_response", f"malformed sample {str(p)[:120]!r}")
     return _parse_time(p[0]), _parse_value(p[1])
+
+
+def _element(item: object) -> Sample:
+    """One element of a vector result, every check made one by one: the classified error names what is wrong."""
+    if not isinstance(item, dict) or "value" not in item:
+        raise PromError("bad_response", f"malformed vector element {str(item)[:120]!r}")
+    ts, val = _pair(item["value"])
+    return Sample(_parse_labels(item.get("metric", {})), val, ts)
+
+
+def _types(xs: Iterable[object]) -> set[type]:
+    return set(map(type, xs))
+
+
+def _plain_vector(result: list) -> list[Sample] | None:
+    """The Samples of a well-formed vector result, or None if any element is not plainly well-formed.
+
+    At 10,000 series a tick parses 18 such answers: _element's checks, a few calls each per element, cost more
+    than the JSON decoding. Here each check runs over the whole result at once, in C (map, set, chain): every
+    element a dict with a "metric" and a "value"; every label set a dict of str to str (kept as it is: the decoded
+    JSON is this function's own, no copy needed); every pair a list of two; float() taking both its parts; every
+    timestamp finite. What passes is exactly what _element takes, and gives what it gives; the rest (a missing
+    "metric" too, or a str subclass) is left to _element, which takes it or raises the classified error.
+    """
+    if not _types(result) <= {dict}:
+        return None
+    try:
+        labels = [item["metric"] for item in result]
+        pairs = [item["value"] for item in result]
+    except KeyError:
+        return None
+    if not (_types(labels) <= {dict} and _types(pairs) <= {list} and set(map(len, pairs)) <= {2}
+            and _types(chain.from_iterable(labels)) <= {str}
+            and _types(chain.from_iterable(map(dict.values, labels))) <= {str}):
+        return None
+    try:
+        stamps = list(map(float, map(itemgetter(0), pairs)))
+        values = list(map(float, map(itemgetter(1), pairs)))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not all(map(math.isfinite, stamps)):
+        return None
+    return list(map(Sample, labels, values, stamps))
+
+
+def _vector(result: list) -> list[Sample]:
+    """A vector result's Samples: at once if plainly well-formed (_plain_vector), else element by element
+    (_element), which raises the classified error of the first bad one."""
+    plain = _plain_vector(result)
+    return plain if plain is not None else [_element(item) for item in result]
 
 
 def build_session_headers(cfg: PrometheusConfig, environ: Mapping[str, str]) -> tuple[dict, tuple | None]:
@@ -253,13 +314,7 @@ class PrometheusClient:
             return [Sample({}, val, ts)]
         if rtype != "vector" or not isinstance(result, list):
             raise PromError("bad_response", f"expected a vector, got {str(rtype)[:40]}")
-        out = []
-        for item in result:
-            if not isinstance(item, dict) or "value" not in item:
-                raise PromError("bad_response", f"malformed vector element {str(item)[:120]!r}")
-            ts, val = _pair(item["value"])
-            out.append(Sample(_parse_labels(item.get("metric", {})), val, ts))
-        return out
+        return _vector(result)
 
     def query_range(self, promql: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         """Range query: [(labels, [(t, value), ...]), ...]."""

@@ -1,0 +1,131 @@
+"""A vector answer is checked in bulk when it is plainly well-formed (promclient._plain_vector) and element by element
+otherwise: on any result the Samples, or the PromError (kind and message), are those of the element-by-element
+parse it replaced, kept here as the reference. Garbage of every kind is still classified."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import responses
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grayguard import promclient
+from grayguard.config import PrometheusConfig
+from grayguard.promclient import PromError, PrometheusClient, Sample, _pair, _parse_labels
+
+PROM = "http://prom.test:9090"
+
+
+def _reference(result: list) -> list[Sample]:
+    """The element-by-element parse, as query() did it."""
+    out = []
+    for item in result:
+        if not isinstance(item, dict) or "value" not in item:
+            raise PromError("bad_response", f"malformed vector element {str(item)[:120]!r}")
+        ts, val = _pair(item["value"])
+        out.append(Sample(_parse_labels(item.get("metric", {})), val, ts))
+    return out
+
+
+def _outcome(parse, result):
+    """What parse makes of result: the samples (NaN shown as nan) or the error's kind and message."""
+    try:
+        got = parse(result)
+    except PromError as e:
+        return ("error", e.kind, str(e))
+    assert all(type(s.labels) is dict for s in got)
+    return ("ok", repr([(s.labels, s.value, s.timestamp) for s in got]))
+
+
+class Text(str):
+    pass
+
+
+class Labels(dict):
+    pass
+
+
+NAMES = st.sampled_from(("__name__", "instance", "pool", "job", "result"))
+GOOD_LABELS = st.dictionaries(NAMES, st.text(max_size=6), max_size=4)
+STAMP = st.one_of(st.floats(0, 2e9), st.integers(0, 2**40), st.sampled_from(("1700000000.5", "NaN", "+Inf", "x")),
+                  st.sampled_from((math.nan, math.inf, -math.inf, 10**400, True, None)))
+VALUE = st.one_of(st.floats(allow_nan=True).map(repr), st.sampled_from(("NaN", "+Inf", "-Inf", "1e400", "0", "x", "")),
+                  st.floats(allow_nan=False), st.integers(-5, 5), st.sampled_from((10**400, True, None, [], {})))
+GOOD_PAIR = st.tuples(st.floats(0, 2e9), st.floats(0, 10).map(repr)).map(list)
+PAIR = st.one_of(GOOD_PAIR, GOOD_PAIR, st.tuples(STAMP, VALUE).map(list), st.lists(STAMP, max_size=3),
+                 st.tuples(st.floats(0, 2e9), st.floats(0, 10).map(repr)), st.none(), st.text(max_size=3))
+LABELS = st.one_of(GOOD_LABELS, GOOD_LABELS, GOOD_LABELS,
+                   st.dictionaries(NAMES, st.one_of(st.integers(), st.none(), st.text(max_size=3).map(Text)),
+                                   min_size=1, max_size=2),
+                   GOOD_LABELS.map(Labels), st.dictionaries(st.integers(0, 3), st.text(max_size=2), min_size=1,
+                                                            max_size=2),
+                   st.none(), st.lists(st.text(max_size=3), max_size=2))
+GOOD = st.fixed_dictionaries({"metric": GOOD_LABELS, "value": GOOD_PAIR})
+ELEMENT = st.one_of(GOOD, GOOD, GOOD, st.fixed_dictionaries({"metric": LABELS, "value": PAIR}),
+                    st.fixed_dictionaries({"value": PAIR}), st.fixed_dictionaries({"metric": LABELS}),
+                    st.fixed_dictionaries({"metric": GOOD_LABELS, "values": st.lists(GOOD_PAIR, max_size=2)}),
+                    st.none(), st.integers(), st.text(max_size=4), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(ELEMENT, max_size=6))
+def test_a_vector_parses_as_element_by_element(result):
+    assert _outcome(promclient._vector, result) == _outcome(_reference, result)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(GOOD, max_size=8))
+def test_a_well_formed_vector_takes_the_bulk_path(result):
+    got = promclient._plain_vector(result)
+    assert got is not None and _outcome(lambda r: got, result) == _outcome(_reference, result)
+    assert all(s.labels is item["metric"] for s, item in zip(got, result, strict=True))  # decoded JSON: no copy
+
+
+def test_one_bad_element_among_many_is_named():
+    good = [{"metric": {"instance": f"10.0.0.{i}:8000"}, "value": [1000.0, "0.5"]} for i in range(100)]
+    for bad, message in (({"metric": {"instance": 7}, "value": [1000.0, "1"]}, "malformed label set"),
+                         ({"metric": {7: "a"}, "value": [1000.0, "1"]}, "malformed label set"),
+                         ({"metric": None, "value": [1000.0, "1"]}, "malformed label set"),
+                         ({"metric": {}, "value": [1000.0, "x"]}, "unparseable sample value 'x'"),
+                         ({"metric": {}, "value": ["NaN", "1"]}, "sample timestamp 'NaN' is not a finite number"),
+                         ({"metric": {}, "value": [1000.0]}, "malformed sample"),
+                         # two parts that float() takes, but not a list
+                         ({"metric": {}, "value": (1000.0, "1")}, "malformed sample"),
+                         ({"metric": {}, "value": "12"}, "malformed sample"),
+                         ({"metric": {}}, "malformed vector element"), ([], "malformed vector element")):
+        with pytest.raises(PromError) as e:
+            promclient._vector([*good[:50], bad, *good[50:]])
+        assert e.value.kind == "bad_response" and message in str(e.value)
+    # no "metric": an empty label set, as before (the element-by-element path takes it)
+    assert promclient._vector([*good, {"value": [1000.0, "2"]}])[-1] == Sample({}, 2.0, 1000.0)
+
+
+@responses.activate
+def test_query_parses_a_large_answer_in_bulk_and_garbage_is_classified():
+    result = [{"metric": {"__name__": "gg:latency", "instance": f"10.0.{i // 256}.{i % 256}:8000", "pool": f"p{i % 7}"},
+               "value": [1700000000.5, repr(i / 7)]} for i in range(2000)]
+    result[3]["value"][1] = "NaN"
+    body = {"status": "success", "data": {"resultType": "vector", "result": result}}
+    responses.get(f"{PROM}/api/v1/query", body=json.dumps(body))
+    got = PrometheusClient(PrometheusConfig(url=PROM)).query("q")
+    assert [(s.labels, s.timestamp) for s in got] == [(r["metric"], 1700000000.5) for r in result]
+    assert math.isnan(got[3].value) and got[7].value == 1.0
+    result[1500]["value"] = [1700000000.5, {"not": "a number"}]
+    responses.replace(responses.GET, f"{PROM}/api/v1/query", body=json.dumps(body))
+    with pytest.raises(PromError) as e:
+        PrometheusClient(PrometheusConfig(url=PROM)).query("q")
+    assert e.value.kind == "bad_response" and "unparseable sample value" in str(e.value)
+
+
+def test_a_sample_is_still_a_frozen_dataclass():
+    s = Sample({"instance": "a"}, 0.5, 1000.0)
+    assert s == Sample(labels={"instance": "a"}, value=0.5, timestamp=1000.0) != Sample({}, 0.5, 1000.0)
+    assert repr(s) == "Sample(labels={'instance': 'a'}, value=0.5, timestamp=1000.0)"
+    assert dataclasses.replace(s, value=2.0) == Sample({"instance": "a"}, 2.0, 1000.0)
+    assert dataclasses.asdict(s) == {"labels": {"instance": "a"}, "value": 0.5, "timestamp": 1000.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.value = 1.0  # type: ignore[misc]
