@@ -13,15 +13,17 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from controller.scoring import Baseline, baseline, leave_one_out, median, median_without
 
 Group = str | None
 
 
-@dataclass(frozen=True)
-class Score:
+class Score(NamedTuple):
+    """A node's score against its peers. A NamedTuple, not a frozen dataclass: every node gets one for each signal
+    every tick, and a tuple is made at half the cost (the decision core never stores one)."""
+
     z: float
     ratio: float  # latency / peer median, both in the node's own units
     peer_median: float  # in the node's own units

@@ -321,14 +321,15 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     t, r = policy.thresholds, policy.recovery
     names = sorted(inputs)
     st, retained = _membership(prev, inputs, names, t, r, now)
+    groups: dict[str, str | None] = {}
     for n in names:  # back UP after its health check had it DOWN: a restart, cold (not a reflex's mark-down)
         i, s = inputs[n], st[n]
+        groups[n] = i.peer_group
         check_down = i.down and not i.hold and not i.gateway_marked_down and not i.agent_down
         if s.was_down and not i.down and not i.hold and s.state in IN_ROTATION:
             st[n] = warm_up(s, now, t, r, "back UP after its health check had it DOWN")
         elif s.was_down != check_down:
             st[n] = evolve(st[n], was_down=check_down)
-    groups = {n: inputs[n].peer_group for n in names}
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
     fresh: dict[str, float] = {}
@@ -353,12 +354,24 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                     t.window_noise_cv)
             if z != sc.z:
                 scored[n] = peers.Score(z, sc.ratio, sc.peer_median)
-    rotating = [n for n in names if st[n].state in IN_ROTATION and not inputs[n].hold]
-    probe_ttfts = {n: inputs[n].probe_ttft for n in rotating if inputs[n].probe_ttft is not None}
+    rotating: list[str] = []  # the nodes in rotation, and their probe TTFT and KV-cache usage where known
+    probe_ttfts: dict[str, float] = {}
+    kv_used: dict[str, float] = {}
+    for n in names:
+        i = inputs[n]
+        if st[n].state in IN_ROTATION and not i.hold:
+            rotating.append(n)
+            if i.probe_ttft is not None:
+                probe_ttfts[n] = i.probe_ttft
+            if i.kv_cache_usage is not None:
+                kv_used[n] = i.kv_cache_usage
     peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
-    kv_used = {n: inputs[n].kv_cache_usage for n in rotating if inputs[n].kv_cache_usage is not None}
+    live_of: dict[str, dict[str, peers.Score]] = {}  # each node's live scores; one it lacks is absent (get: None)
+    for what, sc_of in live_scores.items():
+        for n, x in sc_of.items():
+            live_of.setdefault(n, {})[what] = x
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= t.min_peers else {}
     queued = pool_queued(inputs, rotating, t.min_peers)
 
@@ -385,7 +398,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
-                                   t, r, now, calm_gap, {k: v.get(n) for k, v in live_scores.items()},
+                                   t, r, now, calm_gap, live_of.get(n),
                                    renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
@@ -546,13 +559,16 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     veto = like_peers_now(live_sc, t.live_veto_ratio)  # the live signals say it is like its peers now (live_veto)
     lat_reason = ""  # written only while the latency signal holds the node degraded: the only time it is shown
     prev_factors, prev_lat = s.factors, s.lat_degraded
+    # the latency signal's changes to the state, written with the other signals' memories in one copy below
+    lat: dict = {}
+    lat_deg, lat_factor = s.lat_degraded, s.lat_factor
     if sc is not None and not renewed:
         if s.lat_degraded and s.ratio is not None and s.score is not None:
             lat_reason = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
         sc = None  # no new evidence: no latency transition, no latency candidacy this tick
     elif sc is None:
         if s.score is not None or s.ratio is not None:
-            s = evolve(s, score=None, ratio=None)
+            lat = {"score": None, "ratio": None}
     else:
         outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
         hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
@@ -567,8 +583,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
         calm_ticks = s.calm_ticks + 1 if calm else 0
         lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not veto)
-        s = evolve(s, score=sc.z, ratio=sc.ratio, hot_ticks=s.hot_ticks + 1 if hot else 0, calm_ticks=calm_ticks,
-                   lat_degraded=lat_deg, lat_factor=latency_factor(sc.z) if lat_deg else 1.0)
+        lat_factor = latency_factor(sc.z) if lat_deg else 1.0
+        lat = {"score": sc.z, "ratio": sc.ratio, "hot_ticks": s.hot_ticks + 1 if hot else 0, "calm_ticks": calm_ticks,
+               "lat_degraded": lat_deg, "lat_factor": lat_factor}
         if lat_deg:
             lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
@@ -596,17 +613,19 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         else:
             why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
             l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
-    degraded = s.lat_degraded or pf < 1.0 or ef < 1.0 or lf < 1.0
+    degraded = lat_deg or pf < 1.0 or ef < 1.0 or lf < 1.0
     factors: tuple = ()  # the factors in force and their reasons: none while no signal cuts the weight
     why = ""
     if degraded:
-        factors = tuple(f for f in ((Signal.LATENCY, s.lat_factor, lat_reason or "latency (held)"),
+        factors = tuple(f for f in ((Signal.LATENCY, lat_factor, lat_reason or "latency (held)"),
                                     (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
                                     (Signal.LIVE, lf, "; ".join(l_reasons)))
-                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or s.lat_degraded))
-        why = "; ".join(x for x in [lat_reason if s.lat_degraded else ""]
+                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or lat_deg))
+        why = "; ".join(x for x in [lat_reason if lat_deg else ""]
                         + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
-    s = evolve(s, live_itl=lm, signals=mem, factors=factors)  # one copy for every signal's memory
+    # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
+    if lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
+        s = evolve(s, **lat, live_itl=lm, signals=mem, factors=factors)
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
     if s.state == SLOW_START and degraded:  # the factors apply on top of the ramp: a flag never raises its weight

@@ -54,6 +54,15 @@ def median_without(sorted_vals: list[float], i: int) -> float:
     return upper if n % 2 else 0.5 * (sorted_vals[mid - 1 + (mid - 1 >= i)] + upper)
 
 
+def _medians_without(sorted_vals: list[float]) -> tuple[float, float, float]:
+    """median_without(sorted_vals, i) for i below the middle, at it and above it: the only three values it takes
+    (below the middle both middle elements move up one place, at it only the upper one, above it neither).
+    Indexed by (i >= mid) + (i > mid), mid = (len(sorted_vals) - 1) // 2; each is computed by median_without
+    itself: the same floats. Needs at least two values."""
+    k = len(sorted_vals) - 1
+    return median_without(sorted_vals, 0), median_without(sorted_vals, k // 2), median_without(sorted_vals, k)
+
+
 @dataclass(frozen=True)
 class Baseline:
     """Location and spread of a set of peers, in log space."""
@@ -89,7 +98,7 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
     """For each node, the baseline of the *other* nodes (needs at least 2 values)."""
     if len(values) < 2:
         return {}
-    logs = sorted((math.log(v), n) for n, v in values.items())  # by value, then name
+    logs = sorted(zip(map(math.log, values.values()), values, strict=True))  # (log, name): by value, then name
     lv = [v for v, _ in logs]
     k = len(lv) - 1  # size of each leave-one-out set
     if len(values) > EXACT_LOO_MAX:
@@ -98,23 +107,36 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
         full = baseline(list(values.values()), min_spread)
         assert full is not None
         return {n: Baseline(median_without(lv, i), full.spread, k) for i, (_, n) in enumerate(logs)}
-    # Exact. Dropping one value keeps the list sorted and moves its median by at most one rank, so each node's
-    # median is read off lv by index and takes at most three values; for each, the deviations of every value
-    # from it are sorted once, and a node's MAD is their median without its own deviation. The same numbers as
-    # sorting each node's peers on its own; nodes with the same median and MAD share one (frozen) Baseline.
-    deviations: dict[float, list[float]] = {}
+    # Exact. Dropping one value keeps the list sorted and moves its median by at most one rank: the nodes below the
+    # middle rank share one median, the middle node has its own, the nodes above share a third (_medians_without).
+    # For each median, the deviations of every value from it are sorted once, and a node's MAD is their median
+    # without its own deviation: again one of three, by the rank of that deviation. The same numbers as sorting each
+    # node's peers on its own; nodes with the same median and MAD share one (frozen) Baseline.
+    deviations: dict[float, tuple[list[float], tuple[float, float, float]]] = {}
     shared: dict[tuple[float, float], Baseline] = {}
     out = {}
-    for i, (x, n) in enumerate(logs):
-        m = median_without(lv, i)
-        dev = deviations.get(m)
-        if dev is None:
-            dev = deviations[m] = sorted([abs(v - m) for v in lv])
-        mad = median_without(dev, bisect.bisect_left(dev, abs(x - m)))
-        b = shared.get((m, mad))
-        if b is None:
-            b = shared[m, mad] = Baseline(m, max(MAD_SCALE * mad, min_spread), k)
-        out[n] = b
+    lv_medians, mid = _medians_without(lv), k // 2
+    for rank, (lo, hi) in enumerate(((0, mid), (mid, mid + 1), (mid + 1, k + 1))):  # below, at, above the middle
+        if lo == hi:
+            continue
+        m = lv_medians[rank]  # median_without(lv, i) for each i in range(lo, hi)
+        known = deviations.get(m)
+        if known is None:
+            dev = sorted([abs(v - m) for v in lv])
+            known = deviations[m] = dev, _medians_without(dev)
+        dev, dev_medians = known
+        by_rank: list[Baseline | None] = [None, None, None]  # this median's baselines, by the rank of the deviation
+        for x, n in logs[lo:hi]:
+            j = bisect.bisect_left(dev, abs(x - m))
+            r = (j >= mid) + (j > mid)  # median_without(dev, j) is dev_medians[r]
+            b = by_rank[r]
+            if b is None:
+                mad = dev_medians[r]
+                b = shared.get((m, mad))
+                if b is None:
+                    b = shared[m, mad] = Baseline(m, max(MAD_SCALE * mad, min_spread), k)
+                by_rank[r] = b
+            out[n] = b
     return out
 
 
