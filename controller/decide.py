@@ -43,6 +43,9 @@ class PoolObservation:
     servers: Mapping[str, ServerState]  # the tier's view of every HAProxy endpoint that answered (plan.tier_view)
     prev: Mapping[str, NodeState]  # the states after the previous tick
     canaries: Sequence[CanaryRound] = ()
+    # pool_data of this tick's samples, servers, max age and min request rate, when the shell has it already (it
+    # checks every pool's data before the canaries); None: decide_tick computes it
+    data: PoolData | None = None
 
 
 @dataclass(frozen=True)
@@ -326,8 +329,8 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
             continue
         own = pool_samples(samples, pool.name)
         keys = _keys(pool, po.servers)  # once for pool_data and node_inputs
-        data = pool_data(pool, po.servers, own, obs.max_age_s, policies[pool.name].thresholds.min_request_rate,
-                         keys)
+        data = po.data or pool_data(pool, po.servers, own, obs.max_age_s,
+                                    policies[pool.name].thresholds.min_request_rate, keys)
         if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
             continue
         est, outcomes = canary_estimates(po.canaries, po.prev)

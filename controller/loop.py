@@ -137,10 +137,12 @@ class Controller:
         return got, None  # type: ignore[return-value]
 
     def check_pool_data(self, pool: PoolConfig, servers: dict[str, ServerState],
-                        samples: dict[str, list[Sample]]) -> str | None:
+                        samples: dict[str, list[Sample]]) -> tuple[str | None, decide.PoolData]:
         """Export how many of the pool's nodes have usable data, say why the others have none; the reason the
-        pool holds (not one node has fresh data: no canary, no decision, no write, the tick is no success)."""
-        data = decide.pool_data(pool, servers, samples, self.cfg.stale_after_s, self.cfg.thresholds.min_request_rate)
+        pool holds (not one node has fresh data: no canary, no decision, no write, the tick is no success), and
+        the data (decide_tick takes it as it is: the same samples, max age and min request rate)."""
+        data = decide.pool_data(pool, servers, samples, self.cfg.stale_after_s,
+                                self.policies[pool.name].thresholds.min_request_rate)
         m, p = self.metrics, pool.name
         m.pool_nodes_with_data.labels(p).set(len(data.with_data))
         for reason in decide.NO_DATA_REASONS:
@@ -166,8 +168,8 @@ class Controller:
                 m.prometheus_errors.labels("stale").inc()
             why = f"pool={p}: {data.held}: holding every weight of the pool"
             log.warning(why)
-            return why
-        return None
+            return why, data
+        return None, data
 
     def _report_nodes(self, pool: str, reason: str, nodes: tuple[str, ...], msg: str) -> None:
         """Warn when the set of a pool's nodes without data for reason changes (once per set, not every tick)."""
@@ -303,13 +305,13 @@ class Controller:
                 if name not in servers:
                     self._warn_once(f"server:{pool.name}:{name}", f"pool={pool.name}: configured server "
                                     f"{name!r} is not in HAProxy backend {pool.backend!r}")
-            why = self.check_pool_data(pool, servers, decide.pool_samples(grouped, pool.name))
+            why, data = self.check_pool_data(pool, servers, decide.pool_samples(grouped, pool.name))
             if why:  # the pool holds: not observed, so not decided, and the tick is no success
                 result.errors.append(why)
                 held.append(why)
                 continue
             prev = self.states.get(pool.name, {})
-            pools[pool.name] = decide.PoolObservation(servers, prev)
+            pools[pool.name] = decide.PoolObservation(servers, prev, data=data)
         if held and not pools:
             result.held = "; ".join(held)
             return None

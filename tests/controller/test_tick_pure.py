@@ -175,3 +175,26 @@ def test_canary_rounds_follow_the_recovery_interval(interval, due):
             **{f"node{i}": NodeState(ema=0.02) for i in (1, 2, 3)}}
     rounds = canary.canary_rounds(sorted(SERVERS), prev, {}, 1000.0, RecoveryConfig(canary_interval_s=interval))
     assert rounds == ([("node0", ["node0", "node1", "node2"])] if due else [])
+
+
+def test_the_pool_data_the_shell_checked_is_the_data_decided_on(monkeypatch):
+    # the shell matches every pool's series to its servers once a tick (check_pool_data, before the canaries) and
+    # decide_tick takes that match as it is: the same outcome as matching again, one match per pool
+    now, prev = 1000.0, {}
+    obs = observe(now, prev, slow())
+    data = decide.pool_data(POOL, SERVERS, obs.samples, obs.max_age_s, POLICIES["chat"].thresholds.min_request_rate)
+    given = decide.Observation(now, obs.samples, {}, {"chat": decide.PoolObservation(SERVERS, prev, data=data)},
+                               obs.max_age_s)
+    assert decide.decide_tick(given, [POOL], POLICIES) == decide.decide_tick(obs, [POOL], POLICIES)
+
+    backends = {"vllm_chat": [(n, a, 100) for n, a in ADDR.items()]}
+    hap = FakeHaproxy("127.0.0.1:9999", backends, [])
+    prom = FakeProm(lambda q: samples({a: 0.02 * (5 if n == "node0" else 1) if "latency" in q else 5.0
+                                       for n, a in ADDR.items()}, now), [])
+    ctl = fake_controller([{"name": "chat", "backend": "vllm_chat"}], [hap], prom, clock=lambda: now)
+    calls = []
+    real = decide.pool_data
+    monkeypatch.setattr(decide, "pool_data", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    r = ctl.tick()
+    assert r.held is None and calls == ["chat"]
+    assert r.decisions["chat"].nodes["node0"].state.state == "degraded"
