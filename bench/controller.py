@@ -15,6 +15,8 @@ import requests
 from bench.promcost import measure
 from bench.promresult import format_cost
 from bench.scale import format_scale, measure_scale
+from bench.ticklocal import format_local
+from bench.ticklocal import measure as measure_local
 from bench.tickresult import format_tick
 from bench.wholetick import measure_tick
 from controller.haproxy import Command, RuntimeClient, ServerState
@@ -57,6 +59,11 @@ Prints measured numbers (this machine, now):
     controller's CPU (median, p90, max); the controller's memory at the first, middle and last tick; each rule
     group's evaluation time in Prometheus over the same ticks; a verdict against the 500 ms target (issue 18);
     notes on whatever fell behind. No tick starts after --whole-tick-seconds of ticking. --no-whole-tick skips it.
+  * the controller's own tick at --local-tick-nodes (bench/ticklocal.py): the same HAProxy and real Controller,
+    with Prometheus' answers to its queries served over Prometheus' HTTP API by a child process
+    (bench/answers.py), so what is measured is the controller's work (the HAProxy read, the answers fetched
+    and parsed, the matching, the decisions, the writes, the metrics export) where a real Prometheus on this
+    machine would not keep up; a verdict against the 500 ms target. --no-local-tick skips it.
 Timings are medians over --ticks runs; compare ratios, not absolute numbers, on a noisy machine.
 """
 
@@ -146,6 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--whole-tick-seconds", type=float, default=300.0, metavar="S",
                    help="no new tick after S seconds of ticking, per node count (default 300: a tick that is slow "
                         "at 10,000 nodes ends the run early rather than after hours)")
+    p.add_argument("--no-local-tick", action="store_true",
+                   help="skip the controller's own tick with Prometheus' answers served (bench/ticklocal.py)")
+    p.add_argument("--local-tick-nodes", default="1000,10000", metavar="N,N",
+                   help="comma-separated node counts for the controller's own tick (default 1000,10000)")
+    p.add_argument("--local-tick-ticks", type=int, default=30, metavar="K",
+                   help="its ticks per node count after the first (default 30)")
 
 
 DECISION_TARGET_S = 0.1  # issue 18: decide + plan for 10,000 nodes in 500 pools, median
@@ -199,6 +212,26 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_whole_tick:
         rc = max(rc, run_whole_tick([int(x) for x in args.whole_tick_nodes.split(",") if x.strip()],
                                     args.whole_tick_ticks, args.whole_tick_seconds))
+    if not args.no_local_tick:
+        rc = max(rc, run_local_tick([int(x) for x in args.local_tick_nodes.split(",") if x.strip()],
+                                    args.local_tick_ticks))
+    return rc
+
+
+def run_local_tick(sizes: list[int], ticks: int) -> int:
+    """Print the controller's own tick (real HAProxy, Prometheus' answers served) at each size; 1 when a size
+    could not be measured."""
+    print("the controller's own tick on real parts (HAProxy with a server per node, 20 per backend; the real "
+          f"Controller.tick(), {ticks} ticks per size; Prometheus' answers served by bench/answers.py):", flush=True)
+    rc = 0
+    for n in sizes:
+        try:
+            r = measure_local(n, ticks, lambda s: print(f"  own tick: {s}", file=sys.stderr, flush=True))
+        except (OSError, RuntimeError, TimeoutError) as e:  # BinaryMissing is an OSError
+            print(f"  {n} nodes: not measured: {e}", flush=True)
+            rc = 1
+            continue
+        print("\n".join(format_local(r)), flush=True)
     return rc
 
 

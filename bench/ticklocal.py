@@ -1,0 +1,193 @@
+"""The controller's own work in a whole tick at scale: real HAProxy, the real Controller, Prometheus' answers served.
+
+`bench/wholetick.py` runs the whole tick against a real Prometheus; on the project's 2 cores that Prometheus
+does not keep up at 10,000 nodes (its rule groups take minutes, the queries time out), so that run measures
+Prometheus. This one puts bench/answers.py in Prometheus' place (a child process serving, over Prometheus'
+HTTP API, what it would answer for the stand-in fleet) and measures what is the controller's: HAProxy's
+`show servers state` for 10,000 servers, 18 answers of 10,000 series fetched and parsed, the series matched to
+the servers, the decisions, the writes through the runtime API and the metrics export. Timed as in wholetick
+(bench/tickprobe.py: the controller's own methods wrapped on the instance), on the controller's fixed-rate
+schedule. The answer server's CPU is its own process's and is reported apart.
+
+    python -m bench.ticklocal --nodes 1000,10000 --ticks 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.promwindow import cpu_seconds
+from bench.scale import deep_size, rss_bytes
+from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, sample
+from bench.tickresult import PARTS, TickSample, _row, median_max
+from bench.wholetick import controller_config, fleet_backends
+from controller.loop import Controller
+from controller.ticker import next_slot
+from grayguard.config import load_config
+from grayguard.promclient import PrometheusClient
+from localstack.haproxy import HaproxyProc, haproxy_config
+from localstack.procs import ManagedProcess
+
+TARGET_S = 0.5  # issue 18: the whole tick at 10,000 nodes
+
+
+@dataclass
+class LocalTick:
+    nodes: int
+    backends: int
+    ticks: list[TickSample] = field(default_factory=list)
+    first: TickSample | None = None  # the first tick: it creates every metric series and seeds every state
+    memory: list[tuple[int, float, float]] = field(default_factory=list)  # (tick, RSS MiB, kept MiB)
+    cores: dict[str, float] = field(default_factory=dict)
+    skipped: int = 0
+    logged: dict[str, int] = field(default_factory=dict)
+
+    def times(self, key: str) -> list[float]:
+        if key == "decision":
+            return [t.seconds["decide"] + t.seconds.get("plan", 0.0) for t in self.ticks if "decide" in t.seconds]
+        return [t.seconds[key] for t in self.ticks if key in t.seconds]
+
+
+def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: None) -> LocalTick:
+    """Start HAProxy and the answer server for nodes, tick ticks times after a first tick; stop both."""
+    with tempfile.TemporaryDirectory(prefix="grayguard-ticklocal-") as d:
+        wd = Path(d)
+        backends = fleet_backends(nodes)
+        hap = HaproxyProc(wd / "haproxy")
+        hap.dir.mkdir()
+        hap.cfg.write_text(haproxy_config(hap.sock, backends))
+        draft = controller_config(wd, 9, hap.endpoint, list(backends))  # its queries are what the server answers
+        ready = wd / "answers.json"
+        progress(f"{nodes} nodes: starting HAProxy ({nodes} servers in {len(backends)} backends) and the answers")
+        server = ManagedProcess([sys.executable, "-m", "bench.answers", "--config", str(draft), "--nodes", str(nodes),
+                                 "--ready-file", str(ready)], wd / "answers.log")
+        try:
+            hap.start(timeout_s=30 + nodes / 100)
+            try:
+                server.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the answer server")
+                port = json.loads(ready.read_text())["port"]
+                cfg = load_config(controller_config(wd, port, hap.endpoint, list(backends)))
+                return run(cfg, nodes, len(backends), ticks, {"HAProxy": hap.proc.pid, "answers": server.pid},
+                           progress)
+            finally:
+                hap.stop()
+        finally:
+            server.stop()
+
+
+def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
+        progress: Callable[[str], None]) -> LocalTick:
+    out = LocalTick(nodes, n_backends)
+    watch = Stopwatch()
+    ctl = Controller(cfg, PrometheusClient(cfg.prometheus),
+                     [TimedRuntime(ep, cfg.haproxy.timeout_s, watch) for ep in cfg.haproxy.endpoints],
+                     state_file=None)
+    instrument(ctl, watch)
+    counted = LogCount()
+    log = logging.getLogger("grayguard.controller")
+    log.addFilter(counted)
+    try:
+        out.first = _tick(ctl, watch)
+        pids = {"controller (this process)": os.getpid(), **pids}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        marks = {1, (ticks + 1) // 2, ticks}
+        start = due = time.monotonic()
+        for k in range(1, ticks + 1):
+            time.sleep(max(0.0, due - time.monotonic()))
+            ran_at = due
+            t = _tick(ctl, watch)
+            out.ticks.append(t)
+            if k in marks:
+                kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows)
+                out.memory.append((k, rss_bytes() / 2**20, deep_size(kept) / 2**20))
+            if k % 10 == 0 or k == ticks:
+                progress(f"{nodes} nodes: tick {k}/{ticks}: {t.seconds['tick'] * 1000:.0f} ms"
+                         + (f", held: {t.held[:100]}" if t.held else ""))
+            due, skipped = next_slot(start, cfg.tick_interval_s, time.monotonic(), ran_at)
+            out.skipped += skipped
+        span = time.monotonic() - start
+        out.cores = {k: (cpu_seconds(pid) - cpu0[k]) / span for k, pid in pids.items()
+                     if cpu0[k] is not None and cpu_seconds(pid) is not None}
+    finally:
+        log.removeFilter(counted)
+    out.logged = dict(counted.counts)
+    return out
+
+
+def _tick(ctl: Controller, watch: Stopwatch) -> TickSample:
+    watch.reset()
+    c0, t0 = time.process_time(), time.perf_counter()
+    result = ctl.tick()
+    return sample(watch, time.perf_counter() - t0, time.process_time() - c0, result)
+
+
+def format_local(r: LocalTick) -> list[str]:
+    held = sum(1 for t in r.ticks if t.held)
+    out = [f"  {r.nodes} nodes in {r.backends} backends ({len(r.ticks)} ticks after the first; "
+           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):",
+           f"      {'per tick, ms':<56} {'median':>9} {'p90':>9} {'max':>9}   (ticks)",
+           _row("whole tick (Controller.tick)", r.times("tick"))]
+    for key, label in PARTS:
+        if key == "prometheus":
+            label = "Prometheus answers (18 queries: fetched and parsed)"
+        out.append(_row("  " + label, r.times(key)))
+    out += [_row("decision (decide + plan)", r.times("decision")),
+            _row("controller CPU in the tick (every thread)", [t.cpu_s for t in r.ticks])]
+    if r.first is not None:
+        f = r.first.seconds
+        out.append(f"    first tick (seeds every state, creates every metric series): {f['tick'] * 1000:.0f} ms, "
+                   f"of which metrics export {f.get('export', 0.0) * 1000:.0f} ms; {r.first.commands} runtime-API "
+                   f"commands")
+    cmds = [t.commands for t in r.ticks]
+    out.append(f"    runtime-API commands: {sum(cmds)} in all, max {max(cmds, default=0)} a tick; pools decided per "
+               f"tick: median {sorted(t.decided for t in r.ticks)[len(r.ticks) // 2] if r.ticks else 0} "
+               f"of {r.backends}; {held} of {len(r.ticks)} ticks held")
+    out.append("    controller memory: " + ", ".join(f"tick {k}: RSS {rss:.1f} MiB, kept {kept:.1f} MiB"
+                                                     for k, rss, kept in r.memory))
+    out.append("    CPU over the ticks, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.cores.items()))
+    if r.skipped:
+        out.append(f"    note: {r.skipped} tick slots passed over: a tick ran past the next one")
+    if r.logged:
+        out.append("    controller log records (counted, not printed): "
+                   + ", ".join(f"{n} {lvl}" for lvl, n in sorted(r.logged.items())))
+    m, _ = median_max(r.times("tick"))
+    if r.ticks and not held:
+        verdict = "meets" if m <= TARGET_S else f"OVER ({m / TARGET_S:.1f}x)"
+        out.append(f"    verdict: the controller's whole tick, median {m * 1000:.0f} ms at {r.nodes} nodes: {verdict} "
+                   f"the {TARGET_S * 1000:.0f} ms target (Prometheus' own time not included: answers served)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ticklocal", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
+    ap.add_argument("--ticks", type=int, default=30, help="ticks per size after the first (default 30)")
+    a = ap.parse_args(argv)
+    try:
+        sizes = sorted(int(x) for x in a.nodes.split(","))
+    except ValueError:
+        ap.error(f"--nodes: comma-separated integers, got {a.nodes!r}")
+    if a.ticks < 1:
+        ap.error("--ticks: at least 1")
+    print("the controller's own tick on real parts (HAProxy with a server per node, 20 per backend; the real "
+          "Controller.tick(); Prometheus' answers served by bench/answers.py):", flush=True)
+    for n in sizes:
+        r = measure(n, a.ticks, lambda s: print(f"  ... {s}", file=sys.stderr, flush=True))
+        print("\n".join(format_local(r)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
