@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from controller.scoring import Baseline, baseline, leave_one_out, median, median_without
+from controller.scoring import Baseline, baseline, leave_one_out, leave_one_out_logs, median, median_without
 
 Group = str | None
 
@@ -63,9 +63,7 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
     small = []
     for g, members in by.items():
         if len(members) >= min_peers:
-            for n, b in leave_one_out(members, min_spread).items():
-                z, ratio = b.score(members[n])
-                out[n] = Score(z, ratio, b.median)
+            _score_against_peers(members, min_spread, out)
         else:
             small.append(g)
     if not small:
@@ -81,6 +79,19 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
                 z, ratio = loo[n].score(norm[n])
                 out[n] = Score(z, ratio, loo[n].median * coef[g])
     return out
+
+
+def _score_against_peers(members: Mapping[str, float], min_spread: float, out: dict[str, Score]) -> None:
+    """out[n] = Score of each member against the others, from the log of each value leave_one_out took (the same
+    math.log(x): Baseline.score_log), each shared baseline's median taken once."""
+    logs, loo = leave_one_out_logs(members, min_spread)
+    b = None
+    for lx, n in logs:
+        if loo[n] is not b:  # the nodes of a rank block share one Baseline (leave_one_out)
+            b = loo[n]
+            peer_median = b.median
+        z, ratio = b.score_log(lx)
+        out[n] = Score(z, ratio, peer_median)
 
 
 def canary_baseline(node: str, values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,

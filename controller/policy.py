@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from controller import live, peers, signals
 from controller.live import LiveMemory
 from controller.scoring import ema, usable, weight_factor, with_sampling_noise
-from controller.signals import SignalMemory, evolve
+from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
 
@@ -50,6 +50,7 @@ def pool_policies(cfg: Config) -> dict[str, Policy]:
     return {p.name: config_policy(cfg, p.group_speed) for p in cfg.pools}
 
 
+@dict_init  # built for every node every tick (the shell's node_inputs): a fraction of the dataclass __init__'s cost
 @dataclass(frozen=True)
 class NodeInput:
     """What the controller observed about one node this tick. None everywhere means "no data"."""
@@ -122,6 +123,7 @@ class NodeState:
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
 
 
+@dict_init  # one per node per tick
 @dataclass(frozen=True)
 class NodeDecision:
     state: NodeState
@@ -208,10 +210,15 @@ def at_equal_batch(vals: Mapping[str, float], inputs: Mapping[str, NodeInput], s
     its latency is higher than its batch explains, and only the batch's share is taken out. When any node lacks its
     batch (an older exporter), all are compared raw: one unit per comparison.
     """
-    batch = {n: inputs[n].live_decode_batch for n in vals}
-    if slope <= 0 or not all(usable(b) for b in batch.values()):
+    if slope <= 0:
         return dict(vals)
-    return {n: v / (1.0 + slope * max(0.0, batch[n] - 1.0)) for n, v in vals.items()}
+    out = {}
+    for n, v in vals.items():  # one pass: each node's batch read once (three signals a node, every tick)
+        b = inputs[n].live_decode_batch
+        if not usable(b):
+            return dict(vals)
+        out[n] = v / (1.0 + slope * max(0.0, b - 1.0))  # type: ignore[operator]
+    return out
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -532,9 +539,14 @@ def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
 
 def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> bool:
     """Whether live_veto has a reason: the same test, without writing the reason (most nodes, every tick)."""
-    li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
-    first = [x.ratio for x in (lt, pm) if x is not None]
-    return not ((li is not None and li.ratio >= ratio) or not first or min(first) >= ratio)
+    li = live_sc.get(LIVE_ITL)
+    if li is not None and li.ratio >= ratio:
+        return False
+    lt, pm = live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
+    if lt is None or pm is None:  # one first-token measurement, or none (which vetoes nothing)
+        one = pm if lt is None else lt
+        return one is not None and not one.ratio >= ratio
+    return not min(lt.ratio, pm.ratio) >= ratio  # min of the two as live_veto takes it (the first of equals)
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:

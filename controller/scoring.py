@@ -77,8 +77,12 @@ class Baseline:
 
     def score(self, x: float) -> tuple[float, float]:
         """(score, ratio to the median) of latency x against this baseline."""
-        lx = math.log(x)
-        return (lx - self.log_median) / self.spread, math.exp(lx - self.log_median)
+        return self.score_log(math.log(x))
+
+    def score_log(self, lx: float) -> tuple[float, float]:
+        """score() of a latency whose log is lx (a caller that has the log already)."""
+        d = lx - self.log_median
+        return d / self.spread, math.exp(d)
 
 
 def _from_sorted_logs(logs: list[float], min_spread: float) -> Baseline:
@@ -96,8 +100,15 @@ def baseline(values: list[float], min_spread: float) -> Baseline | None:
 
 def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, Baseline]:
     """For each node, the baseline of the *other* nodes (needs at least 2 values)."""
+    return leave_one_out_logs(values, min_spread)[1]
+
+
+def leave_one_out_logs(values: Mapping[str, float], min_spread: float
+                       ) -> tuple[list[tuple[float, str]], dict[str, Baseline]]:
+    """leave_one_out, with the (math.log(value), name) pairs it sorted, in the order of its nodes: a caller scoring
+    each node against its baseline has the node's log already (Baseline.score would take it again)."""
     if len(values) < 2:
-        return {}
+        return [], {}
     logs = sorted(zip(map(math.log, values.values()), values, strict=True))  # (log, name): by value, then name
     lv = [v for v, _ in logs]
     k = len(lv) - 1  # size of each leave-one-out set
@@ -106,7 +117,7 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
         # moves the MAD by at most one rank; it has no sqrt(M-1) ceiling since it is not a mean).
         full = baseline(list(values.values()), min_spread)
         assert full is not None
-        return {n: Baseline(median_without(lv, i), full.spread, k) for i, (_, n) in enumerate(logs)}
+        return logs, {n: Baseline(median_without(lv, i), full.spread, k) for i, (_, n) in enumerate(logs)}
     # Exact. Dropping one value keeps the list sorted and moves its median by at most one rank: the nodes below the
     # middle rank share one median, the middle node has its own, the nodes above share a third (_medians_without).
     # For each median, the deviations of every value from it are sorted once, and a node's MAD is their median
@@ -137,7 +148,7 @@ def leave_one_out(values: Mapping[str, float], min_spread: float) -> dict[str, B
                     b = shared[m, mad] = Baseline(m, max(MAD_SCALE * mad, min_spread), k)
                 by_rank[r] = b
             out[n] = b
-    return out
+    return logs, out
 
 
 def with_sampling_noise(z: float, ratio: float, samples: float | None, cv: float) -> float:

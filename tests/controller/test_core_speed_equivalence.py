@@ -1,21 +1,26 @@
 """The decision core's shortcuts give the very values of the plain code they replace: leave_one_out's three medians
 by rank against median_without index by index, evolve's __dict__ copy against dataclasses.replace (fields, their
-order, hash), and Score as a tuple. The decisions themselves: test_decisions_identical.py and
-`python -m bench.scale --verify`."""
+order, hash), Score as a tuple, peers.scores from leave_one_out's own logs against Baseline.score, at_equal_batch's
+one pass, like_peers_now's branches, and dict_init's __init__ (NodeInput, NodeDecision) against the one @dataclass
+generates. The decisions themselves: test_decisions_identical.py and `python -m bench.scale --verify`."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 import math
+import pickle
 import random
 
 import pytest
 
+from controller import policy
 from controller.live import LiveMemory
-from controller.peers import Score
-from controller.policy import NodeState
+from controller.peers import Score, coefficients, scores
+from controller.policy import LIVE_ITL, LIVE_TTFT, PROBE_MEDIAN, NodeDecision, NodeInput, NodeState, at_equal_batch
 from controller.scoring import Baseline, _medians_without, leave_one_out, median, median_without
-from controller.signals import SignalMemory, evolve
+from controller.signals import SignalMemory, dict_init, evolve
 
 
 @pytest.mark.parametrize("size", range(2, 42))
@@ -101,3 +106,131 @@ def test_score_keeps_its_names_and_its_equality():
     assert (sc.z, sc.ratio, sc.peer_median) == (1.5, 1.2, 0.02)
     assert sc == Score(1.5, 1.2, 0.02) and hash(sc) == hash(Score(1.5, 1.2, 0.02))
     assert repr(sc) == "Score(z=1.5, ratio=1.2, peer_median=0.02)"
+
+
+def _scores_plain(values, groups, min_peers, min_spread, speed):
+    """peers.scores as it was: each node's Baseline.score of its value, and the baseline's median property."""
+    by: dict = {}
+    for n in sorted(values):
+        by.setdefault(groups.get(n), {})[n] = values[n]
+    out, small = {}, []
+    for g, members in by.items():
+        if len(members) >= min_peers:
+            for n, b in leave_one_out(members, min_spread).items():
+                z, ratio = b.score(members[n])
+                out[n] = Score(z, ratio, b.median)
+        else:
+            small.append(g)
+    if small:
+        coef = coefficients(values, groups, min_peers, speed)
+        norm = {n: v / coef[groups.get(n)] for n, v in values.items() if groups.get(n) in coef}
+        if len(norm) >= min_peers:
+            loo = leave_one_out(norm, min_spread)
+            for g in small:
+                for n in by[g]:
+                    if n in loo:
+                        z, ratio = loo[n].score(norm[n])
+                        out[n] = Score(z, ratio, loo[n].median * coef[g])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_scores_from_leave_one_outs_logs_are_baseline_scores(seed):
+    rnd = random.Random(seed)
+    for _ in range(20):
+        size = rnd.randint(1, 90)  # both leave_one_out branches (exact, and pool-wide MAD above 64)
+        pick = [0.01, 0.02, 0.03, 1.0] if rnd.random() < 0.3 else None
+        vals = {f"n{i:02d}": rnd.choice(pick) if pick else rnd.lognormvariate(-4, 0.5) for i in range(size)}
+        groups = {n: rnd.choice(["a", "b", "c", None]) for n in vals}
+        speed = {"c": 1.5} if rnd.random() < 0.5 else {}
+        fast, plain = scores(vals, groups, 3, 0.05, speed), _scores_plain(vals, groups, 3, 0.05, speed)
+        assert list(fast) == list(plain)
+        assert [repr(x) for x in fast.values()] == [repr(x) for x in plain.values()]
+        assert all(type(x) is Score for x in fast.values())
+
+
+def test_at_equal_batch_is_the_formula_or_raw():
+    rnd = random.Random(7)
+    for _ in range(300):
+        names = [f"n{i}" for i in range(rnd.randint(0, 8))]
+        inputs = {n: NodeInput(1, live_decode_batch=rnd.choice([None, 0.0, math.nan, 0.5, 1.0, 3.7, 12.0]))
+                  for n in names}
+        vals = {n: rnd.uniform(0.001, 0.1) for n in names}
+        slope = rnd.choice([-1.0, 0.0, 0.2])
+        batch = {n: inputs[n].live_decode_batch for n in vals}
+        usable_all = all(b is not None and math.isfinite(b) and b > 0 for b in batch.values())
+        want = dict(vals) if slope <= 0 or not usable_all else \
+            {n: v / (1.0 + slope * max(0.0, batch[n] - 1.0)) for n, v in vals.items()}
+        got = at_equal_batch(vals, inputs, slope)
+        assert repr(got) == repr(want) and got is not vals
+
+
+def _dataclass_twin(cls):
+    """cls as @dataclass(frozen=True) alone makes it: the same fields and defaults, the generated __init__."""
+    body = {"__annotations__": {f.name: f.type for f in dataclasses.fields(cls)},
+            **{f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}}
+    return dataclasses.dataclass(frozen=True)(type(cls.__name__, (), body))
+
+
+VALUES = [None, True, False, 0, 7, -0.0, 1.5, math.nan, math.inf, "ok", NodeState(), ("a", 1.0)]
+
+
+@pytest.mark.parametrize("cls", [NodeInput, NodeDecision])
+def test_dict_init_builds_what_the_dataclass_init_builds(cls):
+    twin, fields = _dataclass_twin(cls), dataclasses.fields(cls)
+    params = list(inspect.signature(cls).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in params] == \
+        [(p.name, p.kind, p.default) for p in inspect.signature(twin).parameters.values()]
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    rnd = random.Random(cls.__name__)
+    for k in range(200):
+        kw = {f.name: rnd.choice(VALUES) for f in fields if f.name in required or rnd.random() < 0.5}
+        new, ref = cls(**kw), twin(**kw)
+        assert repr(new) == repr(ref)
+        assert list(vars(new)) == list(vars(ref)) == [f.name for f in fields]
+        assert [repr(v) for v in vars(new).values()] == [repr(v) for v in vars(ref).values()]
+        assert all(vars(new)[f.name] is f.default for f in fields if f.name not in kw)  # each default kept
+        if k % 10 == 0:  # positional, as dataclass allows
+            args = [kw.get(f.name, f.default) for f in fields]
+            assert vars(cls(*args)) == vars(new) and cls(*args) == new
+        # (a NaN field compares equal: the same object, and dataclass __eq__ compares tuples)
+        assert new == cls(**kw) and hash(new) == hash(cls(**kw))
+        assert dataclasses.replace(new) == new
+        back = pickle.loads(pickle.dumps(new))  # a new NaN object after the round trip: compared by repr
+        assert repr(back) == repr(new) and list(vars(back)) == list(vars(new))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(new, fields[0].name, 1)
+    with pytest.raises(TypeError):
+        cls()  # a missing required argument is refused, as by the dataclass __init__
+    with pytest.raises(TypeError):
+        cls(*required, nonsense=1)
+
+
+def test_dict_init_refuses_what_it_cannot_generate():
+    @dataclasses.dataclass(frozen=True)
+    class WithFactory:
+        a: list = dataclasses.field(default_factory=list)
+
+    @dataclasses.dataclass(frozen=True)
+    class Derived:
+        a: int
+
+        def __post_init__(self):
+            pass
+
+    for cls in (WithFactory, Derived):
+        with pytest.raises(TypeError):
+            dict_init(cls)
+
+
+def test_like_peers_now_is_the_list_and_min_it_was():
+    def plain(live_sc, ratio):
+        li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
+        first = [x.ratio for x in (lt, pm) if x is not None]
+        return not ((li is not None and li.ratio >= ratio) or not first or min(first) >= ratio)
+
+    ratios = [None, 0.5, 1.0, 1.2, 1.5, 2.0, math.nan, math.inf]
+    for a, b, c in itertools.product(ratios, repeat=3):
+        sc = {k: Score(1.0, r, 0.02) for k, r in ((LIVE_ITL, a), (LIVE_TTFT, b), (PROBE_MEDIAN, c)) if r is not None}
+        for ratio in (1.0, 1.2, 1.5):
+            assert policy.like_peers_now(sc, ratio) == plain(sc, ratio), (a, b, c, ratio)
