@@ -81,7 +81,7 @@ ticks = st.lists(st.tuples(st.sampled_from(["a", "b"]),
                  min_size=1, max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(ticks)
 def test_written_differences_show_what_a_full_export_shows(seq):
     diff_m, full_m = ControllerMetrics.create(), ControllerMetrics.create()

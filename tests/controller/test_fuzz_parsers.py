@@ -108,7 +108,7 @@ def _states_by_name(text):
     return out
 
 
-@FUZZ
+@settings(FUZZ, max_examples=150)
 @given(servers_state_text())
 def test_parse_servers_state_by_position_reads_what_by_name_reads(text):
     try:
