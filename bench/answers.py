@@ -91,8 +91,8 @@ def body(promql: str, signal: str, nodes: list[Node], rnd: random.Random) -> byt
 def routes(cfg: Config, nodes: list[Node], seed: int = 1) -> dict:
     """GET /api/v1/query and /-/ready as HttpServer routes."""
     rnd = random.Random(seed)
-    bodies = {q: [body(q, s, nodes, rnd) for _ in range(VARIANTS)] for q, s in queries(cfg).items()}
     signal = queries(cfg)
+    bodies = {q: [body(q, s, nodes, rnd) for _ in range(VARIANTS)] for q, s in signal.items()}
     every = duration_seconds(cfg.rules.control_interval)
     empty = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}}).encode()
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from bench.promwindow import cpu_seconds
 from bench.scale import deep_size, rss_bytes
-from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, sample
-from bench.tickresult import PARTS, TickSample, _row, median_max
+from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, timed_tick
+from bench.tickresult import PARTS, TickSample, _row, median_max, part_times
 from bench.wholetick import controller_config, fleet_backends
 from controller.loop import Controller
 from controller.ticker import next_slot
@@ -53,9 +53,7 @@ class LocalTick:
     logged: dict[str, int] = field(default_factory=dict)
 
     def times(self, key: str) -> list[float]:
-        if key == "decision":
-            return [t.seconds["decide"] + t.seconds.get("plan", 0.0) for t in self.ticks if "decide" in t.seconds]
-        return [t.seconds[key] for t in self.ticks if key in t.seconds]
+        return part_times(self.ticks, key)
 
 
 def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: None) -> LocalTick:
@@ -97,7 +95,7 @@ def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
     log = logging.getLogger("grayguard.controller")
     log.addFilter(counted)
     try:
-        out.first = _tick(ctl, watch)
+        out.first = timed_tick(ctl, watch)
         pids = {"controller (this process)": os.getpid(), **pids}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         marks = {1, (ticks + 1) // 2, ticks}
@@ -105,7 +103,7 @@ def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
         for k in range(1, ticks + 1):
             time.sleep(max(0.0, due - time.monotonic()))
             ran_at = due
-            t = _tick(ctl, watch)
+            t = timed_tick(ctl, watch)
             out.ticks.append(t)
             if k in marks:
                 kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows)
@@ -122,13 +120,6 @@ def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
         log.removeFilter(counted)
     out.logged = dict(counted.counts)
     return out
-
-
-def _tick(ctl: Controller, watch: Stopwatch) -> TickSample:
-    watch.reset()
-    c0, t0 = time.process_time(), time.perf_counter()
-    result = ctl.tick()
-    return sample(watch, time.perf_counter() - t0, time.process_time() - c0, result)
 
 
 def format_local(r: LocalTick) -> list[str]:

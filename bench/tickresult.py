@@ -36,6 +36,13 @@ class TickSample:
     rss_bytes: int = 0  # this process' resident memory after the tick
 
 
+def part_times(ticks: list[TickSample], key: str) -> list[float]:
+    """Seconds of one part (or "tick", or "decision": decide + plan) in every tick that ran it."""
+    if key == "decision":
+        return [t.seconds["decide"] + t.seconds.get("plan", 0.0) for t in ticks if "decide" in t.seconds]
+    return [t.seconds[key] for t in ticks if key in t.seconds]
+
+
 @dataclass
 class MemoryMark:
     """The controller's memory after one tick (after a gc.collect())."""
@@ -68,10 +75,7 @@ class TickCost:
     notes: list[str] = field(default_factory=list)
 
     def times(self, key: str) -> list[float]:
-        """Seconds of one part (or "tick", or "decision": decide + plan) in every tick that ran it."""
-        if key == "decision":
-            return [t.seconds["decide"] + t.seconds.get("plan", 0.0) for t in self.ticks if "decide" in t.seconds]
-        return [t.seconds[key] for t in self.ticks if key in t.seconds]
+        return part_times(self.ticks, key)
 
     @property
     def held(self) -> int:

@@ -39,7 +39,7 @@ from bench.promwindow import (
     warm_up,
 )
 from bench.scale import deep_size, rss_bytes
-from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, sample
+from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, timed_tick
 from bench.tickresult import MemoryMark, TickCost, all_notes
 from controller.haproxy import RuntimeClient
 from controller.loop import Controller
@@ -183,11 +183,8 @@ def tick_loop(cost: TickCost, ctl: Controller, watch: Stopwatch, prom: Prometheu
     for k in range(1, n + 1):
         time.sleep(max(0.0, due - time.monotonic()))
         ran_at = due
-        watch.reset()
-        c0, t0 = time.process_time(), time.perf_counter()
-        result = ctl.tick()
-        took, cpu = time.perf_counter() - t0, time.process_time() - c0
-        tick = sample(watch, took, cpu, result)
+        tick = timed_tick(ctl, watch)
+        took = tick.seconds["tick"]
         tick.rss_bytes = rss_bytes()
         cost.ticks.append(tick)
         last = k == n or time.monotonic() - start >= cost.budget_s
