@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import NamedTuple
 
 from controller.scoring import Baseline, baseline, leave_one_out, leave_one_out_logs, median, median_without
@@ -27,6 +28,15 @@ class Score(NamedTuple):
     z: float
     ratio: float  # latency / peer median, both in the node's own units
     peer_median: float  # in the node's own units
+
+
+def score_of(z: float, ratio: float, peer_median: float) -> Score:
+    """Score(z, ratio, peer_median), made without the NamedTuple's own __new__ (a Python function around the same
+    tuple.__new__): the score of every node for each signal, every tick."""
+    return _score((z, ratio, peer_median))
+
+
+_score = partial(tuple.__new__, Score)  # _score((z, ratio, peer_median)) is Score(z, ratio, peer_median)
 
 
 def _groups(values: Mapping[str, float], groups: Mapping[str, Group]) -> dict[Group, dict[str, float]]:
@@ -91,7 +101,7 @@ def _score_against_peers(members: Mapping[str, float], min_spread: float, out: d
             b = loo[n]
             peer_median = b.median
         z, ratio = b.score_log(lx)
-        out[n] = Score(z, ratio, peer_median)
+        out[n] = _score((z, ratio, peer_median))
 
 
 def canary_baseline(node: str, values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
@@ -121,6 +131,8 @@ def peer_median(node: str, values: Mapping[str, float], groups: Mapping[str, Gro
 def peer_medians(nodes: Iterable[str], values: Mapping[str, float], groups: Mapping[str, Group]
                  ) -> dict[str, float | None]:
     """peer_median of each node, the values sorted once per group instead of once per node."""
+    if not values:  # nothing to take a median of: None for each node (what the code below gives)
+        return dict.fromkeys(nodes)
     if any(v != v for v in values.values()):  # NaN: sorting depends on the order, so sort as peer_median does
         return {n: peer_median(n, values, groups) for n in nodes}
     by: dict[Group, list[float]] = {}

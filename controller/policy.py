@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from controller import live, peers, signals
 from controller.live import LiveMemory
 from controller.scoring import ema, usable, weight_factor, with_sampling_noise
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
+from grayguard.frozen import replaced
 from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
@@ -246,6 +248,8 @@ latency_factor = weight_factor  # the latency signal's weight curve (controller/
 
 def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool = False) -> int:
     """The HAProxy weight for a node in state s (0..256)."""
+    if not s.factors and s.state == HEALTHY and not kv_zero and 0 < base <= 256:
+        return base  # no factor, full share: what the formula below gives (most nodes, every tick)
     base = max(0, min(256, base))
     if s.state in EJECTED or kv_zero or base == 0:
         return 0
@@ -340,7 +344,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
     # 1. Smooth fresh latency of the nodes that carry traffic.
     fresh: dict[str, float] = {}
-    renewed: set[str] = set()  # nodes whose latency sample is new since the last tick
+    # nodes whose latency sample is new since the last tick, with their new EMA and sample time: written by step 2
+    # in the node's one copy of the tick (_in_rotation), not copied here first
+    renewed: dict[str, dict] = {}
     for n in names:
         i, s = inputs[n], st[n]
         if i.hold or s.state in EJECTED or not usable(i.latency):
@@ -349,10 +355,11 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
                 or s.ema is None:
-            st[n] = evolve(s, ema=ema(s.ema, i.latency, t.ema_alpha),  # type: ignore[arg-type]
-                           latency_seen_at=i.latency_at)
-            renewed.add(n)
-        fresh[n] = st[n].ema  # type: ignore[assignment]
+            x = ema(s.ema, i.latency, t.ema_alpha)  # type: ignore[arg-type]
+            renewed[n] = {"ema": x, "latency_seen_at": i.latency_at}
+            fresh[n] = x
+        else:
+            fresh[n] = s.ema
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
     if t.window_noise_cv > 0:  # a thin window (few requests) is a noisy mean: its score says so
         for n, sc in scored.items():
@@ -360,7 +367,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             z = with_sampling_noise(sc.z, sc.ratio, None if rate is None else rate * policy.window_s,
                                     t.window_noise_cv)
             if z != sc.z:
-                scored[n] = peers.Score(z, sc.ratio, sc.peer_median)
+                scored[n] = peers.score_of(z, sc.ratio, sc.peer_median)
     rotating: list[str] = []  # the nodes in rotation, and their probe TTFT and KV-cache usage where known
     probe_ttfts: dict[str, float] = {}
     kv_used: dict[str, float] = {}
@@ -406,7 +413,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                    t, r, now, calm_gap, live_of.get(n),
-                                   renewed=n in renewed, prefill_heavy=n in prefill_heavy, pool_queued=queued)
+                                   renewed=renewed.get(n), prefill_heavy=n in prefill_heavy, pool_queued=queued)
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
@@ -556,19 +563,25 @@ def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
     return min(r.min_quarantine_s, r.canary_interval_s) if fast else r.min_quarantine_s
 
 
+_NO_SCORES: Mapping[str, peers.Score] = MappingProxyType({})
+
+
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: bool = True, prefill_heavy: bool = False,
+                 renewed: Mapping[str, float | None] | None = None, prefill_heavy: bool = False,
                  pool_queued: bool = False) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
 
-    renewed: its latency sample is new since the last tick; a sample seen before moves nothing (its score,
-    counters and factor are held as the last new sample left them).
+    renewed: its latency sample is new since the last tick: the EMA and sample time it gives the state (written in
+    the node's one copy of the tick); None: a sample seen before (or none), which moves nothing (its score, counters
+    and factor are held as the last new sample left them).
     """
-    live_sc = live_sc or {}
-    li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
-    veto = like_peers_now(live_sc, t.live_veto_ratio)  # the live signals say it is like its peers now (live_veto)
+    if live_sc:
+        li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
+        veto = like_peers_now(live_sc, t.live_veto_ratio)  # the live signals say it is like its peers now (live_veto)
+    else:  # no live score: no veto (like_peers_now of nothing)
+        live_sc, li, pm, veto = _NO_SCORES, None, None, False
     lat_reason = ""  # written only while the latency signal holds the node degraded: the only time it is shown
     prev_factors, prev_lat = s.factors, s.lat_degraded
     # the latency signal's changes to the state, written with the other signals' memories in one copy below
@@ -600,7 +613,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                "lat_degraded": lat_deg, "lat_factor": lat_factor}
         if lat_deg:
             lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
-    evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid)
+    evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
+        if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
     # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue; in
     # that pool a prefill-heavy node (its ITL unscored) that still decodes within the cut ratio is loaded, not hung
     dec = li if li is not None else live_sc.get(GATED_ITL)
@@ -636,8 +650,10 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         why = "; ".join(x for x in [lat_reason if lat_deg else ""]
                         + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
-    if lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
-        s = evolve(s, **lat, live_itl=lm, signals=mem, factors=factors)
+    if renewed or lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
+        ch = renewed | lat if renewed else lat  # lat: this call's own dict
+        ch["live_itl"], ch["signals"], ch["factors"] = lm, mem, factors
+        s = replaced(s, ch)
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
     if s.state == SLOW_START and degraded:  # the factors apply on top of the ramp: a flag never raises its weight
@@ -654,8 +670,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
             (Signal.LIVE, "live signals back to the peers'"))
             if key in was]
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
-    elif s.state == DEGRADED or s.state == HEALTHY:
-        s = _with_reason(s, why)
+    elif (s.state == DEGRADED or s.state == HEALTHY) and s.reason != why:  # _with_reason, most nodes keep theirs
+        s = evolve(s, reason=why)
     if p_quarantine or e_quarantine:
         return s, (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick

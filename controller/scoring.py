@@ -37,7 +37,7 @@ def ema(prev: float | None, x: float, alpha: float) -> float:
 
 def usable(x: float | None) -> bool:
     """A latency sample that can be scored: finite and > 0 (NaN, Inf, 0 and None are not)."""
-    return x is not None and math.isfinite(x) and x > 0
+    return x is not None and 0 < x < math.inf  # NaN compares false: math.isfinite(x) and x > 0, without a call
 
 
 def median(sorted_vals: list[float]) -> float:

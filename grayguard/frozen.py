@@ -21,15 +21,24 @@ def evolve(obj: T, **changes) -> T:
     every field is an __init__ argument), so the copy is that __dict__, in the same order, with the changes over it.
     The price: a copy holds its fields in a dict object (about 64 bytes more than __init__'s inline values, and one
     more object for the garbage collector). An unknown field raises TypeError, as with replace."""
+    return replaced(obj, changes)
+
+
+def replaced(obj: T, changes: dict) -> T:
+    """evolve(obj, **changes) with the changes in a dict the caller built (the decision core gathers a node's
+    changes of a tick in one): no keyword arguments to merge and unpack, half the cost of a call with ten."""
     cls = type(obj)
     names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, _fields_of(cls))
-    new = object.__new__(cls)
-    state = new.__dict__  # written in place: a frozen class refuses only setattr
-    state.update(obj.__dict__)
+    state = obj.__dict__.copy()
     state.update(changes)
     if len(state) != len(names):  # a name that is no field added an entry
         raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - names)[0]!r}")
+    new = _new(cls)
+    _set(new, "__dict__", state)  # a frozen class refuses only setattr of its fields
     return new
+
+
+_new, _set = object.__new__, object.__setattr__
 
 
 def _fields_of(cls: type) -> frozenset[str]:

@@ -1,8 +1,9 @@
 """The decision core's shortcuts give the very values of the plain code they replace: leave_one_out's three medians
 by rank against median_without index by index, evolve's __dict__ copy against dataclasses.replace (fields, their
 order, hash), Score as a tuple, peers.scores from leave_one_out's own logs against Baseline.score, at_equal_batch's
-one pass, like_peers_now's branches, and dict_init's __init__ (NodeInput, NodeDecision) against the one @dataclass
-generates. The decisions themselves: test_decisions_identical.py and `python -m bench.scale --verify`."""
+one pass, like_peers_now's branches, dict_init's __init__ (NodeInput, NodeDecision) against the one @dataclass
+generates; replaced, score_of, usable, target_weight's shortcut and peer_medians of no values against what they
+replace. The decisions themselves: test_decisions_identical.py and `python -m bench.scale --verify`."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import pytest
 
 from controller import policy
 from controller.live import LiveMemory
-from controller.peers import Score, coefficients, scores
+from controller.peers import Score, coefficients, peer_medians, score_of, scores
 from controller.policy import LIVE_ITL, LIVE_TTFT, PROBE_MEDIAN, NodeDecision, NodeInput, NodeState, at_equal_batch
-from controller.scoring import Baseline, _medians_without, leave_one_out, median, median_without
+from controller.scoring import Baseline, _medians_without, leave_one_out, median, median_without, usable
 from controller.signals import SignalMemory, dict_init, evolve
+from grayguard.frozen import replaced
 
 
 @pytest.mark.parametrize("size", range(2, 42))
@@ -234,3 +236,71 @@ def test_like_peers_now_is_the_list_and_min_it_was():
         sc = {k: Score(1.0, r, 0.02) for k, r in ((LIVE_ITL, a), (LIVE_TTFT, b), (PROBE_MEDIAN, c)) if r is not None}
         for ratio in (1.0, 1.2, 1.5):
             assert policy.like_peers_now(sc, ratio) == plain(sc, ratio), (a, b, c, ratio)
+
+
+# The third round: a node's changes of a tick gathered in one dict (replaced), Score made by tuple.__new__, usable by
+# one chained comparison, target_weight's shortcut for a node at full weight, peer_medians of no values.
+
+
+@pytest.mark.parametrize("obj", MEMORIES)
+def test_replaced_is_replace_and_leaves_its_changes_alone(obj):
+    names = [f.name for f in dataclasses.fields(obj)]
+    for k in range(len(names)):
+        changes = {n: -0.0 if j % 2 else None for j, n in enumerate(names[k:k + 4])}
+        before = dict(changes)
+        new, old = replaced(obj, changes), dataclasses.replace(obj, **changes)
+        assert changes == before  # the caller's dict is read, not kept or written
+        assert list(vars(new)) == list(vars(old)) == names
+        assert [repr(v) for v in vars(new).values()] == [repr(v) for v in vars(old).values()]
+        assert new == old and hash(new) == hash(old) and new is not obj
+        assert pickle.loads(pickle.dumps(new)) == old
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        replaced(obj, {"nope": 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        replaced(obj, {}).__setattr__(names[0], 1)
+
+
+def test_score_of_is_the_namedtuple():
+    for z, ratio, med in itertools.product((0.0, -1.5, math.inf, math.nan), (1.0, 2.5), (0.02, math.nan)):
+        a, b = score_of(z, ratio, med), Score(z, ratio, med)
+        assert type(a) is Score and repr(a) == repr(b) and a._fields == b._fields
+        if not any(map(math.isnan, (z, med))):
+            assert a == b and hash(a) == hash(b)
+
+
+def test_usable_is_finite_and_positive():
+    for x in (None, 0, 0.0, -0.0, 5e-324, 1e-300, 0.02, 1, True, False, 1e308, math.inf, -math.inf, math.nan, -1.0):
+        assert usable(x) == (x is not None and math.isfinite(x) and x > 0), x
+
+
+def _target_weight_plain(s, base, now, p, kv_zero=False):
+    """target_weight without its shortcut, as it was."""
+    base = max(0, min(256, base))
+    if s.state in policy.EJECTED or kv_zero or base == 0:
+        return 0
+    product = math.prod(f for _, f, _ in s.factors)
+    share = policy.slow_start_share(s, now, p.recovery) if s.state == policy.SLOW_START else 1.0
+    w = base * share * product
+    if product < 1.0:
+        return max(min(p.thresholds.min_degraded_weight, base), min(base, round(w)))
+    return max(1, math.ceil(w)) if s.state == policy.SLOW_START else min(base, round(w))
+
+
+def test_target_weight_shortcut_is_the_formula():
+    p = policy.Policy()
+    factor_sets = [(), (("latency", 0.5, "x"),), (("probe", 1.0, ""),), (("live", 0.25, "y"), ("errors", 0.5, "z"))]
+    states = ["healthy", "degraded", "slow_start", "quarantined", "canary"]
+    for state, factors, base, kv_zero in itertools.product(states, factor_sets, (-3, 0, 1, 7, 100, 256, 257, 1000),
+                                                           (False, True)):
+        s = NodeState(state=state, since=10.0, factors=factors)
+        for now in (10.0, 40.0, 400.0):
+            got, want = policy.target_weight(s, base, now, p, kv_zero), _target_weight_plain(s, base, now, p, kv_zero)
+            assert got == want and type(got) is type(want), (state, factors, base, kv_zero, now)
+
+
+def test_peer_medians_of_no_values_is_none_for_each_node():
+    nodes = ["a", "b", "c"]
+    assert peer_medians(nodes, {}, {"a": "g1"}) == {"a": None, "b": None, "c": None}
+    assert peer_medians([], {}, {}) == {}
+    # and with values, a node without one still gets its group's median (the shortcut is for no values at all)
+    assert peer_medians(nodes, {"a": 1.0, "b": 3.0}, {}) == {"a": 3.0, "b": 1.0, "c": 2.0}
