@@ -141,6 +141,12 @@ def peer_medians(nodes: Iterable[str], values: Mapping[str, float], groups: Mapp
     for vals in by.values():
         vals.sort()
     pool = sorted(values.values())
+    if len(by) == 1:  # one group with values (no peer groups, most pools): its sorted values are the pool's
+        # a node with a value is of that group: the median without it; a node without one gets the pool's median
+        rest = len(pool) > 1
+        everyone = median(pool)
+        return {n: everyone if (own := values.get(n)) is None else
+                median_without(pool, bisect.bisect_left(pool, own)) if rest else None for n in nodes}
     out: dict[str, float | None] = {}
     for n in nodes:
         same, own = by.get(groups.get(n), []), values.get(n)
