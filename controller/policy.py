@@ -569,7 +569,7 @@ _NO_SCORES: Mapping[str, peers.Score] = MappingProxyType({})
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: Mapping[str, float | None] | None = None, prefill_heavy: bool = False,
+                 renewed: dict[str, float | None] | None = None, prefill_heavy: bool = False,
                  pool_queued: bool = False) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
 
