@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.promwindow import cpu_seconds
-from bench.scale import deep_size, rss_bytes
-from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, timed_tick
-from bench.tickresult import PARTS, TickSample, _row, median_max, part_times
+from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
+from bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
 from bench.wholetick import controller_config, fleet_backends
 from controller.loop import Controller
-from controller.ticker import next_slot
 from grayguard.config import load_config
 from grayguard.promclient import PrometheusClient
 from localstack.haproxy import HaproxyProc, haproxy_config
@@ -47,7 +45,7 @@ class LocalTick:
     backends: int
     ticks: list[TickSample] = field(default_factory=list)
     first: TickSample | None = None  # the first tick: it creates every metric series and seeds every state
-    memory: list[tuple[int, float, float]] = field(default_factory=list)  # (tick, RSS MiB, kept MiB)
+    memory: list[MemoryMark] = field(default_factory=list)  # the first, middle and last tick's
     cores: dict[str, float] = field(default_factory=dict)
     skipped: int = 0
     logged: dict[str, int] = field(default_factory=dict)
@@ -99,21 +97,17 @@ def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
         pids = {"controller (this process)": os.getpid(), **pids}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         marks = {1, (ticks + 1) // 2, ticks}
-        start = due = time.monotonic()
-        for k in range(1, ticks + 1):
-            time.sleep(max(0.0, due - time.monotonic()))
-            ran_at = due
+        schedule = FixedRate(cfg.tick_interval_s)
+        for k in schedule.ticks(ticks):
             t = timed_tick(ctl, watch)
             out.ticks.append(t)
             if k in marks:
-                kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows)
-                out.memory.append((k, rss_bytes() / 2**20, deep_size(kept) / 2**20))
+                out.memory.append(memory_mark(ctl, k))
             if k % 10 == 0 or k == ticks:
                 progress(f"{nodes} nodes: tick {k}/{ticks}: {t.seconds['tick'] * 1000:.0f} ms"
                          + (f", held: {t.held[:100]}" if t.held else ""))
-            due, skipped = next_slot(start, cfg.tick_interval_s, time.monotonic(), ran_at)
-            out.skipped += skipped
-        span = time.monotonic() - start
+        out.skipped = schedule.skipped
+        span = time.monotonic() - schedule.start
         out.cores = {k: (cpu_seconds(pid) - cpu0[k]) / span for k, pid in pids.items()
                      if cpu0[k] is not None and cpu_seconds(pid) is not None}
     finally:
@@ -143,8 +137,9 @@ def format_local(r: LocalTick) -> list[str]:
     out.append(f"    runtime-API commands: {sum(cmds)} in all, max {max(cmds, default=0)} a tick; pools decided per "
                f"tick: median {sorted(t.decided for t in r.ticks)[len(r.ticks) // 2] if r.ticks else 0} "
                f"of {r.backends}; {held} of {len(r.ticks)} ticks held")
-    out.append("    controller memory: " + ", ".join(f"tick {k}: RSS {rss:.1f} MiB, kept {kept:.1f} MiB"
-                                                     for k, rss, kept in r.memory))
+    out.append("    controller memory: " + ", ".join(
+        f"tick {m.tick}: RSS {m.rss_bytes / 2**20:.1f} MiB, kept {m.kept_bytes / 2**20:.1f} MiB, Python blocks "
+        f"{m.blocks:,}" for m in r.memory) + " (after gc)")
     out.append("    CPU over the ticks, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.cores.items()))
     if r.skipped:
         out.append(f"    note: {r.skipped} tick slots passed over: a tick ran past the next one")

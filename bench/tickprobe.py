@@ -6,13 +6,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 
-from bench.tickresult import TickSample
+from bench.scale import deep_size, rss_bytes
+from bench.tickresult import MemoryMark, TickSample
 from controller.haproxy import Command, CommandResult, RuntimeClient
 from controller.loop import Controller, TickResult
+from controller.ticker import next_slot
 
 
 class Stopwatch:
@@ -105,3 +109,27 @@ class LogCount(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         self.counts[record.levelname] += 1
         return False
+
+
+def memory_mark(ctl: Controller, tick: int) -> MemoryMark:
+    """The controller's memory now, after a collection: RSS, Python blocks, what it keeps between ticks."""
+    gc.collect()
+    kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows, ctl._no_data, ctl.warned)
+    return MemoryMark(tick, rss_bytes(), sys.getallocatedblocks(), deep_size(kept))
+
+
+class FixedRate:
+    """Tick numbers 1..n on a fixed-rate schedule, as controller/ticker.py keeps it: each waits for its slot, and a
+    tick that overran the next slots skips them (counted in `skipped`). `start`: when the first slot began."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s, self.skipped, self.start = interval_s, 0, 0.0
+
+    def ticks(self, n: int) -> Iterator[int]:
+        self.start = due = time.monotonic()
+        for k in range(1, n + 1):
+            time.sleep(max(0.0, due - time.monotonic()))
+            ran_at = due
+            yield k
+            due, skipped = next_slot(self.start, self.interval_s, time.monotonic(), ran_at)
+            self.skipped += skipped

@@ -12,10 +12,8 @@ at the first, middle and last tick, and Prometheus' rule group evaluations are w
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,12 +36,11 @@ from bench.promwindow import (
     total,
     warm_up,
 )
-from bench.scale import deep_size, rss_bytes
-from bench.tickprobe import LogCount, Stopwatch, TimedRuntime, instrument, timed_tick
-from bench.tickresult import MemoryMark, TickCost, all_notes
+from bench.scale import rss_bytes
+from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
+from bench.tickresult import TickCost, all_notes
 from controller.haproxy import RuntimeClient
 from controller.loop import Controller
-from controller.ticker import next_slot
 from grayguard.config import Config, load_config
 from localstack.haproxy import HaproxyProc, haproxy_config
 from localstack.procs import free_port
@@ -71,13 +68,6 @@ def controller_config(wd: Path, prom_port: int, endpoint: str, pools: list[str])
         "state_file": None, "pools": [{"name": p, "backend": p} for p in pools],
         "rules": {"output_dir": str(wd / "rules")}}))
     return path
-
-
-def memory_mark(ctl: Controller, tick: int) -> MemoryMark:
-    """The controller's memory now, after a collection: RSS, Python blocks, what it keeps between ticks."""
-    gc.collect()
-    kept = (ctl.states, ctl.last_decisions, ctl.metrics.registry, ctl.node_series.rows, ctl._no_data, ctl.warned)
-    return MemoryMark(tick, rss_bytes(), sys.getallocatedblocks(), deep_size(kept))
 
 
 def measure_tick(nodes: int, ticks: int = 30, progress: Callable[[str], None] = lambda s: None,
@@ -177,17 +167,15 @@ def tick_loop(cost: TickCost, ctl: Controller, watch: Stopwatch, prom: Prometheu
               progress: Callable[[str], None]) -> None:
     """cost.ticks_asked ticks on a fixed-rate schedule (a late tick skips slots, as controller/ticker.py does), no
     new one after cost.budget_s; memory at the first, middle and last tick; the rule groups polled between ticks."""
-    n, interval = cost.ticks_asked, cost.interval_s
+    n = cost.ticks_asked
     marks = {1, (n + 1) // 2, n}
-    start = due = time.monotonic()
-    for k in range(1, n + 1):
-        time.sleep(max(0.0, due - time.monotonic()))
-        ran_at = due
+    schedule = FixedRate(cost.interval_s)
+    for k in schedule.ticks(n):
         tick = timed_tick(ctl, watch)
         took = tick.seconds["tick"]
         tick.rss_bytes = rss_bytes()
         cost.ticks.append(tick)
-        last = k == n or time.monotonic() - start >= cost.budget_s
+        last = k == n or time.monotonic() - schedule.start >= cost.budget_s
         if k in marks or last:
             cost.memory.append(memory_mark(ctl, k))
         with contextlib.suppress(requests.RequestException):  # a busy Prometheus: the next poll sees the group
@@ -197,7 +185,6 @@ def tick_loop(cost: TickCost, ctl: Controller, watch: Stopwatch, prom: Prometheu
                      + (f", held: {tick.held[:120]}" if tick.held else ""))
         if last:
             break
-        due, skipped = next_slot(start, interval, time.monotonic(), ran_at)
-        cost.skipped += skipped
+    cost.skipped += schedule.skipped
     for g in cost.prom.groups.values():
         g.evals.setdefault("ticking", [])
