@@ -57,7 +57,7 @@ def dict_init(cls: type[T]) -> type[T]:
     """Give a frozen dataclass (applied above @dataclass) an __init__ that sets the instance's __dict__ to a dict of
     its arguments, in one call: the __init__ dataclass writes for a frozen class calls object.__setattr__ once per
     field, several times the cost for the classes built for every node or series every tick (NodeInput,
-    NodeDecision, promclient.Sample). A new dict, not item writes into self.__dict__: those make a dict that shares
+    NodeDecision). A new dict, not item writes into self.__dict__: those make a dict that shares
     its keys with the class (a split dict), whose attributes CPython 3.11 reads on its slow path, three times
     slower; the decision core reads a NodeInput's fields some fifty times a tick. The price: a dict of its own
     (NodeInput's 29 fields: about 540 bytes more while a tick holds it; NodeDecision's 5: about 110 bytes less

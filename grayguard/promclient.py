@@ -9,20 +9,21 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from itertools import chain
 from operator import itemgetter
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import requests
 import urllib3
 
 from grayguard.config import ConfigError, PrometheusConfig
-from grayguard.frozen import dict_init
 from grayguard.redact import redact
 
 log = logging.getLogger("grayguard.prometheus")
+T = TypeVar("T")
 
 
 class PromError(Exception):
@@ -36,12 +37,17 @@ class PromError(Exception):
         self.kind = kind
 
 
-@dict_init  # a tick builds one per series and query: 180,000 at 10,000 nodes
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
+    """One series of an answer. A tuple: a tick builds one per series and query (180,000 at 10,000 nodes), and
+    _plain_vector builds them with tuple.__new__ at a fifth of a frozen dataclass's cost (3 ms against 16 for
+    10,000)."""
+
     labels: dict[str, str]
     value: float  # may be NaN or Inf: callers decide (they treat both as no data)
     timestamp: float
+
+
+_sample = partial(tuple.__new__, Sample)  # Sample from one (labels, value, timestamp) tuple, without __new__'s call
 
 
 def _parse_value(v: object) -> float:
@@ -112,7 +118,7 @@ def _plain_vector(result: list) -> list[Sample] | None:
         return None
     if not all(map(math.isfinite, stamps)):
         return None
-    return list(map(Sample, labels, values, stamps))
+    return list(map(_sample, zip(labels, values, stamps, strict=True)))
 
 
 def _vector(result: list) -> list[Sample]:
@@ -249,6 +255,7 @@ class PrometheusClient:
         self.headers, self.auth = build_session_headers(cfg, os.environ if environ is None else environ)
         self.verify, self.cert = tls_settings(cfg)
         self._token_error: str | None = None
+        self._decoding = threading.Lock()  # one answer decoded at a time (_get)
 
     def refresh_auth(self) -> None:
         """Re-read bearer_token_file (a rotated token is used at once); an unreadable file keeps the last token."""
@@ -268,7 +275,12 @@ class PrometheusClient:
             log.info("prometheus.bearer_token_file: readable again")
         self._token_error = None
 
-    def _get(self, path: str, params: dict) -> dict:
+    def _get(self, path: str, params: dict, shape: Callable[[dict], T]) -> T:
+        """GET path; its answer's data object, shaped by shape (which raises PromError on a malformed one).
+
+        The answers of a tick's concurrent queries are read at once but decoded and shaped one at a time (under a
+        lock): the decoding is pure CPU under the GIL, and threads taking turns at it every switch interval spent
+        40 % more CPU than the same work done in turn (18 answers of 10,000 series: 3.2 s against 2.3 s)."""
         url = f"{self.base}{path}"
         self.refresh_auth()
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -283,6 +295,12 @@ class PrometheusClient:
         if resp.status_code >= 400:
             kind = "http_5xx" if resp.status_code >= 500 else "http_4xx"
             raise PromError(kind, f"Prometheus answered HTTP {resp.status_code}: {resp.text[:200]}")
+        with self._decoding:
+            return shape(self._data(resp))
+
+    @staticmethod
+    def _data(resp: requests.Response) -> dict:
+        """The data object of a successful answer's body."""
         try:
             body = resp.json()
         except (ValueError, RecursionError) as e:  # RecursionError: JSON nested deeper than the parser goes
@@ -300,28 +318,36 @@ class PrometheusClient:
         params: dict = {"query": promql}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        data = self._get("/api/v1/query", params)
-        rtype, result = data.get("resultType"), data.get("result")
-        if rtype == "scalar" and isinstance(result, list) and len(result) == 2:
-            ts, val = _pair(result)
-            return [Sample({}, val, ts)]
-        if rtype != "vector" or not isinstance(result, list):
-            raise PromError("bad_response", f"expected a vector, got {str(rtype)[:40]}")
-        return _vector(result)
+        return self._get("/api/v1/query", params, _instant)
 
     def query_range(self, promql: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         """Range query: [(labels, [(t, value), ...]), ...]."""
-        data = self._get("/api/v1/query_range", {"query": promql, "start": start, "end": end, "step": step})
-        result = data.get("result", [])
-        if data.get("resultType") != "matrix" or not isinstance(result, list):
-            raise PromError("bad_response", f"expected a matrix, got {str(data.get('resultType'))[:40]}")
-        out = []
-        for series in result:
-            values = series.get("values", []) if isinstance(series, dict) else None
-            if not isinstance(values, list):
-                raise PromError("bad_response", f"malformed matrix series {str(series)[:120]!r}")
-            out.append((_parse_labels(series.get("metric", {})), [_pair(p) for p in values]))
-        return out
+        return self._get("/api/v1/query_range", {"query": promql, "start": start, "end": end, "step": step}, _matrix)
+
+
+def _instant(data: dict) -> list[Sample]:
+    """An instant query's samples: a vector's, or a scalar as one sample without labels."""
+    rtype, result = data.get("resultType"), data.get("result")
+    if rtype == "scalar" and isinstance(result, list) and len(result) == 2:
+        ts, val = _pair(result)
+        return [Sample({}, val, ts)]
+    if rtype != "vector" or not isinstance(result, list):
+        raise PromError("bad_response", f"expected a vector, got {str(rtype)[:40]}")
+    return _vector(result)
+
+
+def _matrix(data: dict) -> list[tuple[dict, list]]:
+    """A range query's series: [(labels, [(t, value), ...]), ...]."""
+    result = data.get("result", [])
+    if data.get("resultType") != "matrix" or not isinstance(result, list):
+        raise PromError("bad_response", f"expected a matrix, got {str(data.get('resultType'))[:40]}")
+    out = []
+    for series in result:
+        values = series.get("values", []) if isinstance(series, dict) else None
+        if not isinstance(values, list):
+            raise PromError("bad_response", f"malformed matrix series {str(series)[:120]!r}")
+        out.append((_parse_labels(series.get("metric", {})), [_pair(p) for p in values]))
+    return out
 
 
 def finite(x: float | None) -> float | None:

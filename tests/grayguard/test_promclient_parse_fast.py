@@ -4,7 +4,6 @@ parse it replaced, kept here as the reference. Garbage of every kind is still cl
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -121,11 +120,49 @@ def test_query_parses_a_large_answer_in_bulk_and_garbage_is_classified():
     assert e.value.kind == "bad_response" and "unparseable sample value" in str(e.value)
 
 
-def test_a_sample_is_still_a_frozen_dataclass():
+def test_a_sample_is_an_immutable_named_tuple():
+    """Built with tuple.__new__ in bulk (_plain_vector): the same Sample as its constructor's, fields by name."""
     s = Sample({"instance": "a"}, 0.5, 1000.0)
     assert s == Sample(labels={"instance": "a"}, value=0.5, timestamp=1000.0) != Sample({}, 0.5, 1000.0)
+    assert (s.labels, s.value, s.timestamp) == ({"instance": "a"}, 0.5, 1000.0)
     assert repr(s) == "Sample(labels={'instance': 'a'}, value=0.5, timestamp=1000.0)"
-    assert dataclasses.replace(s, value=2.0) == Sample({"instance": "a"}, 2.0, 1000.0)
-    assert dataclasses.asdict(s) == {"labels": {"instance": "a"}, "value": 0.5, "timestamp": 1000.0}
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert s._replace(value=2.0) == Sample({"instance": "a"}, 2.0, 1000.0)
+    with pytest.raises(AttributeError):
         s.value = 1.0  # type: ignore[misc]
+    bulk = promclient._plain_vector([{"metric": {"instance": "a"}, "value": [1000, "0.5"]}])
+    assert bulk == [s] and type(bulk[0]) is Sample and repr(bulk[0]) == repr(s)
+    with pytest.raises(TypeError):
+        Sample({}, 1.0)  # type: ignore[call-arg]  # every field is needed
+
+
+@responses.activate
+def test_concurrent_answers_are_decoded_one_at_a_time(monkeypatch):
+    """A tick's queries run in threads: their answers are read at once, decoded and shaped in turn (one thread in
+    the CPU-bound part at a time), and each query still gets its own samples."""
+    import threading
+    import time as _time
+    from concurrent.futures import ThreadPoolExecutor
+
+    for k in range(8):
+        responses.get(f"{PROM}/api/v1/query", match=[responses.matchers.query_param_matcher({"query": f"q{k}"})],
+                      json={"status": "success", "data": {"resultType": "vector", "result": [
+                          {"metric": {"instance": f"n{k}"}, "value": [1000, str(k)]}]}})
+    inside, most, lock = [0], [0], threading.Lock()
+    shape = promclient._instant
+
+    def counted(data):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        _time.sleep(0.02)  # long enough for the others to arrive while this one decodes
+        try:
+            return shape(data)
+        finally:
+            with lock:
+                inside[0] -= 1
+    monkeypatch.setattr(promclient, "_instant", counted)
+    client = PrometheusClient(PrometheusConfig(url=PROM))
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        got = list(ex.map(client.query, [f"q{k}" for k in range(8)]))
+    assert got == [[Sample({"instance": f"n{k}"}, float(k), 1000.0)] for k in range(8)]
+    assert most[0] == 1
