@@ -30,6 +30,7 @@ from bench.promwindow import cpu_seconds
 from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
 from bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
 from bench.wholetick import controller_config, fleet_backends
+from controller import gcpolicy
 from controller.loop import Controller
 from grayguard.config import load_config
 from grayguard.promclient import PrometheusClient
@@ -73,8 +74,9 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
                 server.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the answer server")
                 port = json.loads(ready.read_text())["port"]
                 cfg = load_config(controller_config(wd, port, hap.endpoint, list(backends)))
-                return run(cfg, nodes, len(backends), ticks, {"HAProxy": hap.proc.pid, "answers": server.pid},
-                           progress)
+                with gcpolicy.tuned():  # the collector's thresholds the controller's process runs with
+                    return run(cfg, nodes, len(backends), ticks, {"HAProxy": hap.proc.pid, "answers": server.pid},
+                               progress)
             finally:
                 hap.stop()
         finally:

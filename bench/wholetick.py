@@ -39,6 +39,7 @@ from bench.promwindow import (
 from bench.scale import rss_bytes
 from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
 from bench.tickresult import TickCost, all_notes
+from controller import gcpolicy
 from controller.haproxy import RuntimeClient
 from controller.loop import Controller
 from grayguard.config import Config, load_config
@@ -135,7 +136,8 @@ def run(cost: TickCost, cfg: Config, prom: Prometheus, hap: HaproxyProc, target_
     ctl_log.addFilter(counted)
     urllib3_log.addFilter(pool_full)
     try:
-        tick_loop(cost, ctl, watch, prom, seen, progress)
+        with gcpolicy.tuned():  # the collector's thresholds the controller's process runs with
+            tick_loop(cost, ctl, watch, prom, seen, progress)
     finally:
         ctl_log.removeFilter(counted)
         urllib3_log.removeFilter(pool_full)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controller import gcpolicy
 from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from controller.loop import Controller, TickResult
 from controller.metrics import ControllerMetrics
@@ -243,6 +244,7 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
 
 
 def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> int:
+    gcpolicy.tune()  # a tick's decoded answers would set the collector off many times a tick (controller/gcpolicy.py)
     for problem in startup_checks(ctl):
         log.warning("%s", problem)
     if args.once:
