@@ -34,6 +34,7 @@ PARALLEL_SAFE = frozenset({
     "bench/test_canary_shared.py",
     "bench/test_detection.py",
     "bench/test_engine.py",
+    "bench/test_floor.py",
     "bench/test_live.py",
     "bench/test_model_option.py",
     "bench/test_reflexes.py",
