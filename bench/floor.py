@@ -9,7 +9,9 @@ and cheaply as Python allows, with the controller's own building blocks:
     EMA (frozen.replaced, the one copy a tick the decision core makes), one NodeDecision a node;
   * the same with each pool's latencies scored against its peers (scoring.leave_one_out_logs, the core's own);
   * Prometheus' answers: json.loads of the 18 answers the controller's default config asks for, as bench/answers.py
-    serves them for the stand-in fleet (a series a node each), then the same with promclient's checks and Samples.
+    serves them for the stand-in fleet (a series a node each), then the same with promclient's checks and Samples;
+    all of a tick's answers held together, as the tick holds them.
+Timed with the garbage collector's thresholds of the controller's process (controller/gcpolicy.py).
 The decision core does all of the first two and much more (every signal, the state machine, the safeguard cap,
 the weights, the plan), and the whole tick all of the last and much more (the HAProxy read, the matching, the
 export): when a floor is near its target, the target needs less work per node than the tick does, or another
@@ -31,6 +33,7 @@ from pathlib import Path
 from bench import answers
 from bench.promtarget import fleet
 from bench.wholetick import controller_config, fleet_backends
+from controller import gcpolicy
 from controller.policy import NodeDecision, NodeInput, NodeState
 from controller.scoring import leave_one_out_logs
 from grayguard.config import load_config
@@ -81,9 +84,15 @@ def median_ms(work: Callable[[], object], repeat: int) -> float:
 
 
 def measure(nodes: int, per_pool: int = 20, repeat: int = 7) -> dict[str, float]:
-    """Median ms of each floor over repeat runs."""
+    """Median ms of each floor over repeat runs, with the collector's thresholds of the controller's process."""
     inputs, states = pools_of(nodes, per_pool)
     bodies = answer_bodies(nodes)
+    with gcpolicy.tuned():
+        return _measure(inputs, states, bodies, repeat)
+
+
+def _measure(inputs: list[dict[str, NodeInput]], states: list[dict[str, NodeState]], bodies: list[bytes],
+             repeat: int) -> dict[str, float]:
     return {
         "decision pass": median_ms(lambda: decision_pass(inputs, states, False), repeat),
         "decision pass + peer scoring": median_ms(lambda: decision_pass(inputs, states, True), repeat),

@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.trace_large import TraceParams, canonical, combine, digest, pool_digests, run
+from controller import gcpolicy
 from controller.export import NodeSeries, node_row
 from controller.metrics import ControllerMetrics
 
@@ -133,6 +134,7 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
             pauses.append((began[0], time.perf_counter()))
 
     gc.callbacks.append(on_gc)
+    thresholds = gcpolicy.tune()  # the collector's thresholds of the controller's process
     try:
         for n in sizes:
             params = TraceParams(seed=seed, pools=max(1, n // pool_size), pool_size=pool_size, ticks=ticks)
@@ -172,6 +174,7 @@ def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_
                                  "export_first_s": export[0]})
     finally:
         gc.callbacks.remove(on_gc)
+        gc.set_threshold(*thresholds)
     out["ratio"] = out["sizes"][-1]["median_s"] / out["sizes"][0]["median_s"]
     return out
 
