@@ -11,8 +11,8 @@ Nearly all of the controller's garbage goes by reference counting (the answers, 
 cycles); the collector is there for the rare cycle. So the young generation is collected every 100,000 net
 allocations instead of 700: at 10,000 nodes four times a tick, and the oldest generation every fifty ticks or so,
 not three times each. What a delayed collection can keep is at most the cyclic garbage of 100,000 allocations,
-a few MiB. The controller's command sets it when it starts ticking; the whole-tick benchmarks (bench/ticklocal.py,
-bench/wholetick.py) set it too, so that they measure what ships.
+a few MiB. The controller's command sets it when it starts ticking; every benchmark of the controller (bench/
+ticklocal.py, wholetick.py, controller.py's decision time, scale.py, floor.py) sets it too, to measure what ships.
 """
 
 from __future__ import annotations
