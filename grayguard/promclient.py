@@ -9,6 +9,7 @@ import os
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import chain
@@ -244,6 +245,12 @@ def pooled_session(size: int = POOL_CONNECTIONS) -> requests.Session:
     return s
 
 
+# URL-encoded parameters longer than this go as a POST form, which Prometheus' query API takes as well (so do Thanos,
+# Mimir and VictoriaMetrics): proxies in front of it refuse long URLs (8 KiB is a common limit), and a sharded
+# replica's queries name every pool it leads (controller/readscope.py)
+LONG_PARAMS = 4096
+
+
 class PrometheusClient:
     """Instant and range queries with a timeout."""
 
@@ -255,7 +262,7 @@ class PrometheusClient:
         self.headers, self.auth = build_session_headers(cfg, os.environ if environ is None else environ)
         self.verify, self.cert = tls_settings(cfg)
         self._token_error: str | None = None
-        self._decoding = threading.Lock()  # one answer decoded at a time (_get)
+        self._decoding = threading.Lock()  # one answer decoded at a time (_ask)
 
     def refresh_auth(self) -> None:
         """Re-read bearer_token_file (a rotated token is used at once); an unreadable file keeps the last token."""
@@ -275,8 +282,9 @@ class PrometheusClient:
             log.info("prometheus.bearer_token_file: readable again")
         self._token_error = None
 
-    def _get(self, path: str, params: dict, shape: Callable[[dict], T]) -> T:
-        """GET path; its answer's data object, shaped by shape (which raises PromError on a malformed one).
+    def _ask(self, path: str, params: dict, shape: Callable[[dict], T]) -> T:
+        """GET path (a POST form when its parameters are long: LONG_PARAMS); its answer's data object, shaped by shape
+        (which raises PromError on a malformed one).
 
         The answers of a tick's concurrent queries are read at once but decoded and shaped one at a time (under a
         lock): the decoding is pure CPU under the GIL, and threads taking turns at it every switch interval spent
@@ -285,8 +293,10 @@ class PrometheusClient:
         self.refresh_auth()
         deadline = time.monotonic() + self.cfg.timeout_s
         try:
-            resp = self.session.get(url, params=params, headers=self.headers, auth=self.auth,
-                                    timeout=self.cfg.timeout_s, verify=self.verify, cert=self.cert, stream=True)
+            how = {"data": params} if len(urllib.parse.urlencode(params)) > LONG_PARAMS else {"params": params}
+            resp = self.session.request("POST" if "data" in how else "GET", url, **how, headers=self.headers,
+                                        auth=self.auth, timeout=self.cfg.timeout_s, verify=self.verify,
+                                        cert=self.cert, stream=True)
             read_within(resp, deadline)
         except requests.Timeout as e:
             raise PromError("timeout", f"Prometheus did not answer within {self.cfg.timeout_s}s: {url}") from e
@@ -318,11 +328,11 @@ class PrometheusClient:
         params: dict = {"query": promql}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        return self._get("/api/v1/query", params, _instant)
+        return self._ask("/api/v1/query", params, _instant)
 
     def query_range(self, promql: str, start: float, end: float, step: float) -> list[tuple[dict, list]]:
         """Range query: [(labels, [(t, value), ...]), ...]."""
-        return self._get("/api/v1/query_range", {"query": promql, "start": start, "end": end, "step": step}, _matrix)
+        return self._ask("/api/v1/query_range", {"query": promql, "start": start, "end": end, "step": step}, _matrix)
 
 
 def _instant(data: dict) -> list[Sample]:

@@ -82,3 +82,26 @@ def test_stale_data_holds(haproxy_factory):
         prom_answers(rsps, {"127.0.0.1:9100": 0.2}, now=1000.0, age=150.0)  # the data is 150 s old
         r = ctl.tick()
     assert r.held and "old" in r.held and not r.changes
+
+
+@responses.activate
+def test_a_long_query_goes_as_a_post_form_and_a_short_one_as_a_get():
+    """A sharded replica's queries name every pool it leads (controller/readscope.py): past LONG_PARAMS they go in
+    the body of a POST, which Prometheus' API takes as well, not in a URL a proxy may refuse."""
+    from urllib.parse import parse_qs
+
+    from grayguard import promclient
+
+    c = PrometheusClient(PrometheusConfig(url=PROM))
+    long_q = "x and on(pool) (" + " or ".join(f'label_replace(vector(1), "pool", "p{i}", "", "")'
+                                                for i in range(200)) + ")"
+    assert len(long_q) > promclient.LONG_PARAMS
+    responses.get(f"{PROM}/api/v1/query", json=vector({"a:1": 1.0}))
+    responses.post(f"{PROM}/api/v1/query", json=vector({"b:1": 2.0}))
+    assert [s.labels["instance"] for s in c.query("x")] == ["a:1"]
+    assert [s.labels["instance"] for s in c.query(long_q, at=1000.0)] == ["b:1"]
+    get, post = responses.calls
+    assert get.request.method == "GET" and get.request.body is None
+    assert post.request.method == "POST" and "?" not in post.request.url
+    assert post.request.headers["Content-Type"] == "application/x-www-form-urlencoded"
+    assert parse_qs(post.request.body) == {"query": [long_q], "time": ["1000.000"]}
