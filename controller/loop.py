@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controller import canary, decide
+from controller import canary, decide, readscope
 from controller.clock import SteadyClock
 from controller.desired import dump as dump_desired
 from controller.desired import from_decision
@@ -126,10 +126,11 @@ class Controller:
         evaluation time minus that, both on Prometheus' clock, so the controller's clock does not matter.
         decide.pool_data drops each node's series older than stale_after_s.
         """
-        sig = self.cfg.signals
-        got = self._query_all({"latency": sig.latency_query, "rate": sig.request_rate_query,
-                               "latency_timestamp": f"timestamp({sig.latency_query})",
-                               "rate_timestamp": f"timestamp({sig.request_rate_query})"})
+        sig, scope = self.cfg.signals, self._read_scope()
+        got = self._query_all({k: readscope.scoped(q, scope) for k, q in (
+            ("latency", sig.latency_query), ("rate", sig.request_rate_query),
+            ("latency_timestamp", f"timestamp({sig.latency_query})"),
+            ("rate_timestamp", f"timestamp({sig.request_rate_query})"))})
         for res in got.values():
             if isinstance(res, PromError):
                 self.metrics.prometheus_errors.labels(res.kind).inc()
@@ -186,8 +187,8 @@ class Controller:
         wanted = {name: getattr(self.cfg.signals, f"{name}_query") for name in decide.OPTIONAL}
         if not any(p.peer_group_label for p in self.cfg.pools):
             wanted.pop("peer_group")
-        got = {}
-        for name, res in self._query_all({k: q for k, q in wanted.items() if q}).items():
+        got, scope = {}, self._read_scope()
+        for name, res in self._query_all({k: readscope.scoped(q, scope) for k, q in wanted.items() if q}).items():
             if isinstance(res, PromError):
                 self.metrics.prometheus_errors.labels(res.kind).inc()
                 self._warn_once(f"signal:{name}:{res.kind}", f"signal {name} unavailable ({res.kind}): {res}; "
@@ -409,6 +410,13 @@ class Controller:
 
     def _leads(self, pool: str) -> bool:
         return self._led is None or pool in self._led
+
+    def _read_scope(self) -> list[str] | None:
+        """The pools whose series this tick reads (controller/readscope.py); None: every series (no registry, or this
+        replica leads every pool)."""
+        if self._led is None or self._led >= {p.name for p in self.cfg.pools}:
+            return None
+        return sorted(self._led)
 
     def _handed_over(self, pool: PoolConfig, states: dict[str, NodeState], result: TickResult,
                      decision: PoolDecision) -> bool:

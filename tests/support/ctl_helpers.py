@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import replace
@@ -84,6 +85,12 @@ class FakeHaproxy:
         return [CommandResult(c, True, "") for c in commands]
 
 
+# a query wrapped by controller/readscope.scoped: (inner) and on(pool) (vector(1) or label_replace(...) ...)
+SCOPED = re.compile(r'\((?P<inner>.*)\) and on\(pool\) \(vector\(1\)(?P<terms>(?: or label_replace\(vector\(1\), '
+                    r'"pool", "[^"]*", "", ""\))*)\)')
+LED = re.compile(r'"pool", "([^"]*)"')
+
+
 class FakeProm:
     """PrometheusClient's seam: query(q) -> the samples answers(q) gives (a dict or a function); recorded.
 
@@ -95,6 +102,13 @@ class FakeProm:
 
     def query(self, q):
         self.events.append(("query", q))
+        return self._evaluate(q)
+
+    def _evaluate(self, q):
+        scoped = SCOPED.fullmatch(q)
+        if scoped:  # controller/readscope.py's wrapper, as Prometheus evaluates it (tests/controller/test_readscope.py)
+            led = set(LED.findall(scoped["terms"])) | {""}
+            return [s for s in self._evaluate(scoped["inner"]) if s.labels.get("pool", "") in led]
         if q.startswith("timestamp(") and not (isinstance(self.answers, dict) and q in self.answers):
             # as Prometheus answers timestamp() of a series sampled at the evaluation time: fresh data
             return [Sample({k: v for k, v in s.labels.items() if k != "__name__"}, s.timestamp, s.timestamp)

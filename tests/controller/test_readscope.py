@@ -1,0 +1,127 @@
+"""Sharded reads (controller/readscope.py): a replica that leads some pools asks Prometheus for their series only.
+The wrapped queries are evaluated by Prometheus' own engine (promtool): the led pools' series and the unlabelled
+ones come back as they are, metric name and sample times included; the controller wraps every query while it leads
+a strict part of the pools, and none when it leads them all or runs without a registry."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from controller import readscope
+from controller.leader import Turn
+from tests.support.ctl_helpers import OPTIONAL, FakeHaproxy, FakeProm, fake_controller, samples
+from tests.support.stack import prometheus_config, require, start_prometheus
+
+SERIES = [("a", "10.0.0.1:8000", 1), ("b", "10.0.0.2:8000", 2), ("c", "10.0.0.3:8000", 3), (None, "10.0.0.4:8000", 4)]
+
+
+def test_no_scope_leaves_the_query_alone_and_a_scope_names_each_pool_once_in_order():
+    assert readscope.scoped("up", None) == "up"
+    q = readscope.scoped("timestamp(x)", {"p2", "p1"})
+    assert q == ('(timestamp(x)) and on(pool) (vector(1) or label_replace(vector(1), "pool", "p1", "", "") or '
+                 'label_replace(vector(1), "pool", "p2", "", ""))')
+    assert readscope.scoped("x", []) == "(x) and on(pool) (vector(1))"  # only the unlabelled series
+    assert 'label_replace(vector(1), "pool", "a\\"b\\\\", "", "")' in readscope.scoped("x", ['a"b\\'])
+
+
+def _labels(name: str | None, pool: str | None, instance: str) -> str:
+    inner = ", ".join(f'{k}="{v}"' for k, v in (("instance", instance), ("pool", pool)) if v is not None)
+    return f"{name or ''}{{{inner}}}"
+
+
+def test_prometheus_answers_the_led_pools_and_the_unlabelled_series_as_they_are(tmp_path):
+    require("promtool")
+    promtool = shutil.which("promtool")
+    name = "instance:vllm_normalized_latency_seconds_per_token:rate30s"  # the default latency_query: a bare name
+    # samples at 0-3 s, evaluated at 1 m: timestamp() must give 3 (the sample's time), not 60 (the evaluation's)
+    series = [{"series": _labels(name, p, i), "values": f"{v} {v} {v} {v}"} for p, i, v in SERIES]
+    led = ["a", "c"]
+    kept = [(p, i, v) for p, i, v in SERIES if p in led or p is None]
+    tests = [
+        {"expr": readscope.scoped(name, led), "eval_time": "1m",
+         "exp_samples": [{"labels": _labels(name, p, i), "value": v} for p, i, v in kept]},
+        {"expr": readscope.scoped(f"timestamp({name})", led), "eval_time": "1m",
+         "exp_samples": [{"labels": _labels(None, p, i), "value": 3} for p, i, _ in kept]},
+        {"expr": readscope.scoped(f"max by (pool, instance) ({name})", ["b"]), "eval_time": "1m",  # an aggregation
+         "exp_samples": [{"labels": _labels(None, p, i), "value": v} for p, i, v in SERIES if p in ("b", None)]},
+    ]
+    doc = {"tests": [{"interval": "1s", "input_series": series, "promql_expr_test": tests}]}
+    (tmp_path / "scope.test.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    res = subprocess.run([promtool, "test", "rules", "scope.test.yml"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+class Leads:
+    """The leadership seam: this replica leads `led` (begin_tick), may write them, publishes without trouble."""
+
+    def __init__(self, led):
+        self.led = frozenset(led)
+
+    def begin_tick(self):
+        return Turn(self.led, {}, "" if self.led else "b leads", True)
+
+    def publish(self, pool, states, desired=None):
+        return None
+
+    def may_write(self, pool, budget_s):
+        return None
+
+    def status(self):
+        return {}
+
+
+def _controller(led):
+    events: list = []
+    pools = [{"name": p, "backend": f"be_{p}"} for p in ("a", "b", "c")]
+    hap = FakeHaproxy("unix:/h", {f"be_{p}": [("n1", f"10.0.{k}.1:8000", 100)] for k, p in enumerate("abc")},
+                      events)
+    ctl = fake_controller(pools, [hap], FakeProm(lambda q: samples({}, 0.0), events), canary=lambda url: None,
+                          extra={"signals": {**{f"{k}_query": "" for k in OPTIONAL},
+                                             "kv_cache_query": "vllm:gpu_cache_usage_perc"}})
+    if led is not None:
+        ctl.leadership = Leads(led)
+    ctl.tick()
+    return [e[1] for e in events if e[0] == "query"], ctl.cfg.signals
+
+
+@pytest.mark.parametrize("led", [None, ("a", "b", "c")])
+def test_a_controller_that_leads_every_pool_reads_the_queries_as_configured(led):
+    asked, sig = _controller(led)
+    assert sorted(asked) == sorted([sig.latency_query, sig.request_rate_query, f"timestamp({sig.latency_query})",
+                                    f"timestamp({sig.request_rate_query})", sig.kv_cache_query])
+
+
+def test_a_replica_that_leads_some_pools_reads_their_series_only():
+    asked, sig = _controller(("c", "a"))
+    plain = [sig.latency_query, sig.request_rate_query, f"timestamp({sig.latency_query})",
+             f"timestamp({sig.request_rate_query})", sig.kv_cache_query]
+    assert sorted(asked) == sorted(readscope.scoped(q, ["a", "c"]) for q in plain)
+
+
+def test_a_standby_reads_nothing():
+    asked, _ = _controller(())
+    assert asked == []
+
+
+@pytest.mark.e2e
+def test_a_real_prometheus_takes_a_long_scoped_query_by_post(tmp_path):
+    """300 led pools make a query of some 17,000 characters: PrometheusClient sends it as a POST form, and a real
+    Prometheus answers the led pool's series and nothing of a pool not led."""
+    require("prometheus")
+    from grayguard.config import PrometheusConfig
+    from grayguard.promclient import LONG_PARAMS, PrometheusClient
+
+    led = [f"p{i}" for i in range(300)]
+    series = 'label_replace(vector(5), "pool", "p7", "", "") or label_replace(vector(6), "pool", "other", "", "")'
+    with start_prometheus(prometheus_config([], interval="1s"), workdir=tmp_path / "prom") as prom:
+        client = PrometheusClient(PrometheusConfig(url=prom.url))
+        q = readscope.scoped(series, led)
+        assert len(q) > LONG_PARAMS
+        got = client.query(q)
+        assert [(s.labels, s.value) for s in got] == [({"pool": "p7"}, 5.0)]
+        assert client.query(readscope.scoped(series, ["p8"])) == []
