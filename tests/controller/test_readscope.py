@@ -109,19 +109,25 @@ def test_a_standby_reads_nothing():
 
 
 @pytest.mark.e2e
-def test_a_real_prometheus_takes_a_long_scoped_query_by_post(tmp_path):
+@pytest.mark.parametrize("backend", ["prometheus", "victoria-metrics"])
+def test_a_real_backend_takes_a_long_scoped_query_by_post(tmp_path, backend):
     """300 led pools make a query of some 17,000 characters: PrometheusClient sends it as a POST form, and a real
-    Prometheus answers the led pool's series and nothing of a pool not led."""
-    require("prometheus")
+    Prometheus (or VictoriaMetrics, MetricsQL) answers the led pool's series, the unlabelled one, and nothing of a
+    pool not led."""
+    require(backend)
     from grayguard.config import PrometheusConfig
     from grayguard.promclient import LONG_PARAMS, PrometheusClient
+    from localstack.victoria import start_victoria_metrics
 
     led = [f"p{i}" for i in range(300)]
-    series = 'label_replace(vector(5), "pool", "p7", "", "") or label_replace(vector(6), "pool", "other", "", "")'
-    with start_prometheus(prometheus_config([], interval="1s"), workdir=tmp_path / "prom") as prom:
-        client = PrometheusClient(PrometheusConfig(url=prom.url))
+    series = ('label_replace(vector(5), "pool", "p7", "", "") or label_replace(vector(6), "pool", "other", "", "") '
+              'or label_replace(vector(7), "instance", "a:1", "", "")')
+    start = (lambda: start_prometheus(prometheus_config([], interval="1s"), workdir=tmp_path / "prom")) \
+        if backend == "prometheus" else (lambda: start_victoria_metrics(workdir=tmp_path / "vm"))
+    with start() as server:
+        client = PrometheusClient(PrometheusConfig(url=server.url))
         q = readscope.scoped(series, led)
         assert len(q) > LONG_PARAMS
-        got = client.query(q)
-        assert [(s.labels, s.value) for s in got] == [({"pool": "p7"}, 5.0)]
-        assert client.query(readscope.scoped(series, ["p8"])) == []
+        got = sorted((sorted(s.labels.items()), s.value) for s in client.query(q))
+        assert got == [([("instance", "a:1")], 7.0), ([("pool", "p7")], 5.0)]
+        assert [s.labels for s in client.query(readscope.scoped(series, ["p8"]))] == [{"instance": "a:1"}]
