@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.promtarget import Node, fleet
+from controller import readscope
 from grayguard.config import Config, duration_seconds, load_config
 from grayguard.httpserve import HttpServer, Request, Response
 
@@ -88,16 +89,27 @@ def body(promql: str, signal: str, nodes: list[Node], rnd: random.Random) -> byt
     return doc.replace('"@NOW@"', "@NOW@").encode()
 
 
-def routes(cfg: Config, nodes: list[Node], seed: int = 1) -> dict:
-    """GET /api/v1/query and /-/ready as HttpServer routes."""
+def led_pools(pools: list[str], share: float) -> list[str]:
+    """The pools a replica leading `share` of them leads in the benchmarks: the first ones in config order."""
+    return pools[:round(share * len(pools))]
+
+
+def routes(cfg: Config, nodes: list[Node], seed: int = 1, led: list[str] | None = None) -> dict:
+    """GET (and POST) /api/v1/query and /-/ready as HttpServer routes. led: the pools a replica leads, whose
+    queries are scoped (controller/readscope.py): those are answered with the led pools' series only."""
     rnd = random.Random(seed)
     signal = queries(cfg)
-    bodies = {q: [body(q, s, nodes, rnd) for _ in range(VARIANTS)] for q, s in signal.items()}
+    if led is not None:  # as Prometheus evaluates the wrapper: the led pools' series (the stand-ins all have a pool)
+        signal = {readscope.scoped(q, led): s for q, s in signal.items()}
+        keep = set(led)
+        nodes = [n for n in nodes if n.pool in keep]
+    bodies = {q: [body(readscope.unscoped(q), s, nodes, rnd) for _ in range(VARIANTS)] for q, s in signal.items()}
     every = duration_seconds(cfg.rules.control_interval)
     empty = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}}).encode()
 
     def query(req: Request) -> Response:
-        q = urllib.parse.parse_qs(req.query).get("query", [""])[0]
+        form = req.body.decode() if req.method == "POST" else req.query  # a long query comes as a POST form
+        q = urllib.parse.parse_qs(form).get("query", [""])[0]
         now = time.time()
         evaluated = math.floor(now / every) * every  # the control group's last evaluation
         if q not in bodies:
@@ -106,7 +118,8 @@ def routes(cfg: Config, nodes: list[Node], seed: int = 1) -> dict:
         out = bodies[q][k].replace(NOW, repr(now).encode())
         return 200, JSON, out.replace(DATA, repr(evaluated).encode()) if DATA in out else out
 
-    return {"GET /api/v1/query": query, "GET /-/ready": lambda _r: (200, "text/plain", b"ready\n")}
+    return {"GET /api/v1/query": query, "POST /api/v1/query": query,
+            "GET /-/ready": lambda _r: (200, "text/plain", b"ready\n")}
 
 
 def main() -> None:
@@ -114,8 +127,12 @@ def main() -> None:
     p.add_argument("--config", required=True, help="the controller's config (its queries are answered)")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--ready-file", required=True, help='where to write {"port": P} once serving')
+    p.add_argument("--lead-share", type=float, default=None,
+                   help="answer the queries of a replica leading this share of the pools (scoped, led_pools)")
     args = p.parse_args()
-    server = HttpServer(("127.0.0.1", 0), routes(load_config(args.config), fleet(args.nodes)), name="answers").start()
+    cfg = load_config(args.config)
+    led = None if args.lead_share is None else led_pools([pl.name for pl in cfg.pools], args.lead_share)
+    server = HttpServer(("127.0.0.1", 0), routes(cfg, fleet(args.nodes), led=led), name="answers").start()
     tmp = Path(args.ready_file + ".tmp")
     tmp.write_text(json.dumps({"port": server.port}))
     os.replace(tmp, args.ready_file)

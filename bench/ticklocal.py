@@ -26,11 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.answers import led_pools
 from bench.promwindow import cpu_seconds
 from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
 from bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
 from bench.wholetick import controller_config, fleet_backends
 from controller import gcpolicy
+from controller.leader import Turn
 from controller.loop import Controller
 from grayguard.config import load_config
 from grayguard.promclient import PrometheusClient
@@ -50,13 +52,17 @@ class LocalTick:
     cores: dict[str, float] = field(default_factory=dict)
     skipped: int = 0
     logged: dict[str, int] = field(default_factory=dict)
+    led: int | None = None  # pools the controller leads as a sharded replica; None: every pool, no registry
 
     def times(self, key: str) -> list[float]:
         return part_times(self.ticks, key)
 
 
-def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: None) -> LocalTick:
-    """Start HAProxy and the answer server for nodes, tick ticks times after a first tick; stop both."""
+def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: None,
+            lead_share: float | None = None) -> LocalTick:
+    """Start HAProxy and the answer server for nodes, tick ticks times after a first tick; stop both. lead_share:
+    the controller is a replica leading that share of the pools (registry.shard_pools; answers.led_pools), its
+    queries scoped to them (controller/readscope.py) and answered so; None: it leads every pool, no registry."""
     with tempfile.TemporaryDirectory(prefix="grayguard-ticklocal-") as d:
         wd = Path(d)
         backends = fleet_backends(nodes)
@@ -66,8 +72,9 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
         draft = controller_config(wd, 9, hap.endpoint, list(backends))  # its queries are what the server answers
         ready = wd / "answers.json"
         progress(f"{nodes} nodes: starting HAProxy ({nodes} servers in {len(backends)} backends) and the answers")
+        share = [] if lead_share is None else ["--lead-share", repr(lead_share)]
         server = ManagedProcess([sys.executable, "-m", "bench.answers", "--config", str(draft), "--nodes", str(nodes),
-                                 "--ready-file", str(ready)], wd / "answers.log")
+                                 "--ready-file", str(ready), *share], wd / "answers.log")
         try:
             hap.start(timeout_s=30 + nodes / 100)
             try:
@@ -75,21 +82,41 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
                 port = json.loads(ready.read_text())["port"]
                 cfg = load_config(controller_config(wd, port, hap.endpoint, list(backends)))
                 with gcpolicy.tuned():  # the collector's thresholds the controller's process runs with
+                    led = None if lead_share is None else led_pools([p.name for p in cfg.pools], lead_share)
                     return run(cfg, nodes, len(backends), ticks, {"HAProxy": hap.proc.pid, "answers": server.pid},
-                               progress)
+                               progress, led)
             finally:
                 hap.stop()
         finally:
             server.stop()
 
 
+class Leads:
+    """The leadership seam of a replica that leads `led` for good (no etcd: the benchmark times the tick's own work)."""
+
+    def __init__(self, led: list[str]):
+        self.led = frozenset(led)
+
+    def begin_tick(self) -> Turn:
+        return Turn(self.led, {}, "", True)
+
+    def publish(self, pool: str, states, desired=None) -> None:
+        return None
+
+    def may_write(self, pool: str, budget_s: float) -> None:
+        return None
+
+    def status(self) -> dict:
+        return {"led": sorted(self.led)}
+
+
 def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
-        progress: Callable[[str], None]) -> LocalTick:
-    out = LocalTick(nodes, n_backends)
+        progress: Callable[[str], None], led: list[str] | None = None) -> LocalTick:
+    out = LocalTick(nodes, n_backends, led=None if led is None else len(led))
     watch = Stopwatch()
     ctl = Controller(cfg, PrometheusClient(cfg.prometheus),
                      [TimedRuntime(ep, cfg.haproxy.timeout_s, watch) for ep in cfg.haproxy.endpoints],
-                     state_file=None)
+                     state_file=None, leadership=None if led is None else Leads(led))  # type: ignore[arg-type]
     instrument(ctl, watch)
     counted = LogCount()
     log = logging.getLogger("grayguard.controller")
@@ -120,7 +147,8 @@ def run(cfg, nodes: int, n_backends: int, ticks: int, pids: dict[str, int],
 
 def format_local(r: LocalTick) -> list[str]:
     held = sum(1 for t in r.ticks if t.held)
-    out = [f"  {r.nodes} nodes in {r.backends} backends ({len(r.ticks)} ticks after the first; "
+    lead = "" if r.led is None else f", a replica leading {r.led} of them (its queries scoped)"
+    out = [f"  {r.nodes} nodes in {r.backends} backends{lead} ({len(r.ticks)} ticks after the first; "
            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):",
            f"      {'per tick, ms':<56} {'median':>9} {'p90':>9} {'max':>9}   (ticks)",
            _row("whole tick (Controller.tick)", r.times("tick"))]
@@ -161,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
     ap.add_argument("--ticks", type=int, default=30, help="ticks per size after the first (default 30)")
+    ap.add_argument("--lead-share", type=float, default=None, metavar="F",
+                    help="the controller is a replica (registry.shard_pools) leading this share of the pools, 0-1: "
+                         "its queries ask for their series only (controller/readscope.py); default: every pool")
     a = ap.parse_args(argv)
     try:
         sizes = sorted(int(x) for x in a.nodes.split(","))
@@ -168,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--nodes: comma-separated integers, got {a.nodes!r}")
     if a.ticks < 1:
         ap.error("--ticks: at least 1")
+    if a.lead_share is not None and not 0 < a.lead_share <= 1:
+        ap.error("--lead-share: a share of the pools above 0, at most 1")
     print("the controller's own tick on real parts (HAProxy with a server per node, 20 per backend; the real "
           "Controller.tick(); Prometheus' answers served by bench/answers.py):", flush=True)
     for n in sizes:
-        r = measure(n, a.ticks, lambda s: print(f"  ... {s}", file=sys.stderr, flush=True))
+        r = measure(n, a.ticks, lambda s: print(f"  ... {s}", file=sys.stderr, flush=True), a.lead_share)
         print("\n".join(format_local(r)), flush=True)
     return 0
 

@@ -16,6 +16,7 @@ What a tick decides is the same (tests/controller/test_readscope.py evaluates th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 
 from controller.decide import POOL_LABEL
@@ -33,3 +34,23 @@ def scoped(expr: str, pools: Collection[str] | None) -> str:
 def _literal(s: str) -> str:
     """s inside a double-quoted PromQL string (pool names are HAProxy names: nothing to escape, but never trusted)."""
     return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+_SCOPED = re.compile(r'\((?P<inner>.*)\) and on\(' + POOL_LABEL + r'\) \(vector\(1\)(?P<terms>(?: or label_replace\('
+                     r'vector\(1\), "' + POOL_LABEL + r'", "(?:[^"\\]|\\.)*", "", ""\))*)\)')
+_LED = re.compile(r'"' + POOL_LABEL + r'", "((?:[^"\\]|\\.)*)"')
+
+
+def parse_scoped(q: str) -> tuple[str, list[str]] | None:
+    """(the query, the pools) of a query scoped() wrapped, None for any other: what the stand-ins of Prometheus (the
+    benchmarks' answer server, the tests' FakeProm) evaluate the wrapper with."""
+    m = _SCOPED.fullmatch(q)
+    if m is None:
+        return None
+    return m["inner"], [re.sub(r"\\(.)", r"\1", p) for p in _LED.findall(m["terms"])]
+
+
+def unscoped(q: str) -> str:
+    """The query inside scoped()'s wrapper; q itself when it has none."""
+    got = parse_scoped(q)
+    return q if got is None else got[0]

@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controller import readscope
 from controller.leader import Turn
@@ -26,6 +28,16 @@ def test_no_scope_leaves_the_query_alone_and_a_scope_names_each_pool_once_in_ord
                  'label_replace(vector(1), "pool", "p2", "", ""))')
     assert readscope.scoped("x", []) == "(x) and on(pool) (vector(1))"  # only the unlabelled series
     assert 'label_replace(vector(1), "pool", "a\\"b\\\\", "", "")' in readscope.scoped("x", ['a"b\\'])
+
+
+@given(st.sets(st.text(min_size=1, max_size=12), max_size=6), st.sampled_from(["x", "timestamp(a:b{c=\"d\"})",
+                                                                        'max by (pool) (y) and z']))
+def test_the_stand_ins_read_back_what_scoped_wrote(pools, inner):
+    """parse_scoped (the answer server's and FakeProm's reading of the wrapper) is scoped's inverse, for any pool
+    name (quotes and backslashes too) and any query."""
+    assert readscope.parse_scoped(readscope.scoped(inner, pools)) == (inner, sorted(pools))
+    assert readscope.unscoped(readscope.scoped(inner, pools)) == inner
+    assert readscope.parse_scoped(inner) is None and readscope.unscoped(inner) == inner
 
 
 def _labels(name: str | None, pool: str | None, instance: str) -> str:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import replace
 
-from controller import decide
+from controller import decide, readscope
 from controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
 from controller.loop import Controller
 from controller.metrics import ControllerMetrics
@@ -85,12 +84,6 @@ class FakeHaproxy:
         return [CommandResult(c, True, "") for c in commands]
 
 
-# a query wrapped by controller/readscope.scoped: (inner) and on(pool) (vector(1) or label_replace(...) ...)
-SCOPED = re.compile(r'\((?P<inner>.*)\) and on\(pool\) \(vector\(1\)(?P<terms>(?: or label_replace\(vector\(1\), '
-                    r'"pool", "[^"]*", "", ""\))*)\)')
-LED = re.compile(r'"pool", "([^"]*)"')
-
-
 class FakeProm:
     """PrometheusClient's seam: query(q) -> the samples answers(q) gives (a dict or a function); recorded.
 
@@ -105,10 +98,10 @@ class FakeProm:
         return self._evaluate(q)
 
     def _evaluate(self, q):
-        scoped = SCOPED.fullmatch(q)
+        scoped = readscope.parse_scoped(q)
         if scoped:  # controller/readscope.py's wrapper, as Prometheus evaluates it (tests/controller/test_readscope.py)
-            led = set(LED.findall(scoped["terms"])) | {""}
-            return [s for s in self._evaluate(scoped["inner"]) if s.labels.get("pool", "") in led]
+            inner, led = scoped
+            return [s for s in self._evaluate(inner) if s.labels.get("pool", "") in {*led, ""}]
         if q.startswith("timestamp(") and not (isinstance(self.answers, dict) and q in self.answers):
             # as Prometheus answers timestamp() of a series sampled at the evaluation time: fresh data
             return [Sample({k: v for k, v in s.labels.items() if k != "__name__"}, s.timestamp, s.timestamp)
