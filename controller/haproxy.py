@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from grayguard.config import HAPROXY_NAME_RE
@@ -340,6 +340,19 @@ class RuntimeClient:
         if "can't find backend" in reply.lower():
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
         return parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
+
+    def show_backends_state(self, backends: Sequence[str]) -> list[ServerState]:
+        """show_servers_state of each of these backends, in one batch (a sharded replica reads the backends of the
+        pools it leads, not the whole table: controller/readscope.py). A backend HAProxy does not have is left out,
+        as the whole table leaves it out."""
+        names = [check_name(b) for b in backends]  # every name checked before anything is sent
+        lines = [ln for b in names for ln in (f"show servers state {b}", f"show stat {b} 4 -1")]
+        replies = self.execute(lines) if lines else []
+        out: list[ServerState] = []
+        for reply, stat in zip(replies[0::2], replies[1::2], strict=True):
+            if "can't find backend" not in reply.lower():
+                out += parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
+        return out
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
         """(current, initial) weight of one server."""

@@ -89,10 +89,11 @@ class Controller:
     def read_haproxy(self, result: TickResult) -> dict[str, dict[str, dict[str, ServerState]]]:
         """endpoint -> backend -> server -> state, for every endpoint that answered."""
         out = {}
-        wanted = {p.backend for p in self.cfg.pools}
+        scope = self._read_scope()
+        wanted = {p.backend for p in self.cfg.pools if scope is None or p.name in scope}
         for hc in self.haproxies:
-            try:
-                servers = hc.show_servers_state()
+            try:  # a replica leading part of the pools reads their backends only (controller/readscope.py)
+                servers = hc.show_servers_state() if scope is None else hc.show_backends_state(sorted(wanted))
             except HaproxyError as e:
                 self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
                 result.errors.append(str(e))

@@ -12,6 +12,8 @@ nodes, however many replicas share the pools. So each query is wrapped for Prome
 alone: vector(1) has none (so the series without one still come) and each label_replace term has one led pool.
 timestamp() stays inside the wrapper: it gives a selector's own sample times only when applied to the selector.
 What a tick decides is the same (tests/controller/test_readscope.py evaluates the wrapped queries with promtool).
+HAProxy is read the same way: the backends of the led pools only (RuntimeClient.show_backends_state), not the
+whole `show servers state` table.
 """
 
 from __future__ import annotations

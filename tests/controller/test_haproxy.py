@@ -173,3 +173,21 @@ def test_example_gateway_config_is_valid(tmp_path):
     (tmp_path / "h.cfg").write_text(text)
     p = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_backends_of_a_sharded_replica_read_as_the_whole_table_shows_them(haproxy_factory):
+    """show_backends_state (a replica leading part of the pools, controller/readscope.py): the servers of the
+    backends asked for, as the whole table has them (states, weights, hanafail, status); a backend HAProxy lacks
+    left out as the whole table leaves it out; nothing asked, nothing sent."""
+    hap = haproxy_factory({"a": servers(3), "b": servers(2, base_port=9200), "c": servers(4, base_port=9300)})
+    c = RuntimeClient(hap.endpoint)
+    c.apply([Command("b", "node1", "weight", 7), Command("c", "node0", "state", "drain")])
+    whole = c.show_servers_state()
+    got = c.show_backends_state(["c", "missing", "b"])
+    assert sorted(got, key=lambda s: (s.backend, s.name)) == sorted(
+        (s for s in whole if s.backend in ("b", "c")), key=lambda s: (s.backend, s.name))
+    assert {(s.backend, s.name): (s.weight, s.drain) for s in got}[("b", "node1")] == (7, False)
+    assert {(s.backend, s.name): s.drain for s in got}[("c", "node0")]
+    assert c.show_backends_state([]) == []
+    with pytest.raises(UnsafeNameError):
+        c.show_backends_state(["b", "x;y"])

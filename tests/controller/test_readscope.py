@@ -1,7 +1,8 @@
 """Sharded reads (controller/readscope.py): a replica that leads some pools asks Prometheus for their series only.
 The wrapped queries are evaluated by Prometheus' own engine (promtool): the led pools' series and the unlabelled
-ones come back as they are, metric name and sample times included; the controller wraps every query while it leads
-a strict part of the pools, and none when it leads them all or runs without a registry."""
+ones come back as they are, metric name and sample times included; the controller wraps every query (and reads
+only those pools' backends from HAProxy) while it leads a strict part of the pools, and none when it leads them all
+or runs without a registry."""
 
 from __future__ import annotations
 
@@ -98,26 +99,28 @@ def _controller(led):
     if led is not None:
         ctl.leadership = Leads(led)
     ctl.tick()
-    return [e[1] for e in events if e[0] == "query"], ctl.cfg.signals
+    return [e[1] for e in events if e[0] == "query"], [e[1:] for e in events if e[0] == "show"], ctl.cfg.signals
 
 
 @pytest.mark.parametrize("led", [None, ("a", "b", "c")])
 def test_a_controller_that_leads_every_pool_reads_the_queries_as_configured(led):
-    asked, sig = _controller(led)
+    asked, shown, sig = _controller(led)
     assert sorted(asked) == sorted([sig.latency_query, sig.request_rate_query, f"timestamp({sig.latency_query})",
                                     f"timestamp({sig.request_rate_query})", sig.kv_cache_query])
+    assert shown == [("unix:/h",)]  # the whole table
 
 
 def test_a_replica_that_leads_some_pools_reads_their_series_only():
-    asked, sig = _controller(("c", "a"))
+    asked, shown, sig = _controller(("c", "a"))
     plain = [sig.latency_query, sig.request_rate_query, f"timestamp({sig.latency_query})",
              f"timestamp({sig.request_rate_query})", sig.kv_cache_query]
     assert sorted(asked) == sorted(readscope.scoped(q, ["a", "c"]) for q in plain)
+    assert shown == [("unix:/h", ("be_a", "be_c"))]  # its backends only
 
 
 def test_a_standby_reads_nothing():
-    asked, _ = _controller(())
-    assert asked == []
+    asked, shown, _ = _controller(())
+    assert asked == [] and shown == []
 
 
 @pytest.mark.e2e

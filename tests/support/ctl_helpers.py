@@ -71,6 +71,10 @@ class FakeHaproxy:
         self.events.append(("show", self.endpoint))
         return [s for s in self.table.values() if backend in (None, s.backend)]
 
+    def show_backends_state(self, backends):
+        self.events.append(("show", self.endpoint, tuple(backends)))
+        return [s for s in self.table.values() if s.backend in backends]
+
     def apply(self, commands):
         self.events.append(("apply", self.endpoint, tuple(c.render() for c in commands)))
         for c in commands:
