@@ -179,13 +179,16 @@ def test_the_backends_of_a_sharded_replica_read_as_the_whole_table_shows_them(ha
     """show_backends_state (a replica leading part of the pools, controller/readscope.py): the servers of the
     backends asked for, as the whole table has them (states, weights, hanafail, status); a backend HAProxy lacks
     left out as the whole table leaves it out; nothing asked, nothing sent."""
-    hap = haproxy_factory({"a": servers(3), "b": servers(2, base_port=9200), "c": servers(4, base_port=9300)})
+    # "2": a backend named like another proxy's id ("a" is proxy 2): `show stat 2` must be the backend's own rows
+    hap = haproxy_factory({"a": servers(3), "b": servers(2, base_port=9200), "c": servers(4, base_port=9300),
+                           "2": servers(1, base_port=9400)})
     c = RuntimeClient(hap.endpoint)
     c.apply([Command("b", "node1", "weight", 7), Command("c", "node0", "state", "drain")])
     whole = c.show_servers_state()
-    got = c.show_backends_state(["c", "missing", "b"])
+    assert all(s.status for s in whole)  # the stat columns are there to compare
+    got = c.show_backends_state(["c", "missing", "b", "2"])
     assert sorted(got, key=lambda s: (s.backend, s.name)) == sorted(
-        (s for s in whole if s.backend in ("b", "c")), key=lambda s: (s.backend, s.name))
+        (s for s in whole if s.backend in ("b", "c", "2")), key=lambda s: (s.backend, s.name))
     assert {(s.backend, s.name): (s.weight, s.drain) for s in got}[("b", "node1")] == (7, False)
     assert {(s.backend, s.name): s.drain for s in got}[("c", "node0")]
     assert c.show_backends_state([]) == []
