@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,8 +81,8 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
                 server.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the answer server")
                 port = json.loads(ready.read_text())["port"]
                 cfg = load_config(controller_config(wd, port, hap.endpoint, list(backends)))
+                led = None if lead_share is None else led_pools([p.name for p in cfg.pools], lead_share)
                 with gcpolicy.tuned():  # the collector's thresholds the controller's process runs with
-                    led = None if lead_share is None else led_pools([p.name for p in cfg.pools], lead_share)
                     return run(cfg, nodes, len(backends), ticks, {"HAProxy": hap.proc.pid, "answers": server.pid},
                                progress, led)
             finally:
@@ -92,13 +92,14 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
 
 
 class Leads:
-    """The leadership seam of a replica that leads `led` for good (no etcd: the benchmark times the tick's own work)."""
+    """The leadership seam of a replica that leads `led` for good (no etcd: the benchmark times the tick's own work;
+    tests/controller/test_readscope.py drives the controller with it too). Leading nothing, it stands by."""
 
-    def __init__(self, led: list[str]):
+    def __init__(self, led: Iterable[str]):
         self.led = frozenset(led)
 
     def begin_tick(self) -> Turn:
-        return Turn(self.led, {}, "", True)
+        return Turn(self.led, {}, "" if self.led else "another replica leads every pool", True)
 
     def publish(self, pool: str, states, desired=None) -> None:
         return None

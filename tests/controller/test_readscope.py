@@ -14,8 +14,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.ticklocal import Leads
 from controller import readscope
-from controller.leader import Turn
 from tests.support.ctl_helpers import OPTIONAL, FakeHaproxy, FakeProm, fake_controller, samples
 from tests.support.stack import prometheus_config, require, start_prometheus
 
@@ -67,25 +67,6 @@ def test_prometheus_answers_the_led_pools_and_the_unlabelled_series_as_they_are(
     res = subprocess.run([promtool, "test", "rules", "scope.test.yml"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-
-
-class Leads:
-    """The leadership seam: this replica leads `led` (begin_tick), may write them, publishes without trouble."""
-
-    def __init__(self, led):
-        self.led = frozenset(led)
-
-    def begin_tick(self):
-        return Turn(self.led, {}, "" if self.led else "b leads", True)
-
-    def publish(self, pool, states, desired=None):
-        return None
-
-    def may_write(self, pool, budget_s):
-        return None
-
-    def status(self):
-        return {}
 
 
 def _controller(led):
