@@ -69,7 +69,8 @@ Timings are medians over --ticks runs; compare ratios, not absolute numbers, on 
 """
 
 
-def _inputs(n_pools: int, per_pool: int, rnd: random.Random, slow_every: int = 10) -> dict[str, dict]:
+def noisy_pools(n_pools: int, per_pool: int, rnd: random.Random, slow_every: int = 10) -> dict[str, dict]:
+    """pool -> node -> NodeInput: latencies 0.02 with 5 % noise, node n0 of every slow_every-th pool 4x slower."""
     pools = {}
     for p in range(n_pools):
         nodes = {}
@@ -92,7 +93,7 @@ def bench_decide(n_nodes: int, per_pool: int, ticks: int, seed: int = 1) -> dict
     changes = 0
     with gcpolicy.tuned():  # the collector's thresholds of the controller's process
         for k in range(ticks):
-            pools = _inputs(n_pools, per_pool, rnd)
+            pools = noisy_pools(n_pools, per_pool, rnd)
             actual = {p: {n: ServerState(p, n, "h:1", 100, 100, 0, 2) for n in nodes} for p, nodes in pools.items()}
             t0 = time.perf_counter()
             for p, inputs in pools.items():

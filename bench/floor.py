@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import answers
+from bench.controller import noisy_pools
 from bench.promtarget import fleet
 from bench.wholetick import controller_config, fleet_backends
 from controller import gcpolicy
@@ -44,10 +45,8 @@ DECISION_TARGET_MS, TICK_TARGET_MS = 100.0, 500.0  # issue 18, at 10,000 nodes
 
 
 def pools_of(nodes: int, per_pool: int, seed: int = 1) -> tuple[list[dict[str, NodeInput]], list[dict[str, NodeState]]]:
-    """Noisy latencies in pools of per_pool, each node's state with an EMA."""
-    rnd = random.Random(seed)
-    inputs = [{f"n{i}": NodeInput(100, 0.02 * (1 + rnd.gauss(0, 0.05)), request_rate=5.0) for i in range(per_pool)}
-              for _ in range(max(1, nodes // per_pool))]
+    """The decision benchmark's pools (bench.controller.noisy_pools), each node's state with an EMA."""
+    inputs = list(noisy_pools(max(1, nodes // per_pool), per_pool, random.Random(seed)).values())
     return inputs, [{n: NodeState(since=1.0, ema=0.02) for n in p} for p in inputs]
 
 
