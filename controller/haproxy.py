@@ -223,6 +223,16 @@ def parse_stat_columns(csv_text: str, *names: str) -> dict[tuple[str, str], dict
     return out
 
 
+def _states(reply: str, stat: str) -> list[ServerState]:
+    """The servers of a `show servers state` reply, with the columns of the `show stat` reply sent beside it."""
+    return parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
+
+
+def _no_backend(reply: str) -> bool:
+    """Whether a `show servers state <backend>` reply says HAProxy has no such backend."""
+    return "can't find backend" in reply.lower()
+
+
 def _hanafail(row: dict[str, str]) -> int | None:
     v = row.get("hanafail", "")
     return int(v) if v.isdigit() else None
@@ -337,9 +347,9 @@ class RuntimeClient:
         batch)."""
         cmd = "show servers state" + (f" {check_name(backend)}" if backend else "")
         reply, stat = self.execute([cmd, f"show stat {backend or -1} 4 -1"])
-        if "can't find backend" in reply.lower():
+        if _no_backend(reply):
             raise HaproxyError("no_such_backend", f"HAProxy at {self.endpoint} has no backend {backend!r}")
-        return parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
+        return _states(reply, stat)
 
     def show_backends_state(self, backends: Sequence[str]) -> list[ServerState]:
         """show_servers_state of each of these backends, in one batch (a sharded replica reads the backends of the
@@ -350,8 +360,8 @@ class RuntimeClient:
         replies = self.execute(lines) if lines else []
         out: list[ServerState] = []
         for reply, stat in zip(replies[0::2], replies[1::2], strict=True):
-            if "can't find backend" not in reply.lower():
-                out += parse_servers_state(reply, parse_stat_columns(stat, "hanafail", "status", "last_agt"))
+            if not _no_backend(reply):
+                out += _states(reply, stat)
         return out
 
     def get_weight(self, backend: str, server: str) -> tuple[int, int]:
