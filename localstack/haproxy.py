@@ -6,7 +6,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from grayguard.reflexes import Reflexes, backend_lines, global_lines
+from grayguard.reflexes import Reflexes, backend_lines, global_lines, stream_lines
 from localstack.procs import ManagedProcess, find_binary, start_process
 
 
@@ -15,8 +15,9 @@ def haproxy_config(sock: Path, backends: dict[str, list[tuple]], balance: str = 
                    reflexes: Reflexes | None = None) -> str:
     """A minimal config: admin socket, one backend per entry [(server, "host:port", weight[, agent port])].
 
-    Without reflexes: no checks, no retries. With them (grayguard/reflexes.py, as haproxy/haproxy.example.cfg):
-    retries with redispatch and a retry budget, observe layer7 error-limit, health checks, request buffering.
+    Without reflexes: no checks, no retries, but streams still go through unheld (stream_lines). With them
+    (grayguard/reflexes.py, as haproxy/haproxy.example.cfg): retries with redispatch and a retry budget, observe
+    layer7 error-limit, health checks, request buffering.
     """
     lines = ["global", f"  stats socket {sock} level admin", "  maxconn 4096"]
     if reflexes is not None:
@@ -29,8 +30,7 @@ def haproxy_config(sock: Path, backends: dict[str, list[tuple]], balance: str = 
     for be, servers in backends.items():
         lines += [f"backend {be}", f"  balance {balance}",
                   "  http-response set-header X-Served-By %s"]
-        if reflexes is not None:
-            lines += [f"  {ln}" for ln in backend_lines(reflexes)]
+        lines += [f"  {ln}" for ln in (backend_lines(reflexes) if reflexes is not None else stream_lines())]
         lines += [f"  server {srv[0]} {srv[1]} weight {srv[2]}" + (f" agent-port {srv[3]}" if len(srv) > 3 else "")
                   for srv in servers]
     return "\n".join(lines) + "\n"
