@@ -132,6 +132,9 @@ class Gateway:
       them) over its requests in the last `budget_window_s`; while that exceeds `retry_budget`, L7 retries
       (5xx, empty response) are disabled (`http-request disable-l7-retry`). Connection failures are still
       retried: HAProxy's rule spares them, and a refused connection costs the server nothing.
+    - streaming (`option http-no-delay`, `no_delay`): each chunk of a stream passes as it comes, so the gateway
+      adds no time to a first token and none is modelled. Without it HAProxy held every streamed chunk up to
+      200 ms (tests/localstack/test_stream_latency.py); `no_delay=False` is not modelled.
     Pure and clock-free: the engine passes the time.
     """
 
