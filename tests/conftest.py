@@ -72,6 +72,7 @@ PARALLEL_SAFE = frozenset({
     "grayguard/test_promclient_parse_fast.py",
     "grayguard/test_promclient_pool.py",
     "grayguard/test_vocab.py",
+    "localstack/test_vllmfleet_pure.py",
     "rules/test_cli.py",
     "rules/test_render.py",
     "rules/test_rerender.py",
