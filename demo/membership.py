@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FAULT_ONLY = ("fault", "fault_node", "fault_at", "fault_until", "fault_param", "no_controller", "compare",
-              "control_window")
+              "control_window", "fleet")
 
 
 def options_from_args(args: argparse.Namespace, defaults: argparse.Namespace) -> MembershipOptions:
@@ -70,7 +70,10 @@ def options_from_args(args: argparse.Namespace, defaults: argparse.Namespace) ->
     given = [f"--{k.replace('_', '-')}" for k in FAULT_ONLY if getattr(args, k) != getattr(defaults, k)]
     if given:
         raise ValueError(f"{', '.join(given)}: only for the fault scenario (--scenario fault)")
-    o = MembershipOptions(nodes=args.nodes, rate=args.rate, duration_s=args.duration, join_at_s=args.join_at,
+    d = MembershipOptions()
+    o = MembershipOptions(nodes=d.nodes if args.nodes is None else args.nodes, rate=d.rate if args.rate is None
+                          else args.rate, duration_s=d.duration_s if args.duration is None else args.duration,
+                          join_at_s=args.join_at,
                           crash_at_s=args.crash_at, warmup_s=args.join_warmup, seed=args.seed, timeout_s=args.timeout,
                           live=args.live, balance=args.balance, keep_workdir=args.keep_workdir)
     check(o)

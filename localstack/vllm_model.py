@@ -4,8 +4,8 @@ Run with the real fleet's interpreter (it needs torch, transformers and tokenize
 environment has): `.venv-vllm/bin/python -m localstack.vllm_model --out DIR`. No hub is reached: the
 configuration, the weights (seeded) and the vocabulary are all made here, in a few seconds.
 
-The vocabulary keeps the two prompts the project sends one token a word: the load generator's "lor lor ..."
-(sim/loadgen.py make_prompt: N words, N prompt tokens, as the simulator counts them) and the probe's "The capital
+The vocabulary keeps the two prompts the project sends one token a word: the load generator's three-letter words
+(sim/loadgen.py PROMPT_WORDS: N words, N prompt tokens, as the simulator counts them) and the probe's "The capital
 of France is". Any other word falls apart into its characters (`##` pieces), so the probe's random hex prefix
 gives every probe a prompt of its own, as on a real tokenizer (no prefix-cache hit).
 
@@ -35,11 +35,16 @@ NEVER_OUTPUT = (*SPECIALS, "!", "##!")
 STAMP = "grayguard-model.json"  # what was built, so a fleet can tell a stale build (and the version) apart
 
 
+# sim/loadgen.py's PROMPT_WORDS, made the same way here (this module imports nothing of the project; a test checks)
+PROMPT_WORDS = [a + b + c for a in "bdfgklmnprstvz" for b in "aeiou" for c in "bdfgklmnprstvz"]
+
+
 def vocabulary() -> list[str]:
-    """Special tokens, the words above, then every printable character alone and as a continuation piece."""
+    """Special tokens, the words above and the prompt words, then every printable character alone and as a
+    continuation piece."""
     chars = list(string.ascii_lowercase + string.digits + string.punctuation)
     out = list(SPECIALS)
-    for tok in [*WORDS.split(), *chars, *(f"##{c}" for c in chars)]:
+    for tok in [*WORDS.split(), *PROMPT_WORDS, *chars, *(f"##{c}" for c in chars)]:
         if tok not in out:
             out.append(tok)
     return out

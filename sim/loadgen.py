@@ -80,9 +80,17 @@ class LoadConfig:
         return base if base.endswith("/v1/completions") else base + "/v1/completions"
 
 
-def make_prompt(tokens: int) -> str:
-    """A prompt the simulator counts as `tokens` tokens (4 characters each)."""
-    return "lor " * tokens
+# Prompt words: three letters and a space each, so the simulator (4 characters a token) and the real fleet's model
+# (one token a word: localstack/vllm_model.py's vocabulary holds them all) count the same prompt tokens. Every
+# request draws its own words: one prompt repeated ("lor lor ...") is one long shared prefix, which a real vLLM's
+# prefix cache serves without prefilling it, so prompt length would cost the real engine nothing.
+PROMPT_WORDS = tuple(a + b + c for a in "bdfgklmnprstvz" for b in "aeiou" for c in "bdfgklmnprstvz")
+
+
+def make_prompt(tokens: int, seed: int = 0) -> str:
+    """A prompt of `tokens` tokens for the simulator and the real fleet alike, its words drawn with `seed`."""
+    rng = random.Random(seed)
+    return "".join(f"{w} " for w in rng.choices(PROMPT_WORDS, k=tokens))
 
 
 def looks_garbage(text: str) -> bool:
@@ -125,7 +133,8 @@ class _Run:
 
     async def one(self, rec: RequestRecord, due: float) -> None:
         cfg = self.cfg
-        body: dict[str, Any] = {"prompt": make_prompt(rec.prompt_tokens), "max_tokens": rec.max_tokens,
+        prompt = make_prompt(rec.prompt_tokens, cfg.seed * 1_000_003 + rec.index)  # each request's own words
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": rec.max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": cfg.stream}
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from localstack import cgroups
-from localstack.vllm_model import NEVER_OUTPUT, SPECIALS, WORDS, vocabulary
+from localstack import cgroups, vllm_model
+from localstack.vllm_model import NEVER_OUTPUT, SPECIALS, vocabulary
 from localstack.vllmfleet import REAL_FAULTS, children, make_real_fault, vllm_argv, vllm_env
+from sim import loadgen
 from sim.faults import FAULTS
 from sim.loadgen import make_prompt
 
@@ -30,7 +31,10 @@ def test_the_server_runs_as_a_module_on_loopback_with_the_model_and_its_name():
 
 
 def test_a_small_kv_cache_and_the_gpu_build_are_flags_of_the_same_command():
-    assert vllm_argv(PY, MODEL, "m", 1, kv_blocks=16)[-2:] == ["--num-gpu-blocks-override", "16"]
+    small = vllm_argv(PY, MODEL, "m", 1, kv_blocks=16)
+    assert small[small.index("--num-gpu-blocks-override") + 1] == "16"
+    assert small[small.index("--max-model-len") + 1] == str(16 * 128)  # what 16 of the CPU build's blocks hold
+    assert vllm_argv(PY, MODEL, "m", 1)[-2:] == ["--max-model-len", "8192"]
     cuda = vllm_argv(PY, MODEL, "m", 1, device="cuda")
     assert "--gpu-memory-utilization" in cuda and cuda[:3] == vllm_argv(PY, MODEL, "m", 1)[:3]
 
@@ -112,8 +116,12 @@ def test_a_hybrid_machine_uses_v1s_cpu_controller_and_a_machine_with_neither_say
 def test_the_load_generators_prompt_is_one_token_a_word_and_the_model_never_says_nothing():
     vocab = vocabulary()
     assert vocab[:len(SPECIALS)] == SPECIALS and len(vocab) == len(set(vocab))
-    words = set(make_prompt(5).split()) | set("the capital of france is".split())
-    assert words <= set(WORDS.split()) and words <= set(vocab)
+    assert list(loadgen.PROMPT_WORDS) == vllm_model.PROMPT_WORDS  # written twice: vllm_model imports no project code
+    prompt = make_prompt(300, seed=7)
+    assert len(prompt) == 4 * 300 and len(prompt.split()) == 300  # the simulator's 4 characters a token, one a word
+    assert make_prompt(300, seed=8) != prompt and make_prompt(300, seed=7) == prompt  # no shared prefix, repeatable
+    words = set(prompt.split()) | set(["the", "capital", "of", "france", "is"])
+    assert words <= set(vocab)
     assert set(NEVER_OUTPUT) >= set(SPECIALS) and "!" in NEVER_OUTPUT
     assert all(f"##{c}" in vocab for c in "0123456789abcdef")  # a random hex probe prefix splits, never [UNK]
 
