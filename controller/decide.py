@@ -34,6 +34,10 @@ class CanaryRound:
     node: str
     peers: tuple[str, ...]
     ttft: Mapping[str, float | None]
+    # when it was sent, on the tick's clock (a round runs off the tick and is decided on a later one: the node's
+    # last_canary is this); None: this tick
+    at: float | None = None
+    emas: Mapping[str, float] | None = None  # each peer's EMA when it was sent; None: the previous states'
 
 
 @dataclass(frozen=True)
@@ -253,8 +257,8 @@ def canary_estimates(rounds: Sequence[CanaryRound], prev: Mapping[str, NodeState
     outcomes = []
     for r in rounds:
         node_ttft = r.ttft.get(r.node)
-        e = canary.canary_estimate(node_ttft, [r.ttft.get(m) for m in r.peers],
-                                   [prev[m].ema for m in r.peers])  # type: ignore[misc]
+        emas = [r.emas[m] for m in r.peers] if r.emas is not None else [prev[m].ema for m in r.peers]
+        e = canary.canary_estimate(node_ttft, [r.ttft.get(m) for m in r.peers], emas)  # type: ignore[arg-type]
         if e is not None:
             est[r.node] = e
         outcomes.append((r.node, "failed" if node_ttft is None else "measured" if e is not None else "no_reference"))
@@ -286,11 +290,12 @@ def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState], optional: 
 
 def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
                 optional: Mapping[str, Sequence[Sample]], canaries: Mapping[str, float],
-                data: PoolData | None = None, keys: Mapping[str, tuple[str, ...]] | None = None
-                ) -> dict[str, NodeInput]:
+                data: PoolData | None = None, keys: Mapping[str, tuple[str, ...]] | None = None,
+                canary_at: Mapping[str, float] | None = None) -> dict[str, NodeInput]:
     """The policy's input for every server of the pool, matched to the pool's own samples by series key.
-    keys: _keys(pool, servers), if the caller has them."""
+    keys: _keys(pool, servers), if the caller has them; canary_at: when each canary was sent (absent: now)."""
     keys = keys if keys is not None else _keys(pool, servers)
+    canary_at = canary_at or {}
     data = data or pool_data(pool, servers, samples, keys=keys)
     lat, rate = data.latency, data.rate  # by node
     sig = signal_maps(pool, servers, optional, keys)  # by node
@@ -302,7 +307,8 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
             base_weight=s.initial_weight, latency=lat.get(key), latency_at=data.latency_at.get(key),
             request_rate=rate.get(key),
             peer_group=(o.peer_group if o and o.peer_group else sig["peer_group"].get(key)),
-            canary=canaries.get(n), hold=s.maint, down=s.down, gateway_marked_down=s.marked_down_for_errors,
+            canary=canaries.get(n), canary_at=canary_at.get(n), hold=s.maint, down=s.down,
+            gateway_marked_down=s.marked_down_for_errors,
             gateway_errors=s.hanafail, agent_down=s.agent_down, agent_off=s.agent_off,
             agent_why=s.agent_text if s.agent_down else None,
             haproxy_weight=s.weight, haproxy_drain=s.drain,
@@ -334,7 +340,8 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
         if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
             continue
         est, outcomes = canary_estimates(po.canaries, po.prev)
-        inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data, keys)
+        at = {r.node: r.at for r in po.canaries if r.at is not None}
+        inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data, keys, at)
         d = decide_pool(po.prev, inputs, policies[pool.name], obs.now)
         out[pool.name] = PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
     return out

@@ -64,7 +64,8 @@ class NodeInput:
     latency_at: float | None = None
     request_rate: float | None = None  # req/s; None: unknown (not checked)
     peer_group: str | None = None
-    canary: float | None = None  # a canary ran this tick: its latency estimate (inf: it failed)
+    canary: float | None = None  # a canary round completed: its latency estimate (inf: it failed)
+    canary_at: float | None = None  # when that round was sent (it runs off the tick); None: now
     hold: bool = False  # operator maintenance (MAINT): leave the node alone
     probe_result: str | None = None  # the exporter's last probe class (ok, slow, timeout, cuda_error, ...)
     probe_ttft: float | None = None  # seconds, last answered probe
@@ -432,7 +433,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
                        canary_ok=0, last_canary=None)
         elif s.state == CANARY and i.canary is not None:
-            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now)
+            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now, i.canary_at)
         st[n] = s
 
     # 3. Drain the worst candidates within the safeguard cap. The cap bounds what is out of rotation from any
@@ -689,18 +690,21 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
 
 
 def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,
-                  policy: Policy, now: float) -> NodeState:
+                  policy: Policy, now: float, sent: float | None = None) -> NodeState:
     t, r = policy.thresholds, policy.recovery
+    # the interval counts from when the round was sent, as when the tick waited for it: a round decided a tick
+    # later does not delay the next one
+    sent = now if sent is None else sent
     base = peers.canary_baseline(n, fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
     if base is None:
-        return evolve(s, last_canary=now, reason="canary ran but no peers with data to compare")
+        return evolve(s, last_canary=sent, reason="canary ran but no peers with data to compare")
     b, coef = base
     z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
     good = ratio < t.min_relative_gap and z < t.degrade_score
     ok = s.canary_ok + 1 if good else 0
     what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
     s = evolve(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
-               canary_ok=ok, last_canary=now,
+               canary_ok=ok, last_canary=sent,
                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
     if ok >= r.canary_successes:
         s = evolve(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
