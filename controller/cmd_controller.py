@@ -218,6 +218,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     try:
         return _run_controller(args, cfg, ctl)
     finally:
+        ctl.close()  # no canary starts any more; one in flight is not waited on past a second
         if discovery is not None:
             discovery.stop()
         if ctl.leadership is not None:
@@ -285,10 +286,9 @@ def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Call
 
 
 def tick_budget_s(cfg: Config) -> float:
-    """The longest a healthy tick takes: every deadline it may wait on, one after the other."""
-    from controller.loop import CANARY_MARGIN_S
-
-    return (cfg.tick_interval_s + 2 * cfg.prometheus.timeout_s + cfg.recovery.canary_timeout_s + CANARY_MARGIN_S
+    """The longest a healthy tick takes: every deadline it may wait on, one after the other (canaries run off the
+    tick: none of theirs)."""
+    return (cfg.tick_interval_s + 2 * cfg.prometheus.timeout_s
             + 2 * cfg.haproxy.timeout_s * len(cfg.haproxy.endpoints) + 4 * cfg.registry.timeout_s)
 
 
@@ -336,7 +336,7 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
         log.warning("tick took longer than tick_interval_s=%gs: %d tick(s) skipped", interval_s, n)
 
     jobs = [Periodic("tick", job, interval_s, stop, on_skip=skipped)]
-    if ctl.leadership is not None:  # the lease outlives a long tick (canaries): renewed every third of it, off the tick
+    if ctl.leadership is not None:  # the lease outlives a long tick: renewed every third of it, off the tick
         jobs.append(Periodic("lease", renew_lease, ctl.leadership.ttl / 3, stop))
     every = ctl.cfg.rules.rerender_interval_s if rerender_interval_s is None else rerender_interval_s
     if rerender is not None and every > 0:
@@ -350,4 +350,5 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
     stop.wait()
     for j in jobs:  # a tick in flight finishes (its writes are never cut halfway)
         j.join()
+    ctl.close()  # the canary workers: a canary in flight is not waited on (a hung engine's would hold the exit)
     log.info("controller stopped")

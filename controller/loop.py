@@ -8,7 +8,6 @@ restarted HAProxy or a lost write is repaired on the next tick. When the data ca
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controller import canary, decide, readscope
+from controller import canary, canary_rounds, decide, readscope
 from controller.clock import SteadyClock
 from controller.desired import dump as dump_desired
 from controller.desired import from_decision
@@ -29,6 +28,7 @@ from controller.policy import NodeState, PoolDecision, config_policy, pool_polic
 from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
+from grayguard.redact import redact_url
 
 if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
     from controller.leader import Leadership
@@ -38,7 +38,6 @@ log = logging.getLogger("grayguard.controller")
 
 # canary(base_url) -> time to first token in seconds, or None when the request failed.
 CanaryFn = Callable[[str], "float | None"]
-CANARY_MARGIN_S = 1.0  # the tick waits for its canaries at most recovery.canary_timeout_s + this
 
 
 @dataclass
@@ -63,7 +62,8 @@ class Controller:
     def __init__(self, cfg: Config, prom: PrometheusClient, haproxies: list[RuntimeClient],
                  canary: CanaryFn | None = None, metrics: ControllerMetrics | None = None,
                  state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
-                 dry_run: bool = False, leadership: Leadership | None = None):
+                 dry_run: bool = False, leadership: Leadership | None = None,
+                 canary_workers: int = canary_rounds.WORKERS):
         self.cfg = cfg
         self.policy = config_policy(cfg)
         self.policies = pool_policies(cfg)  # the same builder as replay
@@ -73,6 +73,9 @@ class Controller:
         self.metrics = metrics or ControllerMetrics.create()
         self.state_file = state_file
         self.clock = clock or SteadyClock()  # durations follow the monotonic clock, not wall-clock steps
+        # canary rounds run off the tick on a bounded pool of daemon threads; a later tick takes them back
+        self.workers = canary_rounds.Workers(canary, self.clock, canary_workers) if canary else None
+        self.rounds = canary_rounds.Rounds()
         self.dry_run = dry_run
         self.states: dict[str, dict[str, NodeState]] = state_file.load() if state_file else {}
         self.last_decisions: dict[str, PoolDecision] = {}
@@ -205,53 +208,68 @@ class Controller:
 
     def send_canaries(self, pools: dict[str, decide.PoolObservation],
                       now: float) -> dict[str, decide.PoolObservation]:
-        """Send every pool's canary rounds due now, all at the same moment; the observations with their rounds.
+        """Take every pool's canary rounds that completed since the last tick and start the rounds due now; the
+        observations with the rounds taken.
 
-        Which peers, and what the answers mean, is controller/canary.py's (shared with the benchmark);
-        this only sends the requests and records each target's TTFT (None: failed). Every request of every
-        pool runs concurrently and the tick waits for them at most canary_timeout_s + CANARY_MARGIN_S, so a
-        tick's duration stays bounded however many nodes hang.
+        Never waits on a canary (controller/canary_rounds.py): the requests run on the canary workers, and a round
+        is decided on the first tick that finds each target answered, failed, or running canary_timeout_s since it
+        was sent, if its node is still in the canary stage it was sent in. A node whose round is in flight is sent
+        no other and is decided as if no canary were due (it stays drained). Which peers, and what the answers
+        mean, is controller/canary.py's (shared with the benchmark); a peer of two rounds started together gets one
+        request.
         """
-        if self.canary is None:
+        if self.canary is None or self.workers is None:
             return pools
-        by_name = {p.name: p for p in self.cfg.pools}
-        rounds = {name: canary.canary_rounds(sorted(o.servers), o.prev, decide.canary_groups(by_name[name], o.servers),
-                                             now, self.policy.recovery) for name, o in pools.items()}
-        urls = {(name, m): self.canary_url(by_name[name], pools[name].servers[m])
-                for name, rs in rounds.items() for _, targets in rs for m in targets}
-        if not urls:
-            return pools
-        ttft = self._run_canaries(sorted(set(urls.values())))  # a peer shared by two rounds gets one request
+        for name in self.rounds.pools():
+            if not self._leads(name):  # not this replica's to decide any more
+                self.rounds.discard(name)
+        by_name, timeout = {p.name: p for p in self.cfg.pools}, self.policy.recovery.canary_timeout_s
         out = dict(pools)
-        for name, rs in rounds.items():
-            if rs:
-                got = [decide.CanaryRound(n, tuple(targets[1:]), {m: ttft[urls[name, m]] for m in targets})
-                       for n, targets in rs]
-                out[name] = dataclasses.replace(pools[name], canaries=tuple(got))
+        due: list[tuple[str, str, list[str]]] = []  # (pool, node, [node, *peers])
+        for name, o in pools.items():
+            busy = self.rounds.nodes(name)  # in flight, or taken now: the next round starts on a later tick
+            got = [r for r in (self._taken(name, p, o, now, timeout) for p in self.rounds.take(name, now, timeout))
+                   if r is not None]
+            if got:
+                out[name] = dataclasses.replace(o, canaries=tuple(got))
+            if not self.workers.closed:
+                due += [(name, n, targets) for n, targets in canary.canary_rounds(
+                    sorted(o.servers), o.prev, decide.canary_groups(by_name[name], o.servers), now,
+                    self.policy.recovery) if n not in busy]
+        urls = {(name, m): self.canary_url(by_name[name], pools[name].servers[m]) for name, _, ts in due for m in ts}
+        probes = {u: self.workers.submit(u) for u in sorted(set(urls.values()))}
+        for name, n, targets in due:
+            prev = pools[name].prev
+            self.rounds.add(canary_rounds.Pending(name, n, prev[n].since, now, tuple(targets[1:]),
+                                                  {m: prev[m].ema for m in targets[1:]},  # type: ignore[misc]
+                                                  {m: probes[urls[name, m]] for m in targets}))
+        self.metrics.canaries_in_flight.set(self.workers.in_flight())
         return out
 
-    def _run_canaries(self, urls: list[str]) -> dict[str, float | None]:
-        """url -> TTFT, every canary concurrently under one deadline; not answered by then, or raised: None."""
-        budget = self.policy.recovery.canary_timeout_s + CANARY_MARGIN_S
-        ex = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="canary")
-        try:
-            futures = {u: ex.submit(self.canary, u) for u in urls}  # type: ignore[misc]
-            concurrent.futures.wait(futures.values(), timeout=budget)
-        finally:
-            ex.shutdown(wait=False, cancel_futures=True)  # a straggler ends on its own deadline; the tick goes on
-        out: dict[str, float | None] = {}
-        for u, f in futures.items():
-            out[u] = None
-            if not f.done():
-                log.warning("canary %s: no answer within %gs (recovery.canary_timeout_s + %gs): failed", u,
-                            budget, CANARY_MARGIN_S)
-            elif f.exception() is not None:
-                e = f.exception()
-                self._warn_once(f"canary-error:{u}:{type(e).__name__}", f"canary {u} raised "
+    def _taken(self, pool: str, r: canary_rounds.Pending, o: decide.PoolObservation, now: float,
+               timeout: float) -> decide.CanaryRound | None:
+        """A completed round as the decision takes it (each target's TTFT, None: failed), or None to discard it."""
+        why = canary_rounds.discard_reason(r, o.prev, o.servers, now, self.cfg.stale_after_s)
+        if why:
+            log.info("pool=%s node=%s: canary round discarded: %s", pool, r.node, why)
+            return None
+        ttft: dict[str, float | None] = {}
+        for m, p in r.probes.items():
+            failed = p.outcome(now, timeout)[1]
+            ttft[m] = p.value(failed)
+            if failed == "timeout":
+                log.warning("canary %s: no answer within %gs of being sent (recovery.canary_timeout_s): failed",
+                            redact_url(p.url), timeout)
+            elif failed == "raised":
+                e = p.error
+                self._warn_once(f"canary-error:{p.url}:{type(e).__name__}", f"canary {redact_url(p.url)} raised "
                                 f"{type(e).__name__}: {e}; counted as a failed canary")
-            else:
-                out[u] = f.result()
-        return out
+        return decide.CanaryRound(r.node, r.peers, ttft, r.at, r.emas)
+
+    def close(self, timeout_s: float = canary_rounds.CLOSE_WAIT_S) -> None:
+        """Start no more canaries and let the workers go, waiting for them at most timeout_s (they are daemons)."""
+        if self.workers is not None:
+            self.workers.close(timeout_s)
 
     # ---- tick ----------------------------------------------------------------------------------
     def tick(self) -> TickResult:
@@ -277,7 +295,7 @@ class Controller:
         self.act(obs, decide.decide_tick(obs, self.cfg.pools, self.policies), hap, result)
 
     def observe(self, result: TickResult) -> tuple[decide.Observation, dict] | None:
-        """Read HAProxy, Prometheus, then send every pool's canaries; None (result.held set) to hold."""
+        """Read HAProxy, Prometheus, then take and start every pool's canary rounds; None (result.held set) to hold."""
         hap = self.read_haproxy(result)
         if not hap:
             result.held = "no HAProxy endpoint answered"
@@ -317,7 +335,7 @@ class Controller:
         if held and not pools:
             result.held = "; ".join(held)
             return None
-        pools = self.send_canaries(pools, now)  # every pool's canaries at once, under one deadline
+        pools = self.send_canaries(pools, now)  # the rounds completed since the last tick; new ones start, unwaited
         return decide.Observation(now, samples, optional, pools, self.cfg.stale_after_s), hap
 
     def act(self, obs: decide.Observation, outcomes: dict[str, decide.PoolOutcome], hap: dict,
@@ -401,6 +419,7 @@ class Controller:
                 self.states[pool] = states
         for pool in sorted((self._led or frozenset()) - turn.led):  # the new leader's series are the truth
             self.node_series.forget_pool(pool)
+            self.rounds.discard(pool)  # and its canaries are the new leader's to send and decide
         self._led = turn.led
         if not turn.led:
             result.standby = result.held = turn.why

@@ -39,6 +39,7 @@ class ControllerMetrics:
     haproxy_errors: Counter
     haproxy_writes: Counter
     canaries: Counter
+    canaries_in_flight: Gauge
     data_stale: Gauge
     static_backend: Gauge
     state_save_errors: Counter
@@ -112,6 +113,9 @@ class ControllerMetrics:
                                    ["endpoint", "kind"], registry=r),
             canaries=Counter("grayguard_canaries", "Canary requests by result (good, bad, error)",
                              ["pool", "node", "result"], registry=r),
+            canaries_in_flight=Gauge("grayguard_canaries_in_flight",
+                                     "Canary requests running or waiting for a worker, as the last tick saw them "
+                                     "(off the tick; a hung engine's until its request returns)", registry=r),
             data_stale=Gauge("grayguard_data_stale", "1 while the controller holds weights for lack of data",
                              registry=r),
             static_backend=Gauge("grayguard_backend_static_algorithm",

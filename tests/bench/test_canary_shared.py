@@ -11,7 +11,7 @@ from bench.spec import NodeSpec, Scenario
 from controller import canary
 from controller.policy import NodeState
 from grayguard.config import RecoveryConfig
-from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples
+from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, tick_settled
 
 NAMES = [f"node{i}" for i in range(5)]
 
@@ -120,8 +120,10 @@ def test_the_live_loop_uses_the_shared_functions(spies):
     ctl = fake_controller([{"name": "chat", "backend": "vllm_chat"}], [hap], prom, canary=by_url.__getitem__,
                           clock=lambda: now)
     ctl.states["chat"] = dict(STATES)
-    ctl.tick()
-    assert [c[0] for c in spies] == ["canary_rounds", "canary_estimate"]
-    assert spies[-1][1] == (0.3, [0.05, 0.15], [0.010, 0.020])  # the same call as the benchmark's
+    tick_settled(ctl)  # the round starts, off the tick
+    ctl.tick()  # and is decided on the next one (which starts no other for node0)
+    assert [c[0] for c in spies] == ["canary_rounds", "canary_rounds", "canary_estimate"]
+    # the same call as the benchmark's: the peers' EMAs are those of when the round was sent
+    assert spies[-1][1] == (0.3, [0.05, 0.15], [0.010, 0.020])
     assert ctl.metrics.registry.get_sample_value("grayguard_canaries_total",
                                                  {"pool": "chat", "node": "node0", "result": "measured"}) == 1

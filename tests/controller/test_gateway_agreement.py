@@ -30,7 +30,7 @@ from grayguard.vocab import DrainCause
 from localstack.haproxy import HaproxyProc, haproxy_config
 from localstack.procs import wait_until
 from tests.localstack.test_reflexes import Backend
-from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, fake_controller, samples
+from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, fake_controller, samples, tick_settled
 
 P = Policy()
 REFLEX = "observe layer7 error-limit"
@@ -269,13 +269,16 @@ def test_controller_drains_what_haproxy_marked_down_and_keeps_it_drained_until_c
         t[0] += ctl.cfg.recovery.canary_interval_s - 5
         ctl.tick()
         assert st0().state == CANARY
-        t[0] += ctl.cfg.recovery.canary_interval_s
-        ctl.tick()
-        assert st0().state == CANARY and st0().canary_ok == 0 and node0().drain
+        def canary_round() -> None:  # a round starts (off the tick), its canaries answer, the next tick decides it
+            t[0] += ctl.cfg.recovery.canary_interval_s
+            tick_settled(ctl)
+            t[0] += 1
+            ctl.tick()
+        canary_round()
+        assert st0().state == CANARY and st0().canary_ok == 0 and "failed" in st0().reason and node0().drain
         bad.mode = "ok"
         for _ in range(ctl.cfg.recovery.canary_successes):
-            t[0] += ctl.cfg.recovery.canary_interval_s
-            ctl.tick()
+            canary_round()
         assert st0().state == SLOW_START
         s = node0()
         assert not s.drain and s.weight == round(100 * ctl.cfg.recovery.slow_start_initial)

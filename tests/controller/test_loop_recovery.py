@@ -4,7 +4,7 @@ import urllib.request
 import responses
 
 from controller.haproxy import RuntimeClient
-from tests.support.ctl_helpers import make_controller, prom_answers, servers
+from tests.support.ctl_helpers import make_controller, prom_answers, servers, tick_settled
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]
 
@@ -33,7 +33,7 @@ def test_quarantine_canary_slow_start_and_back_through_real_haproxy(haproxy_fact
             del lat[ADDRS[0]]  # drained: no traffic, no series
         with responses.RequestsMock() as rsps:
             prom_answers(rsps, lat, now=t[0])
-            ctl.tick()
+            tick_settled(ctl)  # the canaries it started have answered before the next tick, as a fleet's do
         s = ctl.states["chat"]["node0"]
         w = {x.name: (x.weight, x.drain) for x in c.show_servers_state("vllm_chat")}["node0"]
         seen.append((s.state, w))

@@ -12,7 +12,7 @@ from controller.haproxy import ServerState
 from controller.policy import NodeState, Policy
 from grayguard.config import PoolConfig, RecoveryConfig, ServerConfig
 from grayguard.promclient import Sample
-from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeHaproxy, FakeProm, fake_controller, samples
+from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeHaproxy, FakeProm, fake_controller, samples, tick_settled
 
 POOL = PoolConfig(name="chat", backend="vllm_chat")
 ADDR = {f"node{i}": f"10.0.0.{i}:8000" for i in range(4)}
@@ -109,8 +109,8 @@ def test_inputs_match_samples_by_series_key_and_read_the_optional_signals():
     assert inputs["node0"].latency is None and inputs["node0"].request_rate is None  # absent is not zero
 
 
-# -- the shell's order: observe every pool (canaries included), decide, then write ------------------------
-def test_every_pool_sends_its_canaries_before_any_haproxy_write():
+# -- the shell's order: observe every pool, start its canaries (off the tick), decide, then write -----------------
+def test_every_pool_starts_its_canaries_in_the_tick_that_drains_and_the_next_tick_decides_them():
     now = 1000.0
     events: list = []
     backends = {b: [(f"node{i}", f"10.{k}.0.{i}:8000", 100) for i in range(4)]
@@ -134,19 +134,22 @@ def test_every_pool_sends_its_canaries_before_any_haproxy_write():
     for pool in ("a", "b"):
         ctl.states[pool] = {"node0": NodeState(state="canary", since=900.0, reason="x", cause="latency"),
                             **{f"node{i}": NodeState(ema=0.02, score=0.0) for i in (1, 2, 3)}}
-    r = ctl.tick()
+    r = tick_settled(ctl)
     assert r.held is None and not r.errors
     kinds = [e[0] for e in events]
-    canaries = [i for i, k in enumerate(kinds) if k == "canary"]
-    writes = [i for i, k in enumerate(kinds) if k == "apply"]
-    assert len(canaries) == 6 and len(writes) == 2  # node0 and two peers, per pool; one batch per backend
-    assert max(canaries) < min(writes)
+    assert kinds.count("canary") == 6 and kinds.count("apply") == 2  # node0 and two peers, per pool; a batch each
     sent = {e[1] for e in events if e[0] == "canary"}
     assert sent == {f"http://10.{k}.0.{i}:8000" for k in (0, 1) for i in (0, 1, 2)}
     written = {c for e in events if e[0] == "apply" for c in e[2]}
     assert {"set server vllm_a/node0 state drain", "set server vllm_b/node0 state drain"} <= written
-    assert ctl.metrics.registry.get_sample_value("grayguard_canaries_total",
-                                                 {"pool": "b", "node": "node0", "result": "measured"}) == 1
+    measured = {"pool": "b", "node": "node0", "result": "measured"}
+    assert ctl.metrics.registry.get_sample_value("grayguard_canaries_total", measured) is None  # not decided yet
+    del events[:]
+    r = ctl.tick()
+    assert r.held is None and not r.errors
+    assert [e for e in events if e[0] == "canary"] == []  # the rounds taken now: no other starts this tick
+    assert ctl.metrics.registry.get_sample_value("grayguard_canaries_total", measured) == 1
+    assert ctl.states["a"]["node0"].canary_ok == 1 and ctl.states["a"]["node0"].last_canary == now
 
 
 def test_a_held_tick_sends_no_canary_and_writes_nothing():

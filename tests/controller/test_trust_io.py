@@ -1,6 +1,6 @@
-"""Trust, I/O side (issue 12, items 5, 6, 9, 13): every I/O call has an overall deadline, canaries run
-concurrently under one deadline, the default canary URL of an IPv6 server is well formed, and in-process
-durations follow the monotonic clock."""
+"""Trust, I/O side (issue 12, items 5, 6, 9, 13): every I/O call has an overall deadline, canaries run off the
+tick and a hung node's fails one canary timeout after it was sent, the default canary URL of an IPv6 server is well
+formed, and in-process durations follow the monotonic clock."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from controller.metrics import ControllerMetrics
 from controller.policy import NodeState
 from grayguard.config import PrometheusConfig, RecoveryConfig, parse_config
 from grayguard.promclient import PromError, PrometheusClient, Sample
-from tests.support.ctl_helpers import OPTIONAL, PROM, FakeHaproxy, FakeProm
+from tests.support.ctl_helpers import OPTIONAL, PROM, FakeHaproxy, FakeProm, tick_settled
 
 
 # ---- servers that misbehave on purpose -------------------------------------------------------------------
@@ -193,10 +193,21 @@ def test_canary_prober_has_a_deadline(hung):
     assert srv.conns, "the canary never reached the hung node"
 
 
-# ---- item 6: canaries run concurrently under one deadline -----------------------------------------------
-def _canary_tick_controller(servers_by_pool: dict[str, list[str]], n_canary: int, canary, timeout_s: float):
+# ---- item 6: canaries run off the tick; a hung node's fails canary_timeout_s after it was sent --------------
+class Clock:
+    """The controller's clock: real time plus what the test has moved it on (a canary's timeout, without waiting)."""
+
+    def __init__(self):
+        self.ahead = 0.0
+
+    def __call__(self):
+        return time.time() + self.ahead
+
+
+def _canary_tick_controller(servers_by_pool: dict[str, list[str]], n_canary: int, canary, timeout_s: float,
+                            clock=time.time):
     """Two pools; in each the first n_canary servers are in canary (due now), the others healthy with an EMA."""
-    now = time.time()
+    now = clock()
     events: list = []
     backends = {f"be_{p}": [(f"{p}{i}", a, 100) for i, a in enumerate(addrs)] for p, addrs in servers_by_pool.items()}
     hap = FakeHaproxy("127.0.0.1:1", backends, events)
@@ -214,9 +225,10 @@ def _canary_tick_controller(servers_by_pool: dict[str, list[str]], n_canary: int
     doc = {"prometheus": {"url": PROM}, "haproxy": {"endpoints": [hap.endpoint]}, "state_file": None,
            "pools": [{"name": p, "backend": f"be_{p}"} for p in servers_by_pool],
            "signals": {f"{k}_query": "" for k in OPTIONAL},
+           "thresholds": {"max_ejected_fraction": 0.5},  # half a pool may be drained: the cap releases none of them
            "recovery": {"canary_timeout_s": timeout_s, "min_quarantine_s": 0, "canary_interval_s": 1}}
     ctl = Controller(parse_config(doc), FakeProm(answers, events), [hap], canary=canary,
-                     metrics=ControllerMetrics.create(), clock=time.time)
+                     metrics=ControllerMetrics.create(), clock=clock)
     for p, addrs in servers_by_pool.items():
         ctl.states[p] = {f"{p}{i}": (NodeState("canary", since=now - 100, cause="latency", weight=0)
                                      if i < n_canary else NodeState("healthy", since=now - 1000, ema=0.02,
@@ -225,44 +237,73 @@ def _canary_tick_controller(servers_by_pool: dict[str, list[str]], n_canary: int
     return ctl
 
 
-def test_six_hung_nodes_make_one_canary_timeout_not_six(hung):
-    timeout_s = 1.0
+def _failed(ctl, pool, node):
+    return ctl.metrics.registry.get_sample_value("grayguard_canaries_total",
+                                                 {"pool": pool, "node": node, "result": "failed"})
+
+
+def test_six_hung_nodes_never_hold_the_tick_and_fail_one_canary_timeout_after_they_were_sent(hung):
+    timeout_s = 5.0
     pools = {"a": [hung() for _ in range(6)], "b": [hung() for _ in range(6)]}  # 3 hung in canary per pool
+    clock = Clock()
     ctl = _canary_tick_controller({p: [s.address for s in srvs] for p, srvs in pools.items()}, 3,
                                   make_canary(RecoveryConfig(canary_timeout_s=timeout_s, canary_model="m")),
-                                  timeout_s)
-    started = time.monotonic()
-    result = ctl.tick()
-    took = time.monotonic() - started
-    assert result.held is None, result.held
-    drained = [s for srvs in pools.values() for s in srvs[:3]]
-    assert all(s.conns for s in drained), "every hung node in canary got its canary"
-    for p in pools:
-        for i in range(3):  # every canary failed, and is counted as failed
-            assert ctl.metrics.registry.get_sample_value(
-                "grayguard_canaries_total", {"pool": p, "node": f"{p}{i}", "result": "failed"}) == 1
-    # one canary timeout (plus the tick's margin and scheduling slack), not six of them back to back
-    assert took < timeout_s + 2.0, f"the tick took {took:.1f}s with 6 hung nodes and a {timeout_s:g}s canary timeout"
+                                  timeout_s, clock)
+    try:
+        started = time.monotonic()
+        result = ctl.tick()
+        took = time.monotonic() - started
+        assert result.held is None, result.held
+        # the rounds run off the tick: it returns long before a single canary could time out
+        assert took < timeout_s, f"the tick took {took:.1f}s with 6 hung nodes: it waited on their canaries"
+        drained = [s for srvs in pools.values() for s in srvs[:3]]
+        deadline = time.monotonic() + timeout_s
+        while not all(s.conns for s in drained) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(s.conns for s in drained), "every hung node in canary got its canary, all at once"
+        assert all(_failed(ctl, p, f"{p}{i}") is None for p in pools for i in range(3))  # in flight: not decided
+        clock.ahead = timeout_s  # one canary timeout after they were sent, whatever the engines do
+        started = time.monotonic()
+        result = ctl.tick()
+        assert time.monotonic() - started < timeout_s and result.held is None
+        for p in pools:
+            for i in range(3):  # every canary failed, and is counted as failed, once
+                assert _failed(ctl, p, f"{p}{i}") == 1
+                assert ctl.states[p][f"{p}{i}"].state == "canary" and ctl.states[p][f"{p}{i}"].canary_ok == 0
+    finally:
+        ctl.close(0.0)
 
 
 def test_a_canary_that_never_returns_cannot_hold_the_tick():
     release = threading.Event()
+    entered = threading.Event()
     calls = []
 
-    def stuck(url):  # ignores every deadline: only the tick's own deadline can bound it
+    def stuck(url):  # ignores every deadline: only the controller's own timeout can bound it
         calls.append(url)
-        release.wait(30)
-        return None
+        if url.endswith(":9100"):
+            entered.set()
+            release.wait(30)
+            return None
+        return 0.1
 
-    ctl = _canary_tick_controller({"a": [f"127.0.0.1:{9100 + i}" for i in range(4)]}, 1, stuck, 0.5)
-    done = threading.Event()
-    threading.Thread(target=lambda: (ctl.tick(), done.set()), daemon=True).start()
+    clock = Clock()
+    ctl = _canary_tick_controller({"a": [f"127.0.0.1:{9100 + i}" for i in range(4)]}, 1, stuck, 0.5, clock)
     try:
-        assert done.wait(0.5 + 2.0), "the tick waited on a canary that never returns"
+        ticks = []
+        for k in range(3):  # three ticks while its canary is blocked: each one completes
+            done = threading.Event()
+            threading.Thread(target=lambda d=done: (ticks.append(ctl.tick()), d.set()), daemon=True).start()
+            assert done.wait(5.0), f"tick {k + 1} waited on a canary that never returns"
+            assert entered.wait(5.0)
+            assert _failed(ctl, "a", "a0") is None and ctl.states["a"]["a0"].state == "canary"
+        assert calls.count("http://127.0.0.1:9100") == 1  # its round is in flight: not sent again
+        clock.ahead = 0.5  # its timeout, measured from when it was sent
+        ctl.tick()
+        assert _failed(ctl, "a", "a0") == 1
     finally:
         release.set()
-    assert calls and ctl.metrics.registry.get_sample_value(
-        "grayguard_canaries_total", {"pool": "a", "node": "a0", "result": "failed"}) == 1
+        ctl.close(0.0)
 
 
 def test_a_canary_that_raises_is_a_failed_canary_not_a_failed_tick():
@@ -270,10 +311,11 @@ def test_a_canary_that_raises_is_a_failed_canary_not_a_failed_tick():
         raise ValueError(f"no scheme in {url}")
 
     ctl = _canary_tick_controller({"a": [f"127.0.0.1:{9100 + i}" for i in range(4)]}, 1, broken, 0.5)
+    result = tick_settled(ctl)
+    assert result.held is None and "a" in result.decisions
     result = ctl.tick()
     assert result.held is None and "a" in result.decisions
-    assert ctl.metrics.registry.get_sample_value(
-        "grayguard_canaries_total", {"pool": "a", "node": "a0", "result": "failed"}) == 1
+    assert _failed(ctl, "a", "a0") == 1
 
 
 # ---- item 5 (second half): the default canary URL of an IPv6 server ---------------------------------------

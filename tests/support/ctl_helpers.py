@@ -128,6 +128,19 @@ def fake_controller(pools: list[dict], haproxies, prom, canary=None, clock=time.
                       clock=clock)
 
 
+def settle(ctl: Controller, timeout_s: float = 10.0) -> None:
+    """Wait until every canary the controller started has returned: its next tick then takes the rounds (they run
+    off the tick, controller/canary_rounds.py). For canaries that answer at once, as a fleet's do within a tick."""
+    assert ctl.workers is None or ctl.workers.wait_idle(timeout_s), f"a canary still runs after {timeout_s:g}s"
+
+
+def tick_settled(ctl: Controller):
+    """One tick, then wait for the canaries it started (settle); the tick's result."""
+    r = ctl.tick()
+    settle(ctl)
+    return r
+
+
 class Sampler:
     """Calls fn every interval in a thread until stopped; the results, with their monotonic times."""
 
