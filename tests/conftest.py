@@ -41,6 +41,7 @@ PARALLEL_SAFE = frozenset({
     "bench/test_report_html.py",
     "bench/test_shipped_timing.py",
     "bench/test_smoke.py",
+    "bench/test_vllmshapes.py",
     "controller/test_decide_pools.py",
     "controller/test_core_speed_equivalence.py",
     "controller/test_decide_equivalence_fast.py",
