@@ -15,6 +15,7 @@ This module imports nothing of the project: the vLLM environment does not instal
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import string
 import sys
@@ -48,6 +49,13 @@ def vocabulary() -> list[str]:
         if tok not in out:
             out.append(tok)
     return out
+
+
+def fingerprint() -> str:
+    """What a build depends on (the vocabulary, the tokens never emitted, the shape): a stamp with another
+    fingerprint is a stale build, made before this module changed."""
+    text = json.dumps([vocabulary(), list(NEVER_OUTPUT), HIDDEN, LAYERS, HEADS, INTERMEDIATE, MAX_POSITIONS])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def build_tokenizer(out: Path):
@@ -86,7 +94,8 @@ def build(out: Path, seed: int = 0) -> Path:
             model.lm_head.weight[fast.convert_tokens_to_ids(tok)] = 0
     model.save_pretrained(out, safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
-    (out / STAMP).write_text(json.dumps({"name": MODEL_NAME, "seed": seed, "parameters": params,
+    (out / STAMP).write_text(json.dumps({"name": MODEL_NAME, "fingerprint": fingerprint(), "seed": seed,
+                                         "parameters": params,
                                          "hidden": HIDDEN, "layers": LAYERS, "vocab": len(fast)}, indent=1))
     return out
 

@@ -54,7 +54,7 @@ REAL_FAULTS: dict[str, dict[str, float]] = {
     "thermal": {"k": 10.0},
     "hang": {},
     "engine_death": {},
-    "kv_thrash": {"kv_blocks": 64.0},  # on the CPU build (128-token blocks): one longest sequence, 8,192 tokens
+    "kv_thrash": {"kv_blocks": 65.0},  # on the CPU build (128-token blocks): one longest sequence, 8,192 tokens
     "restart": {},
 }
 
@@ -75,8 +75,13 @@ def vllm_python() -> Path:
 def ensure_model(python: Path, folder: Path | None = None) -> Path:
     """The tiny model's folder (GRAYGUARD_VLLM_MODEL_DIR, else .venv-vllm/grayguard-model), built offline with
     localstack/vllm_model.py when it is missing (a few seconds)."""
+    from localstack.vllm_model import fingerprint
     folder = folder or Path(os.environ.get("GRAYGUARD_VLLM_MODEL_DIR") or VENV / "grayguard-model")
-    if not (folder / MODEL_STAMP).exists():
+    try:
+        built = json.loads((folder / MODEL_STAMP).read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        built = None
+    if built != fingerprint():  # none yet, or made by an older localstack/vllm_model.py
         log.info("building the tiny random-weight model in %s", folder)
         r = subprocess.run([str(python), "-m", "localstack.vllm_model", "--out", str(folder)], cwd=REPO,
                            capture_output=True, text=True, timeout=300,
@@ -99,8 +104,8 @@ def vllm_argv(python: Path, model: Path, name: str, port: int, *, max_model_len:
             "--dtype", "bfloat16", "--seed", "0",
             # no torch.compile: 30 s less to start on 2 cores, the same kernels for a model this small
             "--enforce-eager", "--disable-uvicorn-access-log"]
-    if kv_blocks is not None:  # vLLM refuses to start when the cache cannot hold one longest sequence
-        max_model_len = min(max_model_len, int(kv_blocks) * BLOCK_TOKENS[device])
+    if kv_blocks is not None:  # vLLM refuses to start when the cache cannot hold one longest sequence (and it
+        max_model_len = min(max_model_len, (int(kv_blocks) - 1) * BLOCK_TOKENS[device])  # keeps one block back)
         argv += ["--num-gpu-blocks-override", str(int(kv_blocks))]
     if device == "cuda":
         argv += ["--gpu-memory-utilization", "0.2"]
@@ -241,8 +246,8 @@ def make_real_fault(name: str, params: dict[str, Any] | None = None) -> dict[str
             raise ValueError(f"fault {name!r} parameter {k!r}: not a number: {v!r}") from None
     if name == "thermal" and not full["k"] > 1:
         raise ValueError(f"fault 'thermal' parameter 'k' must be above 1, not {full['k']:g}")
-    if name == "kv_thrash" and not full["kv_blocks"] >= 1:
-        raise ValueError("fault 'kv_thrash' parameter 'kv_blocks' must be at least 1")
+    if name == "kv_thrash" and not full["kv_blocks"] >= 2:
+        raise ValueError("fault 'kv_thrash' parameter 'kv_blocks' must be at least 2 (vLLM keeps one back)")
     return full
 
 

@@ -33,7 +33,7 @@ def test_the_server_runs_as_a_module_on_loopback_with_the_model_and_its_name():
 def test_a_small_kv_cache_and_the_gpu_build_are_flags_of_the_same_command():
     small = vllm_argv(PY, MODEL, "m", 1, kv_blocks=16)
     assert small[small.index("--num-gpu-blocks-override") + 1] == "16"
-    assert small[small.index("--max-model-len") + 1] == str(16 * 128)  # what 16 of the CPU build's blocks hold
+    assert small[small.index("--max-model-len") + 1] == str(15 * 128)  # what 16 CPU blocks hold, one kept back
     assert vllm_argv(PY, MODEL, "m", 1)[-2:] == ["--max-model-len", "8192"]
     cuda = vllm_argv(PY, MODEL, "m", 1, device="cuda")
     assert "--gpu-memory-utilization" in cuda and cuda[:3] == vllm_argv(PY, MODEL, "m", 1)[:3]
@@ -56,7 +56,7 @@ def test_real_faults_use_the_simulators_names_where_they_fit_and_validate_their_
     assert make_real_fault("hang") == {}
     for name, params, msg in [("pcie", {}, "no fault 'pcie'"), ("thermal", {"x": 1}, "no parameter 'x'"),
                               ("thermal", {"k": "fast"}, "not a number"), ("thermal", {"k": 1}, "above 1"),
-                              ("kv_thrash", {"kv_blocks": 0}, "at least 1")]:
+                              ("kv_thrash", {"kv_blocks": 1}, "at least 2")]:
         with pytest.raises(ValueError, match=msg):
             make_real_fault(name, params)
 
