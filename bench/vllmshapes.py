@@ -44,7 +44,7 @@ Fault = Callable[[bool], Awaitable[dict | None]]  # True: set the thermal fault;
 
 @dataclass(frozen=True)
 class Grid:
-    """What is measured; every knob is a command-line option."""
+    """What is measured (each knob a command-line option)."""
 
     batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_tokens: int = 200  # generated per stream in the batch phase
@@ -350,16 +350,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-reps", type=int, default=d.prompt_reps, help="requests per prompt length (default 3)")
     ap.add_argument("--long-prompt", type=int, default=d.long_prompt, help="the long prefill's prompt (default 4000)")
     ap.add_argument("--prefill-reps", type=int, default=d.prefill_reps, help="long prompts sent (default 3)")
+    ap.add_argument("--batch-prompt", type=int, default=d.batch_prompt,
+                    help="prompt tokens of the decoding streams (default 16)")
+    ap.add_argument("--prefill-streams", type=int, default=d.prefill_streams,
+                    help="streams decoding while the long prompt arrives (default 4)")
+    ap.add_argument("--probe-prompt", type=int, default=d.probe_prompt, help="a probe's prompt tokens (default 8)")
+    ap.add_argument("--probes", type=int, default=d.probes,
+                    help="idle probes, and probes per thermal state (default 5)")
     ap.add_argument("--thermal-k", type=float, default=d.thermal_k, help="the thermal fault's k (default 10)")
+    ap.add_argument("--thermal-tokens", type=int, default=d.thermal_tokens,
+                    help="tokens per stream under the fault (default 60)")
+    ap.add_argument("--thermal-batch", type=int, default=d.thermal_batch,
+                    help="the second batch size measured under the fault (default 4)")
+    ap.add_argument("--thermal-prompt", type=int, default=d.thermal_prompt,
+                    help="the prompt of the TTFT measured under the fault (default 512)")
     a = ap.parse_args(argv)
     engines = tuple(a.engines.split(","))
     if not engines or any(e not in ("real", "sim") for e in engines) or len(set(engines)) != len(engines):
         ap.error(f"--engines: real, sim or both, not {a.engines!r}")
-    if min(a.decode_tokens, a.batch_reps, a.prompt_reps, a.prefill_reps) < 1 or a.decode_tokens < 2 \
-            or a.thermal_k <= 1:
-        ap.error("--decode-tokens at least 2, the repetitions at least 1, --thermal-k above 1")
-    g = Grid(batches=a.batches, decode_tokens=a.decode_tokens, batch_reps=a.batch_reps, prompts=a.prompts,
-             prompt_reps=a.prompt_reps, long_prompt=a.long_prompt, prefill_reps=a.prefill_reps, thermal_k=a.thermal_k)
+    counts = (a.batch_reps, a.prompt_reps, a.prefill_reps, a.long_prompt, a.batch_prompt, a.prefill_streams,
+              a.probe_prompt, a.probes, a.thermal_batch, a.thermal_prompt)
+    if min(a.decode_tokens, a.thermal_tokens) < 2 or min(counts) < 1 or a.thermal_k <= 1:
+        ap.error("--decode-tokens and --thermal-tokens at least 2, the other counts at least 1, --thermal-k above 1")
+    g = Grid(batches=a.batches, decode_tokens=a.decode_tokens, batch_prompt=a.batch_prompt, batch_reps=a.batch_reps,
+             prompts=a.prompts, prompt_reps=a.prompt_reps, long_prompt=a.long_prompt,
+             prefill_streams=a.prefill_streams, prefill_reps=a.prefill_reps, probe_prompt=a.probe_prompt,
+             probes=a.probes, thermal_k=a.thermal_k, thermal_tokens=a.thermal_tokens, thermal_batch=a.thermal_batch,
+             thermal_prompt=a.thermal_prompt)
     t0 = time.monotonic()
 
     def note(s: str) -> None:
