@@ -57,6 +57,12 @@ def _error(message: str, code: int, kind: str, param: str | None = None,
     return web.json_response(error_body(message, code, kind, param), status=code, headers=headers)
 
 
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """An OpenAI usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 class _BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -212,7 +218,7 @@ class SimNode:
             self._timer_at = at
 
     # -- OpenAI API ---------------------------------------------------------------------------
-    def _parse(self, body: Any) -> tuple[int, int, bool, bool]:
+    def _parse(self, body: Any) -> tuple[int, int, bool, str | None]:
         if not isinstance(body, dict):
             raise _BadRequest("request body must be a JSON object")
         model = body.get("model")
@@ -243,7 +249,11 @@ class SimNode:
         opts = body.get("stream_options") or {}
         if opts and not stream:
             raise _BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
-        return prompt_tokens, max_tokens, stream, bool(opts.get("include_usage", False))
+        # like vLLM: include_usage adds a last chunk with the usage; continuous_usage_stats with it puts the usage so
+        # far in every chunk (the exporter's probe reads its prompt tokens from its first chunk)
+        usage = "every" if opts.get("include_usage") and opts.get("continuous_usage_stats") else \
+            "last" if opts.get("include_usage") else None
+        return prompt_tokens, max_tokens, stream, usage
 
     def _unauthorized(self, request: web.Request) -> web.Response | None:
         if self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}":
@@ -286,14 +296,17 @@ class SimNode:
             if self.engine.abort(rid):  # client gone or error: free the slot, not counted as finished
                 self._kick()
 
-    def _chunk(self, rid: str, text: str, finish: str | None) -> bytes:
-        obj = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                            "stop_reason": None}]}
+    def _chunk(self, rid: str, text: str, finish: str | None, usage: dict[str, int] | None = None) -> bytes:
+        obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                               "model": self.model_name,
+                               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                                            "stop_reason": None}]}
+        if usage is not None:
+            obj["usage"] = usage
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     async def _stream(self, request: web.Request, rid: str, q: _Pending, gen: _Text, prompt_tokens: int,
-                      usage: bool, cuda_mode: str | None, headers: dict[str, str]) -> web.StreamResponse:
+                      usage: str | None, cuda_mode: str | None, headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await resp.prepare(request)  # like vLLM: headers go out before the first token
         # a client that hangs up mid-stream (probes do, after one chunk) is not an error
@@ -302,7 +315,14 @@ class SimNode:
         return resp
 
     async def _stream_body(self, resp: web.StreamResponse, rid: str, q: _Pending, gen: _Text,
-                           prompt_tokens: int, usage: bool, cuda_mode: str | None) -> None:
+                           prompt_tokens: int, usage: str | None, cuda_mode: str | None) -> None:
+        sent = 0  # tokens streamed so far
+
+        def chunk(text: str, n: int, finish: str | None) -> bytes:
+            nonlocal sent
+            sent += n
+            return self._chunk(rid, text, finish, _usage(prompt_tokens, sent) if usage == "every" else None)
+
         while True:
             ev = await q.get()
             if ev is _SHUTDOWN:
@@ -310,16 +330,15 @@ class SimNode:
                     error_body("server shutting down", 503, "ServiceUnavailableError")).encode() + b"\n\n")
                 break
             if type(ev) is Finished:
-                await resp.write(self._chunk(rid, gen.take(ev.n), "length"))
+                await resp.write(chunk(gen.take(ev.n), ev.n, "length"))
                 if usage:
-                    n = ev.stats.generation_tokens
                     obj = {"id": rid, "object": "text_completion", "created": int(time.time()),
                            "model": self.model_name, "choices": [],
-                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                     "total_tokens": prompt_tokens + n}}
+                           "usage": _usage(prompt_tokens, ev.stats.generation_tokens)}
                     await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
                 break
-            await resp.write(self._chunk(rid, gen.take(1 if type(ev) is FirstToken else ev.n), None))
+            n = 1 if type(ev) is FirstToken else ev.n
+            await resp.write(chunk(gen.take(n), n, None))
             if cuda_mode == "midstream":
                 self.metrics.success["error"].inc()
                 await resp.write(b"data: " + json.dumps(
@@ -344,7 +363,7 @@ class SimNode:
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
             "choices": [{"index": 0, "text": gen.take(n), "logprobs": None, "finish_reason": "length",
                          "stop_reason": None, "prompt_logprobs": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
+            "usage": _usage(prompt_tokens, n),
         }, headers=headers)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -118,6 +118,38 @@ def test_streaming_completion_format(fleet):
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(fleet):
+    url, _ = urls(fleet)
+    r = requests.post(url + "/v1/completions", stream=True, timeout=10, json={
+        "prompt": "x" * 40, "max_tokens": 30, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [c for c in sse_events(r) if c != "[DONE]"]
+    texts = [c for c in chunks if c["choices"]]
+    assert texts[0]["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}  # vLLM's count
+    done = [c["usage"]["completion_tokens"] for c in texts]
+    assert done == sorted(done) and done[-1] == 30
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 30
+
+
+def test_a_probe_is_a_finished_request_in_vllms_histograms_as_its_usage_says(fleet):
+    """One token, streamed, closed after the first chunk (the exporter's probe): vLLM counts it as one finished
+    request of 1 generated token and its prompt, the numbers its first chunk's usage gives."""
+    url, _ = urls(fleet)
+    before = {n: sample(url, n) for n in ("vllm:e2e_request_latency_seconds_count",
+                                          "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum")}
+    with requests.post(url + "/v1/completions", stream=True, timeout=10, json={
+            "prompt": "[0123456789abcdef] The capital of France is", "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith(b"data: "))[6:])
+    usage = first["usage"]
+    assert usage["completion_tokens"] == 1
+    wait_until(lambda: sample(url, "vllm:e2e_request_latency_seconds_count") == before[
+        "vllm:e2e_request_latency_seconds_count"] + 1, what="the probe counted as finished")
+    assert sample(url, "vllm:request_prompt_tokens_sum") == before["vllm:request_prompt_tokens_sum"] + usage[
+        "prompt_tokens"]
+    assert sample(url, "vllm:request_generation_tokens_sum") == before["vllm:request_generation_tokens_sum"] + 1
+
+
 @pytest.mark.parametrize("body,status,text", [
     ({"prompt": "a", "model": "other"}, 404, "does not exist"),
     ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
