@@ -1,9 +1,11 @@
 """vLLM's /metrics text, pure: the few engine series the exporter reads, each summed over its label sets.
 
-Read once per probe (exporters/probehttp.py) for two uses: the hang evidence (exporters/hang.py: token counters
-and queues) and the live fast path (exporters/live.py: the same plus the sums and counts of the inter-token
+Read once per probe (exporters/probehttp.py) for three uses: the hang evidence (exporters/hang.py: token counters
+and queues), the live fast path (exporters/live.py: the same plus the sums and counts of the inter-token
 latency and time-to-first-token histograms, which vLLM observes as tokens are produced, not when a request
-finishes). Absent is not zero: a series missing from the page, or with one unreadable sample, is None.
+finishes) and the node's own traffic (exporters/synthetic.py: the per-request histograms the recording rules
+read, less the exporter's probes). Absent is not zero: a series missing from the page, or with one unreadable
+sample, is None.
 """
 
 from __future__ import annotations
@@ -20,10 +22,15 @@ VLLM_TPOT = "vllm:time_per_output_token_seconds"  # its name before vLLM 0.11 (h
 VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram: arrival to first token, observed at the first token
 VLLM_KV = "vllm:kv_cache_usage_perc"  # gauge: KV-cache usage, 0-1 (1 = full)
 VLLM_KV_OLD = "vllm:gpu_cache_usage_perc"  # its name before vLLM 0.10
+# per-request histograms, observed when a request finishes: the recording rules' normalized latency and request rate
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+VLLM_REQ_PROMPT = "vllm:request_prompt_tokens"
+VLLM_REQ_GENERATION = "vllm:request_generation_tokens"
 _HISTOGRAMS = (VLLM_ITL, VLLM_TPOT, VLLM_TTFT)
+_REQUESTS = (VLLM_E2E + "_count", VLLM_E2E + "_sum", VLLM_REQ_PROMPT + "_sum", VLLM_REQ_GENERATION + "_sum")
 _MAXED = (VLLM_KV, VLLM_KV_OLD)  # a share, not a count: the fullest engine's (data parallel: one per engine)
 _NAMES = (VLLM_TOKENS, VLLM_RUNNING, VLLM_PROMPT, VLLM_WAITING, *_MAXED,
-          *(h + suffix for h in _HISTOGRAMS for suffix in ("_sum", "_count")))
+          *(h + suffix for h in _HISTOGRAMS for suffix in ("_sum", "_count")), *_REQUESTS)
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,11 @@ class EngineLoad:
     ttft_sum: float | None = None  # seconds, time-to-first-token histogram
     ttft_count: float | None = None  # first tokens observed
     kv_usage: float | None = None  # KV-cache usage 0-1, the fullest of its label sets (the new name, else the old)
+    # finished requests as vLLM's per-request histograms count them (what the recording rules read)
+    requests: float | None = None  # e2e_request_latency_seconds_count
+    request_seconds: float | None = None  # e2e_request_latency_seconds_sum
+    request_prompt_tokens: float | None = None  # request_prompt_tokens_sum
+    request_generation_tokens: float | None = None  # request_generation_tokens_sum
 
 
 def parse_engine_load(text: str) -> EngineLoad:
@@ -54,7 +66,10 @@ def parse_engine_load(text: str) -> EngineLoad:
                       prompt_tokens=sums.get(VLLM_PROMPT), waiting=sums.get(VLLM_WAITING),
                       itl_sum=sums.get(itl + "_sum"), itl_count=sums.get(itl + "_count"),
                       ttft_sum=sums.get(VLLM_TTFT + "_sum"), ttft_count=sums.get(VLLM_TTFT + "_count"),
-                      kv_usage=sums.get(VLLM_KV) if VLLM_KV in sums else sums.get(VLLM_KV_OLD))
+                      kv_usage=sums.get(VLLM_KV) if VLLM_KV in sums else sums.get(VLLM_KV_OLD),
+                      requests=sums.get(VLLM_E2E + "_count"), request_seconds=sums.get(VLLM_E2E + "_sum"),
+                      request_prompt_tokens=sums.get(VLLM_REQ_PROMPT + "_sum"),
+                      request_generation_tokens=sums.get(VLLM_REQ_GENERATION + "_sum"))
 
 
 def _sums(text: str) -> dict[str, float | None]:

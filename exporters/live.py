@@ -4,7 +4,9 @@ vLLM observes inter-token latency and time to first token as tokens are produced
 histograms' _sum and _count between two readings of its /metrics a few seconds apart say how slow the node is
 now, not how slow the requests that finished in the last half minute were. The exporter reads that page at every
 probe's start (about every second) and when a probe times out; each reading is kept here with the exporter's
-monotonic time. docs/exporters.md, "Live fast path", defines every value; time is a parameter, never read.
+monotonic time, and with the tally of the exporter's own probes at that moment: vLLM observes each probe's first
+token too, and the live TTFT leaves those out (exporters/synthetic.py). docs/exporters.md, "Live fast path",
+defines every value; time is a parameter, never read.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import statistics
 from dataclasses import dataclass
 
 from exporters.engineload import EngineLoad
+from exporters.synthetic import NONE, Tally
 
 LIVE_WINDOW_S = 5.0  # W: the span the live values are measured over (--live.window)
 MEDIAN_PROBES = 5  # the probe median takes the last this many answered probes ...
 MEDIAN_MIN_PROBES = 3  # ... that ended within 2 W, and needs at least this many of them
-_COUNTERS = ("generation_tokens", "prompt_tokens", "itl_sum", "itl_count", "ttft_sum", "ttft_count")
+_COUNTERS = ("generation_tokens", "prompt_tokens", "itl_sum", "itl_count", "ttft_sum", "ttft_count",
+             "requests", "request_seconds", "request_prompt_tokens", "request_generation_tokens")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class Reading:
 
     at: float
     load: EngineLoad  # a failed read is EngineLoad(): every series absent
+    probes: Tally = NONE  # the exporter's answered probes so far (cumulative) when the reading was recorded
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class LiveSignals:
     """The live values of one node; None: no data (absent is not zero)."""
 
     itl: float | None = None  # s: mean gap between two tokens of a request over the span
-    ttft: float | None = None  # s: mean time to first token of the first tokens produced over the span
+    ttft: float | None = None  # s: mean time to first token of the first tokens produced over the span, the
+    # exporter's own probes left out
     tokens_per_second: float | None = None  # tokens generated per second over the span
     prompt_tokens_per_second: float | None = None  # prompt tokens prefilled per second over the span (the load
     # that inflates the ITL of the decodes sharing its steps: the controller does not count a prefill-heavy node's ITL)
@@ -116,7 +122,7 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
     prompt = _delta(old.load.prompt_tokens, new.load.prompt_tokens)
     itl = _mean(old.load, new.load, "itl")
     gaps = _delta(old.load.itl_sum, new.load.itl_sum)
-    return LiveSignals(itl=itl, ttft=_mean(old.load, new.load, "ttft"),
+    return LiveSignals(itl=itl, ttft=_ttft(old, new),
                        tokens_per_second=tokens / span if tokens is not None else None,
                        prompt_tokens_per_second=prompt / span if prompt is not None else None,
                        running=new.load.running, waiting=new.load.waiting, kv_usage=new.load.kv_usage,
@@ -148,3 +154,18 @@ def _mean(old: EngineLoad, new: EngineLoad, histogram: str) -> float | None:
     if total is None or count is None or count == 0:
         return None
     return total / count
+
+
+def _ttft(old: Reading, new: Reading) -> float | None:
+    """The mean TTFT between two readings of the first tokens that were not the exporter's probes: vLLM's delta of
+    the TTFT histogram less the probes that ended in between (each one first token, its TTFT as the exporter
+    measured it); None when no other request got its first token, or a series is absent or went back."""
+    total = _delta(old.load.ttft_sum, new.load.ttft_sum)
+    count = _delta(old.load.ttft_count, new.load.ttft_count)
+    if total is None or count is None:
+        return None
+    own = new.probes - old.probes
+    count -= own.requests
+    if count <= 0:
+        return None
+    return max(total - own.seconds, 0.0) / count

@@ -71,6 +71,25 @@ def judge_event(payload: str) -> str:
     return ProbeResult.OK if sane_text(choices[0].get("text")) else ProbeResult.BAD_RESPONSE
 
 
+def event_usage(payload: str) -> tuple[int | None, int | None] | None:
+    """(prompt tokens, generated tokens) of a first stream event that carries a completion (a token vLLM generated,
+    good text or garbage), as its usage reports them (None: not reported); None when it carries none (an error
+    event, [DONE], an unparsable line): vLLM did not finish that probe with a token."""
+    try:
+        obj = json.loads(payload, parse_constant=_reject_constant)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("choices"), list) or not obj["choices"]:
+        return None
+    usage = obj.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+
+
+def _count(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None
+
+
 def classify(obs: Observation, slow_threshold: float) -> str:
     """Classify one probe; never returns `starting` (see settle())."""
     if obs.connect_error is not None:
@@ -206,8 +225,13 @@ def advance(state: ProbeState, result: str, ttft: float | None, *, ready: bool =
 
 
 def completion_request(model: str, prompt: str, prefix: str) -> dict[str, Any]:
-    """Body of the probe: one token, greedy, streamed, behind a prefix the prefix cache has never seen."""
-    return {"model": model, "prompt": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0, "stream": True}
+    """Body of the probe: one token, greedy, streamed, behind a prefix the prefix cache has never seen.
+
+    It asks for usage in every chunk (vLLM's continuous_usage_stats), so the first one says how many prompt tokens
+    vLLM counted for it: the exporter takes exactly that out of the node's traffic (exporters/synthetic.py).
+    """
+    return {"model": model, "prompt": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 def sse_payload(line: bytes) -> str | None:

@@ -28,12 +28,15 @@ from exporters.probe import (
     ProbeState,
     advance,
     classify,
+    event_usage,
     failure_detail,
     may_be_starting,
     not_ready_reason,
     settle,
 )
 from exporters.probehttp import VllmClient
+from exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
+from exporters.traffic import TrafficCollector
 from grayguard.vocab import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,8 @@ class Prober:
         self._started = clock()
         self._readings: tuple[Reading, ...] = ()  # vLLM's /metrics over the live window (exporters/live.py)
         self._answers: tuple[Answer, ...] = ()  # the last answered probes, for the probe TTFT median
+        self._probes: Tally = NONE  # every probe vLLM finished with a token so far: what they added to its counters
+        self._traffic = Traffic()  # vLLM's finished requests less those probes (exporters/synthetic.py)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -98,8 +103,10 @@ class Prober:
             self.errors.labels(kind)
         self.state_collector = _StateCollector(self)
         self.live_collector = LiveCollector(self.live)
+        self.traffic_collector = TrafficCollector(self.traffic)
         r.register(self.state_collector)
         r.register(self.live_collector)
+        r.register(self.traffic_collector)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -171,6 +178,15 @@ class Prober:
             readings, answers = self._readings, self._answers
         return live_signals(readings, answers, self._clock(), self.config.live_window)
 
+    def traffic(self) -> Traffic | None:
+        """The node's traffic counters without the probes; None while unknown (no usable reading yet, or none within
+        the live window: a stuck prober or a vLLM whose /metrics does not answer says nothing)."""
+        with self._cond:
+            t = self._traffic
+        if t.at is None or self._clock() - t.at > self.config.live_window:
+            return None
+        return t
+
     def wait_for_probes(self, count: int, timeout: float) -> bool:
         """Block until at least count probes have completed; False on timeout."""
         with self._cond:
@@ -241,7 +257,9 @@ class Prober:
         load = await self.client.engine_load(session, headers, self.config.metrics_timeout)
         at = self._clock()
         with self._cond:  # every read, failed ones too (no series: no live values), feeds the live window
-            self._readings = add_reading(self._readings, Reading(at, load or EngineLoad()), self.config.live_window)
+            reading = Reading(at, load or EngineLoad(), self._probes)
+            self._readings = add_reading(self._readings, reading, self.config.live_window)
+            self._traffic = account(self._traffic, reading.load, self._probes, at)
         return load, at
 
     async def _progress(self, session: aiohttp.ClientSession, headers: dict[str, str],
@@ -269,6 +287,10 @@ class Prober:
             if result in ANSWERED and obs.ttft is not None:
                 self.ttft.observe(obs.ttft)
                 self._answers = add_answer(self._answers, Answer(self._last_at, obs.ttft))
+            usage = event_usage(obs.first_event) if obs.first_event is not None and obs.ttft is not None else None
+            if usage is not None:  # vLLM finished it with its token (garbage too): a request in its counters
+                # vLLM's e2e of it: the TTFT measured here less the HTTP overhead learned (exporters/synthetic.py)
+                self._probes += probe_tally(obs.ttft, *usage, gap=self._traffic.gap)  # type: ignore[arg-type]
             self._cond.notify_all()
         if result != previous.last_result:
             level = logging.WARNING if result not in ANSWERED and result != ProbeResult.STARTING else logging.INFO

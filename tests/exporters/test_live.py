@@ -6,6 +6,7 @@ import pytest
 
 from exporters.engineload import EngineLoad, parse_engine_load
 from exporters.live import Answer, LiveSignals, Reading, add_answer, add_reading, live_signals, probe_ttft_median
+from exporters.synthetic import probe_tally
 
 W = 5.0
 
@@ -128,6 +129,33 @@ def test_ttft_none_when_no_first_token_while_itl_known():
     readings = feed((100.0, load(0, (0, 0), (1.0, 4))), (105.0, load(100, (2.0, 100), (1.0, 4))))
     s = live_signals(readings, (), now=105.0)
     assert s.itl == pytest.approx(0.02) and s.ttft is None
+
+
+def probe_readings(real: tuple[float, int], probes_per_s: int = 1, probe_ttft: float = 0.02,
+                   seconds: int = 10) -> tuple[Reading, ...]:
+    """One reading a second of a node whose TTFT histogram gets real first tokens (sum, count a second) and the
+    exporter's probes, each reading with the tally of the probes that ended before it."""
+    kept: tuple[Reading, ...] = ()
+    for i in range(seconds + 1):
+        n = probes_per_s * i
+        engine = load(100 * i, (2.0 * i, 100 * i), (real[0] * i + probe_ttft * n, float(real[1] * i + n)))
+        kept = add_reading(kept, Reading(100.0 + i, engine, probe_tally(probe_ttft, 12, 1) * n), W)
+    return kept
+
+
+def test_live_ttft_leaves_the_exporters_own_probes_out():
+    # 2 real first tokens a second at 0.5 s each, and one probe a second at 20 ms
+    s = live_signals(probe_readings((1.0, 2)), (), now=110.0)
+    assert s.ttft == pytest.approx(0.5)
+    with_probes = feed(*[(r.at, r.load) for r in probe_readings((1.0, 2))])  # without the tally: probes included
+    assert live_signals(with_probes, (), now=110.0).ttft == pytest.approx(1.02 / 3)
+
+
+def test_live_ttft_of_a_node_with_only_probes_is_no_data():
+    s = live_signals(probe_readings((0.0, 0)), (), now=110.0)
+    assert s.ttft is None
+    assert s.itl == pytest.approx(0.02)  # a 1-token probe has no inter-token gap: the ITL never saw one
+    assert s.tokens_per_second == pytest.approx(100.0)  # load signals stay vLLM's: the probes' work is work
 
 
 def test_counter_reset_drops_the_older_readings():

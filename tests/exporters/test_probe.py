@@ -19,6 +19,7 @@ from exporters.probe import (
     advance,
     classify,
     completion_request,
+    event_usage,
     judge_event,
     may_be_starting,
     mentions_cuda,
@@ -195,10 +196,25 @@ def test_failure_streak_equals_trailing_failures(results):
     assert state.consecutive_failures == trailing
 
 
-def test_request_body_is_one_greedy_streamed_token_behind_the_prefix():
+def test_request_body_is_one_greedy_streamed_token_behind_the_prefix_with_usage_in_every_chunk():
     body = completion_request("m", "The capital of France is", "[00ff]")
     assert body == {"model": "m", "prompt": "[00ff] The capital of France is", "max_tokens": 1,
-                    "temperature": 0, "stream": True}
+                    "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("payload, usage", [
+    ('{"choices": [{"text": " Paris"}], "usage": {"prompt_tokens": 12, "completion_tokens": 1}}', (12, 1)),
+    ('{"choices": [{"text": " Paris"}]}', (None, None)),  # a server that reports no usage: a token all the same
+    ('{"choices": [{"text": "\ufffd"}], "usage": {"prompt_tokens": 9}}', (9, None)),  # garbage is a token too
+    ('{"choices": [{"text": "x"}], "usage": {"prompt_tokens": -1, "completion_tokens": true}}', (None, None)),
+    ('{"error": {"message": "CUDA error"}}', None),  # an error event: no token
+    ('{"choices": [], "usage": {"prompt_tokens": 12}}', None),
+    ("[DONE]", None),
+    ("not json", None),
+])
+def test_event_usage_is_what_vllm_counted_for_a_probe_it_finished_with_a_token(payload, usage):
+    assert event_usage(payload) == usage
 
 
 @pytest.mark.parametrize("line,payload", [
