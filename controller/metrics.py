@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -40,6 +40,7 @@ class ControllerMetrics:
     haproxy_writes: Counter
     canaries: Counter
     canaries_in_flight: Gauge
+    canary_requests: Counter
     data_stale: Gauge
     static_backend: Gauge
     state_save_errors: Counter
@@ -116,6 +117,10 @@ class ControllerMetrics:
             canaries_in_flight=Gauge("grayguard_canaries_in_flight",
                                      "Canary requests running or waiting for a worker, as the last tick saw them "
                                      "(off the tick; a hung engine's until its request returns)", registry=r),
+            # the recording rules take these out of the node's request rate (vLLM counts each canary as a request)
+            canary_requests=Counter("grayguard_canary_requests",
+                                    "Canary requests sent to a node (drained, or a reference peer), by the series "
+                                    "keys of the node (instance)", node + ["instance"], registry=r),
             data_stale=Gauge("grayguard_data_stale", "1 while the controller holds weights for lack of data",
                              registry=r),
             static_backend=Gauge("grayguard_backend_static_algorithm",
@@ -138,6 +143,13 @@ class ControllerMetrics:
                                     "Failed registry (etcd) calls of the election by operation (lease, read, campaign, "
                                     "publish, load, resign) and kind", ["op", "kind"], registry=r),
         )
+
+    def canary_sent(self, pool: str, node: str, keys: Iterable[str]) -> None:
+        """Count one canary request sent to a node (the drained one or a reference peer), once under each of its
+        series keys (controller/decide.py: series_keys): the recording rules subtract the one that names its vLLM
+        series' `instance` from its request rate, and a key that names none joins nothing."""
+        for key in keys:
+            self.canary_requests.labels(pool, node, key).inc()
 
     def forget_pool(self, pool: str) -> None:
         """Remove every series of one pool (this replica no longer leads it: the leader's series are the truth)."""
