@@ -93,8 +93,9 @@ def test_omega_and_interval_are_rendered():
     doc = yaml.safe_load(render_recording(cfg_with(omega=0.5, control_interval="2s")))
     control = doc["groups"][0]
     assert control["interval"] == "2s"
-    expr = control["rules"][0]["expr"]
-    assert "0.5 * sum by (pool, instance) (rate(vllm:request_prompt_tokens_sum[30s]))" in expr
+    expr = " ".join(control["rules"][0]["expr"].split())
+    assert ("0.5 * ( sum by (pool, instance) (rate(grayguard_traffic_prompt_tokens_total[30s])) or "
+            "sum by (pool, instance) (rate(vllm:request_prompt_tokens_sum[30s])) )") in expr
     assert "interval" not in yaml.safe_load(render_recording(cfg_with(control_interval=None)))["groups"][0]
 
 
