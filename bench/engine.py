@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bench.lb import Gateway, make_balancer
-from bench.node import NodeObs, VirtualNode, observe
+from bench.node import CANARY, PROBE, NodeObs, VirtualNode, observe
 from bench.policies import Assign, make_policy
 from bench.spec import FaultSpec, Scenario, make_arrivals
 from sim.model import Finished, FirstToken, ModelParams, StepDone
@@ -113,6 +113,8 @@ class Run:
         self.member_events.sort(key=lambda x: (x[0], x[2], x[1]))
         self.mi = 0
         self.probe_inflight: dict[int, tuple[int, float]] = {}  # rid -> (node index, sent)
+        self.probe_ids: set[int] = set()  # probes waiting for their answer, which the exporter will tally
+        self.untallied: set[int] = set()  # probes that timed out, but that a plain server still finishes
         self.probe_deadlines: deque[tuple[float, int]] = deque()
         self.probe_rng = random.Random(scn.seed * 31 + 5)
         self.probe_due: list[tuple[float, int]] = []
@@ -168,8 +170,9 @@ class Run:
                         c.ttft[name] = None if bad else ttft
                     else:
                         continue
-                    node.ttft_sum += ttft  # vLLM's TTFT histogram sees probes and canaries too
-                    node.ttft_count += 1
+                    if rid not in self.probe_ids:  # the exporter's live TTFT leaves its own probes out
+                        node.ttft_sum += ttft  # vLLM's TTFT histogram sees canaries too: the exporter cannot tell
+                        node.ttft_count += 1
                     continue
                 node.ttft_sum += ev.time - res.t[rid]  # submitted at its arrival (retries: the same instant)
                 node.ttft_count += 1
@@ -182,8 +185,17 @@ class Run:
                         node.errors.append(ev.time)
                         self._end(rid, k, ERROR, ev.time)
             elif tp is Finished:
-                node.record(ev.stats)
                 rid = ev.req_id
+                if rid >= 0:
+                    node.record(ev.stats)
+                elif rid in self.probe_ids:  # vLLM counts it; the exporter's traffic counters take it out
+                    self.probe_ids.discard(rid)
+                    node.record(ev.stats, PROBE)
+                elif rid in self.untallied:  # a probe that timed out and finished later: the exporter never saw it
+                    self.untallied.discard(rid)
+                    node.record(ev.stats)
+                else:  # a canary: in the latency sums, out of the request rate (the rules subtract the controller's)
+                    node.record(ev.stats, CANARY)
                 if rid >= 0 and status[rid] == PENDING:
                     self._end(rid, k, GARBAGE if self.garbage[rid] else OK, ev.time)
 
@@ -406,6 +418,7 @@ class Run:
             return
         rid = self._new_id()
         self.probe_inflight[rid] = (k, t)
+        self.probe_ids.add(rid)
         node.probes.start(t)
         self.probe_deadlines.append((t + scn.probe_deadline_s, rid))
         node.engine.submit(rid, PROBE_PROMPT_TOKENS, 1, t)
@@ -422,7 +435,9 @@ class Run:
             # the exporter's hang evidence: vLLM holds requests (the probe's at least) and made no token since
             # the probe was sent; a loaded node that still makes tokens is slow, not hung
             hung = node.last_token <= sent and node.engine.num_running + getattr(node.engine, "num_waiting", 0) > 0
-            node.engine.abort(rid)
+            self.probe_ids.discard(rid)  # no answer: the exporter tallies nothing
+            if not node.engine.abort(rid):  # vLLM forgets it; a plain server finishes it anyway, counted
+                self.untallied.add(rid)
             node.probes.finish(t, "timeout", None, hung=hung, sent=sent)
 
     def canary_step(self, t: float) -> None:

@@ -94,7 +94,7 @@ class NodeObs:
     probe_failures: int | None = None  # its consecutive failed probes
     # the exporter's fast path (LiveSignals), as Prometheus last scraped it: seconds, None: no data
     live_itl: float | None = None  # mean ITL of the tokens vLLM produced over the exporter's last live window
-    live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes included)
+    live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes left out)
     probe_ttft_median: float | None = None  # median TTFT of the last answered probes (3 to 5 of them)
     live_prefill_rate: float | None = None  # prompt tokens prefilled per second over the live window
     live_decode_batch: float | None = None  # mean sequences decoding over the live window: delta(ITL sum) / span
@@ -108,6 +108,7 @@ class NodeObs:
     agent_off: bool = False  # its agent check is disabled (the controller released it)
 
 
+PROBE, CANARY, REAL = range(3)  # what a finished request is (VirtualNode.finished)
 AGENT_DOWN_RESULTS = PROBE_AGENT_DOWN  # one strike: neither is load (the exporter's agent, grayguard.vocab)
 
 
@@ -258,7 +259,10 @@ class VirtualNode:
         else:
             self.engine = EngineModel(params, speed=spec.speed, seed=seed, slowdown=self.slowdown)
         self.rng = random.Random(seed ^ 0x9E3779B9)  # draws for cuda_error / garbage rates
-        self.finished: deque[tuple[float, float, int, int]] = deque()  # (time, e2e, prompt, generated)
+        # (time, e2e, prompt, generated, kind) of what vLLM finished; kind REAL, CANARY (the recording rules keep it in
+        # the latency, subtract the controller's count from the rate) or PROBE (the exporter's traffic counters leave
+        # it out of both; vLLM's request_success_total, the error ratio's denominator, still counts it)
+        self.finished: deque[tuple[float, float, int, int, int]] = deque()
         self.errors: deque[float] = deque()  # times of requests that ended in an error (CUDA)
         self.probes = ProbeLog(scn.probe_slow_s)
         self.xid_at: float | None = None  # when a cuda_error fault emitted its XID
@@ -295,9 +299,9 @@ class VirtualNode:
     def fault_name(self) -> str | None:
         return self.faults.active.name if self.faults.active is not None else None
 
-    def record(self, stats: RequestStats) -> None:
-        """A request finished (vLLM's per-request histograms observe it)."""
-        self.finished.append((stats.last_token, stats.e2e, stats.prompt_tokens, stats.generation_tokens))
+    def record(self, stats: RequestStats, kind: int = REAL) -> None:
+        """A request finished (vLLM's per-request histograms observe it): a real one, a canary or a probe."""
+        self.finished.append((stats.last_token, stats.e2e, stats.prompt_tokens, stats.generation_tokens, kind))
 
     def read_metrics(self, t: float) -> None:
         """The exporter reads vLLM's /metrics at t (a probe start) and recomputes its live signals."""
@@ -321,7 +325,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
-    that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. Gauges (probe,
+    that finished in (now - signal_lag - window, now - signal_lag]; no sample when none did. The exporter's probes
+    are not among them (its traffic counters), and the request rate leaves the canaries out as well. Gauges (probe,
     GPU flags) are read as of now - gauge_lag; the KV-cache usage is the exporter's fast path's, as last scraped
     (else vLLM's own gauge now). gateway: (DOWN, DOWN by error-limit, DOWN (agent),
     agent disabled) as HAProxy's runtime API shows them now, for a policy behind HAProxy's reflexes
@@ -334,13 +339,16 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     lo = hi - scn.window_s
     node.forget_before(lo)
     e2e = weighted = 0.0
-    n = 0
-    for t, lat, p, g in node.finished:
+    n = done = 0
+    for t, lat, p, g, kind in node.finished:
         if t > hi:
             break
+        done += 1
+        if kind == PROBE:
+            continue
         e2e += lat
         weighted += scn.omega * p + g
-        n += 1
+        n += kind == REAL
     errors = sum(1 for t in node.errors if t <= hi)
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
@@ -351,7 +359,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     return NodeObs(
         latency=e2e / weighted if weighted > 0 else None,
         request_rate=n / scn.window_s,
-        error_ratio=errors / (n + errors) if n + errors else None,
+        error_ratio=errors / (done + errors) if done + errors else None,
         kv_cache_usage=live_kv,
         gpu_throttled=name in THERMAL_FAULTS and busy,
         pcie_degraded=name == "pcie" and busy,

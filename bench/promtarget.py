@@ -43,6 +43,10 @@ LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_
         "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds",
         "grayguard_live_decode_batch", "grayguard_live_kv_cache_usage_ratio")
 BUCKET_KEYS = tuple(f"le{k}" for k in range(len(TTFT_BUCKETS)))
+# the exporter's traffic counters (exporters/traffic.py): vLLM's per-request sums less its probes, which the
+# stand-in's vLLM does not count, so they move like vLLM's own
+TRAFFIC = (("grayguard_traffic_requests_total", "reqs"), ("grayguard_traffic_request_seconds_total", "e2e"),
+           ("grayguard_traffic_prompt_tokens_total", "prompt"), ("grayguard_traffic_generation_tokens_total", "gen"))
 VLLM_HISTOGRAMS = {"e2e_request_latency_seconds": "e2e", "request_prompt_tokens": "prompt",
                    "request_generation_tokens": "gen", "request_prefill_time_seconds": "prefill",
                    "request_decode_time_seconds": "decode", "request_queue_time_seconds": "queue"}
@@ -109,7 +113,8 @@ def exporter_families() -> list[Family]:
              [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS]),
             *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
                       "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
-            ("grayguard_gpu_ecc_errors", "gauge", ecc)]
+            ("grayguard_gpu_ecc_errors", "gauge", ecc),
+            *[(name, "counter", [("", "", key)]) for name, key in TRAFFIC]]
 
 
 def fast_families() -> list[Family]:
@@ -156,9 +161,12 @@ def live(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
 
 
 def exporter(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
-    """The exporter's full page: the live gauges, the probe counter (one a second), last TTFT, utilization."""
+    """The exporter's full page: the live gauges, the probe counter (one a second), last TTFT, utilization, the
+    traffic counters."""
     acc["probes"] = acc.get("probes", 0.0) + dt
+    served = traffic(n, acc, dt, g)
     out = live(n, acc, dt, g)
+    out.update({key: served[key] for _, key in TRAFFIC})
     out.update({f"probes_{'slow' if n.slow > 1 else 'ok'}": int(acc["probes"]),
                 "probe": PROBE_S * n.slow * math.exp(0.2 * g()),
                 "utilization_ratio": min(1.0, 0.9 + 0.03 * g())})

@@ -11,7 +11,7 @@ import pytest
 from bench.engine import OK, TIMEOUT, Run, run, run_family
 from bench.lb import LeastConn, RoundRobin, make_balancer
 from bench.metrics import capacity_kept, out_of_full, percentile, summarize, transitions
-from bench.node import FixedBackend, NodeObs, VirtualNode, node_input, observe
+from bench.node import CANARY, PROBE, REAL, FixedBackend, NodeObs, VirtualNode, node_input, observe
 from bench.policies import Envoy, Grayguard, Seeds, make_policy
 from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario, make_arrivals
 from controller.policy import NodeState
@@ -88,14 +88,16 @@ def test_unknown_balancer():
 def test_observe_is_the_recording_rule_over_the_lagged_window():
     scn = replace(small(), window_s=30.0, signal_lag_s=5.0, omega=0.25)
     node = VirtualNode(scn.nodes[0], 0, scn)
-    # (finish time, e2e, prompt, generated)
-    node.finished.extend([(60.0, 9.0, 100, 10), (70.0, 2.0, 400, 50), (80.0, 4.0, 40, 40), (96.0, 50.0, 1, 1)])
+    # (finish time, e2e, prompt, generated, kind)
+    node.finished.extend([(60.0, 9.0, 100, 10, REAL), (70.0, 2.0, 400, 50, REAL), (80.0, 4.0, 40, 40, REAL),
+                          (85.0, 0.5, 8, 1, CANARY), (90.0, 0.1, 8, 1, PROBE), (96.0, 50.0, 1, 1, REAL)])
     node.errors.extend([75.0, 97.0])
-    o = observe(node, 100.0, scn)  # window (65, 95]: the 70 s and 80 s requests and the 75 s error
-    assert o.latency == pytest.approx((2.0 + 4.0) / (0.25 * 400 + 50 + 0.25 * 40 + 40))
-    assert o.request_rate == pytest.approx(2 / 30)
-    assert o.error_ratio == pytest.approx(1 / 3)
-    assert len(node.finished) == 3  # the 60 s record is gone for good
+    # window (65, 95]: the 70 s and 80 s requests, a canary, a probe and the 75 s error
+    o = observe(node, 100.0, scn)
+    assert o.latency == pytest.approx((2.0 + 4.0 + 0.5) / (0.25 * 400 + 50 + 0.25 * 40 + 40 + 0.25 * 8 + 1))
+    assert o.request_rate == pytest.approx(2 / 30)  # neither the canary nor the probe is one of the node's requests
+    assert o.error_ratio == pytest.approx(1 / 5)  # vLLM's request_success_total counts them both
+    assert len(node.finished) == 5  # the 60 s record is gone for good
 
 
 def test_no_sample_when_nothing_finished():

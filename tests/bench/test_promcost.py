@@ -40,7 +40,9 @@ def test_the_fast_page_carries_every_series_of_the_exporters_fast_path():
 def node_series() -> set[str]:
     """Every series name a node exposes: the real exporter's (GPU families included) and the simulated vLLM's."""
     e = Exporter("http://127.0.0.1:9", nvml=None, agent=("127.0.0.1", 0))  # built, not started
+    assert e.prober is not None
     fams = [*e.registry.collect(), *e.fast_registry.collect(), *describe_families(),
+            *e.prober.traffic_collector.describe(),  # absent until the exporter has read vLLM
             *VllmMetrics("m", 8192).registry.collect()]
     return {f.name + suffix for f in fams for suffix in ("", "_total", "_sum", "_count", "_bucket")}
 
