@@ -238,6 +238,8 @@ class Controller:
                     self.policy.recovery) if n not in busy]
         urls = {(name, m): self.canary_url(by_name[name], pools[name].servers[m]) for name, _, ts in due for m in ts}
         probes = {u: self.workers.submit(u) for u in sorted(set(urls.values()))}
+        for name, m in urls:  # one request a target: the rules take it out of the node's request rate
+            self.metrics.canary_sent(name, m, decide.series_keys(by_name[name], pools[name].servers[m]))
         for name, n, targets in due:
             prev = pools[name].prev
             self.rounds.add(canary_rounds.Pending(name, n, prev[n].since, now, tuple(targets[1:]),

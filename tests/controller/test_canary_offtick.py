@@ -251,3 +251,14 @@ def test_a_canary_that_raises_or_answers_after_its_timeout_is_a_failure():
         assert w.wait_idle(5.0)
         assert p.outcome(t[0], 5.0) == (True, why) and p.value(why) is None
         w.close()
+
+
+def test_every_canary_sent_is_counted_under_its_targets_instance_for_the_rules_to_take_out(fleet):
+    f = fleet()
+    _tick_within(f.ctl)  # node0's round: node0 and its reference peers, one request each
+    targets = {u.removeprefix("http://") for _, u in f.sent}
+    assert ADDR["node0"] in targets and len(targets) >= 2
+    node_of = {a: n for n, a in ADDR.items()}
+    for addr in targets:
+        assert f.ctl.metrics.registry.get_sample_value(
+            "grayguard_canary_requests_total", {"pool": "chat", "node": node_of[addr], "instance": addr}) == 1
