@@ -241,24 +241,8 @@ def tree_cpu_s(pid: int) -> float | None:
     return total or None
 
 
-def _fresh_model(workdir: Path, note: Note) -> None:
-    """A model built with another vocabulary than localstack/vllm_model.py's makes a prompt word several tokens: then
-    the fleet is pointed at a fresh build in workdir (the fleet builds a missing model; the old one is not touched,
-    other servers may be using it)."""
-    from localstack import vllm_model, vllmfleet
-    folder = Path(os.environ.get("GRAYGUARD_VLLM_MODEL_DIR") or vllmfleet.VENV / "grayguard-model")
-    stamp = folder / vllmfleet.MODEL_STAMP
-    have, want = json.loads(stamp.read_text()).get("vocab") if stamp.exists() else None, len(vllm_model.vocabulary())
-    if have is not None and have != want:
-        fresh = workdir / "model"
-        note(f"{folder} has a vocabulary of {have} tokens, not {want} (a stale build: a prompt word would be "
-             f"several tokens); using a fresh build in {fresh}")
-        os.environ["GRAYGUARD_VLLM_MODEL_DIR"] = str(fresh)
-
-
 def _real(g: Grid, workdir: Path, note: Note, deadline: float, device: str) -> dict:
     from localstack.vllmfleet import VllmFleetThread
-    _fresh_model(workdir, note)
     note(f"starting one vLLM node on {device} (workdir {workdir})")
     t0 = time.monotonic()
     ft = VllmFleetThread(1, workdir=workdir, device=device)

@@ -8,8 +8,8 @@ instance gets a hard quota on top. `detect()` says which hierarchy it found, or 
 
 from __future__ import annotations
 
-import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,10 +78,19 @@ class CpuGroup:
             return int(stat["throttled_usec"])
         return int(stat["throttled_time"]) // 1000 if "throttled_time" in stat else None
 
-    def remove(self) -> None:
-        """Remove the group once it is empty (a group with live processes stays: they are reaped first)."""
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+    def remove(self, timeout_s: float = 5.0) -> None:
+        """Remove the group once it is empty: its killed processes leave it a moment after they die."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # EBUSY: a process is still in it
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
 
 
 def detect(root: Path = ROOT, prefix: str = "grayguard") -> CpuHierarchy:

@@ -21,6 +21,7 @@ Faults (REAL_FAULTS), each physical:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -263,7 +264,9 @@ class VllmFleet:
         self.model = ensure_model(self.python)
         self.workdir = workdir
         try:
-            self.cpu = cgroups.detect(cgroup_root, prefix=f"grayguard/{workdir.name}")
+            # one folder a fleet, named after its (unique) work dir: fleets side by side never share groups
+            tag = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
+            self.cpu = cgroups.detect(cgroup_root, prefix=f"grayguard/fleet-{tag}")
             self.cpu_problem = None
         except cgroups.CgroupUnavailable as e:
             self.cpu, self.cpu_problem = None, str(e)
@@ -300,9 +303,9 @@ class VllmFleet:
         for n in self.nodes.values():
             if n.group is not None:
                 n.group.remove()
-        if self.cpu is not None:
-            for d in (self.cpu.base, self.cpu.base.parent):
-                cgroups.CpuGroup(self.cpu.version, d).remove()
+        if self.cpu is not None:  # this fleet's folder, then grayguard's own unless another fleet still has one
+            cgroups.CpuGroup(self.cpu.version, self.cpu.base).remove()
+            cgroups.CpuGroup(self.cpu.version, self.cpu.base.parent).remove(timeout_s=0)
 
     def node(self, name: str) -> VllmNode:
         try:
