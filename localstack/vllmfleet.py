@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,14 +390,3 @@ class VllmFleetThread(FleetThread):
 async def _in_thread(fn, *args, **kwargs):
     import asyncio
     return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-def wait_serving(url: str, timeout_s: float) -> float:
-    """Seconds until url's /v1/models answers 200 (for a caller timing a node's return)."""
-    import requests
-    t0 = time.monotonic()
-
-    def ok() -> bool:
-        return requests.get(url + "/v1/models", timeout=2).status_code == 200
-    wait_until(ok, timeout_s, 0.25, f"{url} serving")
-    return time.monotonic() - t0

@@ -6,6 +6,7 @@ what the project reads from them and what the simulator claims to be.
 - The simulator's page, after the same requests as the idle page's, has the same metric names, types and label
   names as the real one; every difference is written down, with its reason, in sim_differences.yaml (a difference
   nobody wrote down fails, and so does a written one that no longer exists).
+- The shipped recording rules, run by promtool on two real pages as a node's scrapes, give every vllm signal.
 """
 
 from __future__ import annotations
@@ -84,3 +85,54 @@ def test_the_simulators_page_has_real_vllms_names_types_and_labels_or_a_written_
         assert not unwritten, f"{kind}: differences nobody wrote down in sim_differences.yaml: {detail}"
         assert not stale, f"{kind}: sim_differences.yaml lists differences that are gone: {stale}"
         assert all(isinstance(why, str) and why.strip() for why in written.values()), f"{kind}: a reason is empty"
+
+
+RECORDING = Path(__file__).resolve().parents[2] / "rules" / "grayguard-recording.rules.yml"
+INSTANCE = "10.0.0.1:8000"
+
+
+def promtool_series(before: str, after: str, steps: int, interval_s: int) -> list[dict]:
+    """promtool input series: every vllm: sample of `after`, labelled as the scrape labels it (job, pool, instance);
+    counters and histogram buckets rise in even steps from their value in `before`, gauges hold `after`'s value."""
+    def samples(text: str) -> dict[tuple, tuple[str, float]]:
+        out = {}
+        for f in text_string_to_metric_families(text):
+            for s in f.samples:
+                if s.name.startswith("vllm:") and not s.name.endswith("_created"):
+                    labels = {**s.labels, "job": "vllm", "pool": "chat", "instance": INSTANCE}
+                    out[(s.name, tuple(sorted(labels.items())))] = (f.type, s.value)
+        return out
+    old, new = samples(before), samples(after)
+    series = []
+    for (name, labels), (kind, v) in sorted(new.items()):
+        start = old.get((name, labels), (kind, v))[1] if kind in ("counter", "histogram") else v
+        step = (v - start) / steps
+        sel = "{" + ",".join(f'{k}="{val}"' for k, val in labels) + "}"
+        series.append({"series": name + sel, "values": f"{start:g}+{step:g}x{steps}"})
+    return series
+
+
+def test_the_shipped_recording_rules_give_every_vllm_signal_on_real_vllms_pages(tmp_path):
+    """Two real pages (idle, then hung: 8 requests finished between them) as a node's scrapes over 6 minutes: each
+    vllm recording rule of the shipped file gives the node (or its pool) one series, so no rule names a series or a
+    label real vLLM does not have."""
+    import shutil
+    import subprocess
+
+    from tests.support.stack import require
+    require("promtool")
+    rules = yaml.safe_load(RECORDING.read_text())
+    names = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    vllm_names = [n for n in names if n.split(":")[1].startswith("vllm_")]
+    assert len(vllm_names) >= 20
+    tests = [{"interval": "5s", "input_series": promtool_series(page("idle"), page("hung"), 72, 5),
+              "promql_expr_test": [
+                  {"expr": f'count({n}{{{"instance" if n.startswith("instance:") else "pool"}='
+                           f'"{INSTANCE if n.startswith("instance:") else "chat"}"}})',
+                   "eval_time": "6m", "exp_samples": [{"labels": "{}", "value": 1}]} for n in vllm_names]}]
+    shutil.copy(RECORDING, tmp_path / RECORDING.name)
+    (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": [RECORDING.name], "evaluation_interval": "5s",
+                                                     "tests": tests}, sort_keys=False))
+    res = subprocess.run([shutil.which("promtool"), "test", "rules", "t.yml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
