@@ -229,7 +229,7 @@ async def measure(url: str, g: Grid, fault: Fault, note: Note, deadline: float, 
 
 def tree_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process and all its descendants so far (/proc); None when it is gone."""
-    from localstack.vllmfleet import children
+    from localstack.vllmserver import children
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
     for p in [pid, *(c for c, _ in children(pid))]:
         try:

@@ -59,7 +59,8 @@ def _write(out: Path, name: str, how: str, version: str | None, text: str) -> No
 
 
 def record(out: Path) -> None:
-    from localstack.vllmfleet import VllmFleetThread, model_name
+    from localstack.vllmfleet import VllmFleetThread
+    from localstack.vllmserver import model_name
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="grayguard-fixtures-") as d:

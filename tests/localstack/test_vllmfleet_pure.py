@@ -12,7 +12,8 @@ import pytest
 
 from localstack import cgroups, vllm_model
 from localstack.vllm_model import NEVER_OUTPUT, SPECIALS, vocabulary
-from localstack.vllmfleet import REAL_FAULTS, children, make_real_fault, vllm_argv, vllm_env
+from localstack.vllmfleet import REAL_FAULTS, make_real_fault
+from localstack.vllmserver import children, vllm_argv, vllm_env
 from sim import loadgen
 from sim.faults import FAULTS
 from sim.loadgen import make_prompt
