@@ -1,7 +1,8 @@
 # `make test` and `make demo` work from a fresh clone: they create .venv and install the Debian
 # packages the tests drive for real (haproxy, prometheus + promtool, alertmanager + amtool, victoria-metrics:
 # victoria-metrics, vmagent, vmalert, vmauth; etcd-server: etcd for the fleet registry; chromium: the tests open the
-# HTML reports in it, headless, a few seconds in all).
+# HTML reports in it, headless, a few seconds in all). `make test` also makes .venv-vllm (`make vllm`, below): the
+# real-vLLM tier starts real vLLM servers from it.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
