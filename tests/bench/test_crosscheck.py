@@ -129,3 +129,31 @@ def test_tiny_cross_check_has_real_numbers_on_both_sides(tmp_path):
     assert "| cuda_error | P99 TTFT" in out.getvalue()
     assert (tmp_path / "crosscheck.md").read_text().count("| cuda_error |") == 5
     assert any("cuda_error set on node3" in n for n in notes)
+
+
+def test_on_the_real_fleet_the_engine_runs_the_measured_equivalent_of_the_physical_fault_without_gpu_evidence():
+    from bench.crosscheck import VLLM_SCENARIOS, VLLM_SETUP, engine_side
+    from bench.engine import run
+    from sim.model import VLLM_CPU_TINY
+
+    cs = VLLM_SCENARIOS["thermal"]
+    live = scenario(VLLM_SETUP, cs)
+    assert live.faults[0].fault == "thermal" and live.faults[0].params == {"k": 10}  # a CPU quota of 0.1 core
+    assert not live.gpu_evidence and len(live.nodes) == 4 and live.load.rate == 3.0
+    eng = engine_side(live, cs)
+    assert (eng.faults[0].fault, eng.faults[0].params) == ("pcie", {"k": 41, "prefill_k": 19})
+    assert eng.faults[0].at_s == live.faults[0].at_s
+    assert set(VLLM_SCENARIOS) <= set(SCENARIOS) | {"thermal"} and "cuda_error" not in VLLM_SCENARIOS
+    # no GPU evidence: the fault is found later than when the fake GPU says "PCIe link down" as well
+    with_gpu = figures(run(engine_side(scenario(Setup(nodes=4, rate=3.0), cs), cs), "grayguard", params=VLLM_CPU_TINY))
+    without = figures(run(eng, "grayguard", params=VLLM_CPU_TINY))
+    assert without["t_cut_s"] is not None and with_gpu["t_cut_s"] is not None
+    assert without["t_quarantine_s"] >= with_gpu["t_quarantine_s"]
+
+
+def test_a_fault_the_real_fleet_cannot_make_is_refused(capsys):
+    import argparse
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.run(p.parse_args(["--cross-check", "--fleet", "vllm", "--cross-scenarios", "cuda_error"])) == 2
+    assert "for --fleet vllm" in capsys.readouterr().err
