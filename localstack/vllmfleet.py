@@ -20,6 +20,7 @@ Faults (REAL_FAULTS), each physical:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import signal
@@ -96,9 +97,8 @@ class VllmFleet:
 
     async def start(self) -> list[NodeInfo]:
         """Start every server at once and wait until each serves the model."""
-        import asyncio
-
         import requests
+
         try:
             for n in self.nodes.values():
                 n.start()
@@ -111,7 +111,6 @@ class VllmFleet:
         return self.info()
 
     async def stop(self) -> None:
-        import asyncio
         await asyncio.gather(*(asyncio.to_thread(n.stop) for n in self.nodes.values()))
         for n in self.nodes.values():
             if n.group is not None:
@@ -127,8 +126,8 @@ class VllmFleet:
             raise KeyError(f"no node {name!r}; nodes: {', '.join(self.nodes)}") from None
 
     def set_fault(self, name: str, fault: str, **params: Any) -> dict:
-        """Make `fault` physical on `name` now. A restart (kv_thrash, restart; engine_death's clearing) returns once the
-    new server is started, not once it serves: in production nobody waits for a node either."""
+        """Make `fault` physical on `name` now. A restart (kv_thrash, restart; engine_death's clearing) returns once
+        the new server is started, not once it serves: in production nobody waits for a node either."""
         full = make_real_fault(fault, params)
         node = self.node(name)
         with self._lock:
@@ -143,9 +142,9 @@ class VllmFleet:
             elif fault == "engine_death":
                 node.signal_engine(signal.SIGKILL)
             elif fault == "kv_thrash":
-                node.restart(kv_blocks=int(full["kv_blocks"]), wait=False)
+                node.restart(kv_blocks=int(full["kv_blocks"]))
             elif fault == "restart":
-                node.restart(wait=False)
+                node.restart()
                 return {"fault": fault, "params": full}  # nothing to clear: the node is back once it serves
             node.fault, node.params = fault, full
             log.info("%s: %s %s", name, fault, full)
@@ -165,7 +164,7 @@ class VllmFleet:
         elif node.fault == "hang":
             node.signal_engine(signal.SIGCONT)
         elif node.fault in ("engine_death", "kv_thrash"):
-            node.restart(wait=False)  # serving again in about 40 s; the gateway and the controller see when
+            node.restart()  # serving again in about 40 s; the gateway and the controller see when
         node.fault = node.params = None
         log.info("%s: %s cleared", node.name, was["fault"])
         return was
@@ -180,7 +179,7 @@ class VllmFleet:
 class VllmFleetThread(FleetThread):
     """A VllmFleet behind sim.fleet.FleetThread's thread-safe interface (its loop also runs the load)."""
 
-    def __init__(self, n: int = 4, *, workdir: Path, device: str = "cpu", **_: Any) -> None:
+    def __init__(self, n: int = 4, *, workdir: Path, device: str = "cpu") -> None:
         super().__init__(fleet=VllmFleet(n, workdir=workdir, device=device))  # type: ignore[arg-type]
 
     def start(self, timeout: float = START_TIMEOUT_S + 30) -> list[NodeInfo]:
@@ -188,10 +187,10 @@ class VllmFleetThread(FleetThread):
 
     def set_fault(self, node: str, fault: str, **params: Any) -> Any:
         make_real_fault(fault, params)  # the caller's thread sees a bad name or parameter
-        return self.run(_in_thread(self.fleet.set_fault, node, fault, **params), START_TIMEOUT_S + 30)
+        return self.run(asyncio.to_thread(self.fleet.set_fault, node, fault, **params), START_TIMEOUT_S + 30)
 
     def clear_fault(self, node: str) -> Any:
-        return self.run(_in_thread(self.fleet.clear_fault, node), START_TIMEOUT_S + 30)
+        return self.run(asyncio.to_thread(self.fleet.clear_fault, node), START_TIMEOUT_S + 30)
 
     @property
     def version(self) -> str | None:
@@ -199,8 +198,3 @@ class VllmFleetThread(FleetThread):
 
     def stop(self, timeout: float = 60.0) -> None:
         super().stop(timeout)
-
-
-async def _in_thread(fn, *args, **kwargs):
-    import asyncio
-    return await asyncio.to_thread(fn, *args, **kwargs)

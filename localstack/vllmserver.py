@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / ".venv-vllm"
 SITE = Path(__file__).with_name("vllm_site")  # sitecustomize: vLLM's 1 s busy loop shortened (see there)
 MODEL_STAMP = "grayguard-model.json"
-ENGINE_NAME = "VLLM::EngineCore"
+ENGINE_NAME = "VLLM::EngineCore"  # its process title; /proc's comm keeps the first 15 characters
 MAX_MODEL_LEN = 8192  # the model's positions: the load generator's longest prompt (4,000) and completion (1,024) fit
 BLOCK_TOKENS = {"cpu": 128, "cuda": 16}  # vLLM's default KV block size on each (vllm/platforms/cpu.py: 128)
 START_TIMEOUT_S = 240.0  # 40 s alone on 2 cores; several instances starting at once share them
@@ -45,7 +45,7 @@ def vllm_python() -> Path:
 
 def ensure_model(python: Path, folder: Path | None = None) -> Path:
     """The tiny model's folder (GRAYGUARD_VLLM_MODEL_DIR, else .venv-vllm/grayguard-model), built offline with
-    localstack/vllm_model.py when it is missing (a few seconds)."""
+    localstack/vllm_model.py when it is missing or stale (another fingerprint; a few seconds)."""
     from localstack.vllm_model import fingerprint
     folder = folder or Path(os.environ.get("GRAYGUARD_VLLM_MODEL_DIR") or VENV / "grayguard-model")
     try:
@@ -152,7 +152,7 @@ class VllmNode:
                                    env=vllm_env(dict(os.environ), device=self.device, gpu=self.gpu), cwd=self.workdir)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until /health answers 200 and /v1/models lists the model (raises with the log's tail)."""
+        """Until /v1/models answers 200 with the model (raises with the log's tail)."""
         import requests
 
         def ready() -> bool:
@@ -165,7 +165,7 @@ class VllmNode:
         """The engine core process (the API server's child named VLLM::EngineCore)."""
         assert self.proc is not None
         try:
-            return wait_until(lambda: next((p for p, c in children(self.proc.pid) if c.startswith("VLLM::Engine")),
+            return wait_until(lambda: next((p for p, c in children(self.proc.pid) if c == ENGINE_NAME[:15]),
                                            None), 10.0, 0.1, f"{ENGINE_NAME} of {self.name}")
         except TimeoutError:
             raise RealFleetError(f"{self.name}: no {ENGINE_NAME} process under pid {self.proc.pid}") from None
@@ -186,11 +186,10 @@ class VllmNode:
         _killpg(pgid)  # the engine and worker, should the server have died before it could stop them
         self.proc = None
 
-    def restart(self, kv_blocks: int | None = None, wait: bool = True) -> None:
+    def restart(self, kv_blocks: int | None = None) -> None:
+        """Stop the server and start it again, cold (not waiting until it serves)."""
         self.stop()
         self.start(kv_blocks)
-        if wait:
-            self.wait_ready()
 
 
 def _kill(pid: int, sig: int) -> None:
