@@ -303,7 +303,7 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
 
 def engine_of(stack: Any) -> dict:
     """What served the run: the simulator, or real vLLM and the version its /version says."""
-    if getattr(stack.spec, "fleet", "sim") == "vllm":
+    if stack.spec.fleet == "vllm":
         return {"fleet": "vllm", "engine": f"vllm-{stack.spec.vllm_device}", "version": stack.fleet.version}
     return {"fleet": "sim", "engine": "grayguard simulator (sim/)", "version": None}
 

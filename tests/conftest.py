@@ -60,6 +60,7 @@ PARALLEL_SAFE = frozenset({
     "controller/test_startup_checks.py",
     "controller/test_tick_pure.py",
     "dashboards/test_render.py",
+    "demo/test_fleet_options.py",
     "demo/test_membership_report.py",
     "demo/test_report.py",
     "demo/test_report_browser.py",
