@@ -85,8 +85,8 @@ def scenarios_of(setup: Setup) -> dict[str, CrossScenario]:
 
 
 def engine_side(scn: Scenario, cs: CrossScenario | None) -> Scenario:
-    """scn as the engine runs it: the live fault's engine equivalent at the same times, the GPU evidence the live
-    fleet has (none on the real one)."""
+    """scn as the engine runs it: the live fault's engine equivalent at the same times (the GPU evidence is the
+    scenario's own: `scenario` turns it off for the real fleet)."""
     if cs is not None and cs.engine is not None:
         fault, params = cs.engine
         scn = replace(scn, faults=tuple(replace(f, fault=fault, params=dict(params)) for f in scn.faults))
