@@ -145,12 +145,14 @@ def _add_registry_arguments(p: argparse.ArgumentParser) -> None:
     a("--registry.prefix", dest="registry_prefix", default=DEFAULT_PREFIX, metavar="PREFIX",
       help="key prefix (default %(default)s)")
     a("--registry.heartbeat", dest="registry_heartbeat", type=parse_duration, default="2s", metavar="DURATION",
-      help="time between lease keep-alives and between pre-check retries (default %(default)s)")
+      help="time between lease keep-alives and between pre-check retries; until two intervals are measured the "
+      "lease's TTL is 3 x max(heartbeat, --registry.timeout) + --registry.timeout, within ttl-min..ttl-max "
+      "(default %(default)s)")
     a("--registry.ttl-min", dest="registry_ttl_min", type=parse_duration, default="5s", metavar="DURATION",
       help="lower bound of the adaptive lease TTL, mean + 2 stddev of the last 5 heartbeat intervals "
       "(default %(default)s)")
     a("--registry.ttl-max", dest="registry_ttl_max", type=parse_duration, default="60s", metavar="DURATION",
-      help="upper bound of the adaptive TTL, and the TTL until two intervals are measured (default %(default)s)")
+      help="upper bound of the adaptive TTL (default %(default)s)")
     a("--registry.leave-grace", dest="registry_leave_grace", type=parse_duration, default="1s", metavar="DURATION",
       help="on SIGTERM, how long the 'leaving' record stands before the lease is revoked (default %(default)s)")
     a("--registry.timeout", dest="registry_timeout", type=parse_duration, default="2s", metavar="DURATION",

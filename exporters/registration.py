@@ -1,6 +1,7 @@
 """The node's membership in etcd: pre-checks, then a key on its own lease, kept alive every heartbeat with an
-adaptive TTL; "leaving" then a revoke on a graceful stop; registered again after a lost lease or an etcd
-restart (docs/exporters.md, "Registry"; the contract is grayguard/registry.py)."""
+adaptive TTL (the first lease: a few configured heartbeats); "leaving" then a revoke on a graceful stop;
+registered again after a lost lease or an etcd restart (docs/exporters.md, "Registry"; the contract is
+grayguard/registry.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from grayguard.registry import (
     Registry,
     RegistryError,
     adaptive_ttl,
+    first_ttl,
     node_key,
 )
 
@@ -218,8 +220,11 @@ class Registrar:
             return None
 
     def _ttl(self) -> int:
+        """The TTL to ask for: adaptive to the measured intervals; before two are, first_ttl of the configured
+        heartbeat and timeout (8 s by default), not ttl_max: a node that dies right after joining goes soon."""
         cfg = self.config
-        return math.ceil(adaptive_ttl(list(self._intervals), cfg.ttl_min, cfg.ttl_max))
+        first = first_ttl(cfg.heartbeat, cfg.timeout, cfg.ttl_min, cfg.ttl_max)
+        return math.ceil(adaptive_ttl(list(self._intervals), cfg.ttl_min, cfg.ttl_max, first=first))
 
     # --- heartbeats --------------------------------------------------------------------------
     def _heartbeat(self) -> bool:

@@ -3,9 +3,10 @@ controller (which discovers the nodes and elects one active replica).
 
 Keys (prefix default `/grayguard/v1`): `<prefix>/nodes/<pool>/<node>` holds one node's NodeRecord as JSON,
 attached to the node's own lease. The exporter keeps the lease alive every heartbeat with an adaptive TTL
-(adaptive_ttl). A graceful leave rewrites the value with state "leaving" on the same lease, waits a short
-moment, then revokes the lease (the key goes at once); a crash just lets the lease expire (the key is
-deleted): the controller tells the two apart by the last value it saw. Pool and node names are HAProxy
+(adaptive_ttl; until two intervals are measured, first_ttl of the configured heartbeat). A graceful leave
+rewrites the value with state "leaving" on the same lease, waits a short moment, then revokes the lease (the
+key goes at once); a crash just lets the lease expire (the key is deleted): the controller tells the two
+apart by the last value it saw. Pool and node names are HAProxy
 names (grayguard.config.HAPROXY_NAME_RE). Unknown fields of a record are ignored (newer writers).
 
 Client: `Registry` (grayguard/etcdgw.py, re-exported here) speaks etcd's v3 JSON gateway through the
@@ -30,37 +31,66 @@ from grayguard.atomicfile import write_atomic
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.etcdgw import ERROR_KINDS, Entry, Registry, RegistryError, WatchEvent
 
-__all__ = ["DEFAULT_PREFIX", "ERROR_KINDS", "STATES", "TTL_WINDOW", "Entry", "GpuInfo", "NodeRecord", "RecordError",
-           "Registry", "RegistryError", "Snapshot", "SnapshotError", "WatchEvent", "adaptive_ttl", "node_key",
-           "node_records", "nodes_prefix", "parse_node_key"]
+__all__ = ["DEFAULT_PREFIX", "ERROR_KINDS", "FIRST_TTL_ROUNDS", "STATES", "TTL_WINDOW", "Entry", "GpuInfo",
+           "NodeRecord", "RecordError", "Registry", "RegistryError", "Snapshot", "SnapshotError", "WatchEvent",
+           "adaptive_ttl", "first_ttl", "node_key", "node_records", "nodes_prefix", "parse_node_key"]
 
 DEFAULT_PREFIX = "/grayguard/v1"
 STATES = ("serving", "leaving")
 TTL_WINDOW = 5  # adaptive_ttl looks at the last 5 heartbeat intervals
+FIRST_TTL_ROUNDS = 3  # the first lease outlasts this many heartbeat rounds (two lost keep-alives), plus one call
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")  # host:port, [v6]:port
 _PREFIX_RE = re.compile(r"^(/[A-Za-z0-9_.:-]+)+$")
 _TEXT_MAX = 256
 
 
-def adaptive_ttl(intervals: Sequence[float], lo: float = 5.0, hi: float = 60.0) -> float:
+def first_ttl(heartbeat: float, timeout: float, lo: float = 5.0, hi: float = 60.0) -> float:
+    """The lease TTL before two heartbeat intervals are measured: FIRST_TTL_ROUNDS x max(heartbeat, timeout) +
+    timeout, in [lo, hi].
+
+    No spread is known yet, so the configured cadence stands in for the measured one. A heartbeat round lasts
+    the heartbeat, or a keep-alive's whole timeout when etcd does not answer; three rounds plus the timeout of
+    the keep-alive that renews the lease let two keep-alives in a row fail before the third renews it (the
+    steady TTL, mean + 2 stddev of a steady cadence clamped to lo, is usually shorter). It is no wider: a node
+    that crashes right after joining is gone within it (8 s with a 2 s heartbeat and timeout), not after hi
+    (60 s) of HAProxy sending to a dead server. ValueError on a heartbeat that is not positive and finite, a
+    negative or non-finite timeout, or bad bounds.
+    """
+    _check_bounds(lo, hi)
+    if not (math.isfinite(heartbeat) and heartbeat > 0 and math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"need a positive finite heartbeat and a finite timeout >= 0; got heartbeat={heartbeat}, "
+                         f"timeout={timeout}")
+    return min(hi, max(lo, FIRST_TTL_ROUNDS * max(heartbeat, timeout) + timeout))
+
+
+def adaptive_ttl(intervals: Sequence[float], lo: float = 5.0, hi: float = 60.0, *,
+                 first: float | None = None) -> float:
     """Lease TTL from the last TTL_WINDOW heartbeat intervals (seconds): mean x (1 + 2 x stddev/mean), in [lo, hi].
 
     That is mean + 2 stddev: a heartbeat later than that is a ~2.5 % event on a normal spread (the seed
-    article's formula). Fewer than 2 intervals give no spread: the TTL is hi (an unknown cadence is not
-    evicted early). The stddev is the population one over the window. Zero, negative or non-finite
-    intervals, or lo > hi, raise ValueError.
+    article's formula). Fewer than 2 intervals give no spread: the TTL is `first` (first_ttl of the configured
+    heartbeat, which the exporter passes), clamped to [lo, hi]; without one, hi. The stddev is the population
+    one over the window. Zero, negative or non-finite intervals, or lo > hi, raise ValueError.
     """
-    if not (0 < lo <= hi and math.isfinite(hi)):
-        raise ValueError(f"need 0 < lo <= hi, finite; got lo={lo}, hi={hi}")
+    _check_bounds(lo, hi)
     window = [float(x) for x in intervals][-TTL_WINDOW:]
     for x in window:
         if not (math.isfinite(x) and x > 0):
             raise ValueError(f"a heartbeat interval must be a positive finite number of seconds, got {x}")
     if len(window) < 2:
-        return hi
+        if first is None:
+            return hi
+        if not math.isfinite(first):
+            raise ValueError(f"the first TTL must be finite, got {first}")
+        return min(hi, max(lo, first))
     mean = statistics.fmean(window)
     ttl = mean * (1 + 2 * statistics.pstdev(window) / mean)
     return min(hi, max(lo, ttl))
+
+
+def _check_bounds(lo: float, hi: float) -> None:
+    if not (0 < lo <= hi and math.isfinite(hi)):
+        raise ValueError(f"need 0 < lo <= hi, finite; got lo={lo}, hi={hi}")
 
 
 # --- keys -------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import random
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from exporters import cli
 from exporters.fakenvml import FakeNvml, healthy_h100
@@ -24,7 +26,7 @@ from exporters.nvml import NvmlCollector
 from exporters.precheck import gpu_info, gpu_verdict, numa_node_of
 from exporters.registration import Registrar, RegistrationConfig, material_change
 from exporters.server import Exporter
-from grayguard.registry import NodeRecord, Registry, RegistryError, node_key
+from grayguard.registry import NodeRecord, Registry, RegistryError, first_ttl, node_key
 from localstack.etcd import EtcdProc
 from localstack.procs import free_port, wait_until
 from sim.fleet import FleetThread
@@ -128,7 +130,8 @@ def test_register_writes_the_full_record_on_an_adaptive_lease_and_exports_its_st
         assert rec.max_concurrency == 64 and before - 1 <= rec.registered_at <= time.time()
         assert rec.agent == ""  # no prober, no agent check: a server added from the registry gets none
         assert reg.get(key).lease == ex.registrar.lease
-        # the first lease is ttl_max (no interval measured yet); two heartbeats later it adapts down to ttl_min
+        # the first lease is first_ttl (no interval measured yet: 3 x 1 s + 1 s, clamped to ttl_max 3 s); two
+        # heartbeats later it adapts down to ttl_min
         wait_until(lambda: (r := record_of(reg, key)) is not None and r.ttl_s == 2, 10, 0.05, "the adapted TTL")
         assert record_of(reg, key).registered_at == rec.registered_at  # a re-grant is no new registration
         assert reg.get(key).lease == ex.registrar.lease
@@ -163,12 +166,14 @@ def test_stop_writes_leaving_then_the_key_is_gone_at_once_not_after_the_ttl(etcd
     assert value(ex, "grayguard_registry_registered") == 0
 
 
-def _cli_exporter(tmp_path: Path, etcd: EtcdProc, node, prefix: str) -> subprocess.Popen:
+def _cli_exporter(tmp_path: Path, etcd: EtcdProc, node, prefix: str, *flags: str,
+                  port: int | None = None) -> subprocess.Popen:
+    """`grayguard exporter` registering node; flags: more flags, which override the timings here."""
     argv = [sys.executable, "-m", "grayguard.cli", "exporter", "--vllm.url", node.url,
-            "--web.listen-address", f"127.0.0.1:{free_port()}", "--no-agent", "--no-probe", "--no-collector.nvml",
-            "--registry.url", etcd.url, "--registry.pool", "chat", "--registry.node", node.name,
+            "--web.listen-address", f"127.0.0.1:{port or free_port()}", "--no-agent", "--no-probe",
+            "--no-collector.nvml", "--registry.url", etcd.url, "--registry.pool", "chat", "--registry.node", node.name,
             "--registry.advertise", node.address, "--registry.prefix", prefix, "--registry.heartbeat", "300ms",
-            "--registry.ttl-min", "2s", "--registry.ttl-max", "3s", "--registry.leave-grace", "500ms"]
+            "--registry.ttl-min", "2s", "--registry.ttl-max", "3s", "--registry.leave-grace", "500ms", *flags]
     log = open(tmp_path / "exporter.log", "wb")  # noqa: SIM115 - closed by the test's tmp_path cleanup
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
 
@@ -210,6 +215,44 @@ def test_sigkill_leaves_no_leaving_record_and_the_key_expires_with_its_ttl(tmp_p
         proc.kill()
     assert 1.0 <= gone <= 5.0  # the lease ran out (2 s TTL, etcd checks every 500 ms): no deregistration
     assert [e.kind for e in watch.events] == ["delete"]  # no "leaving": the controller tells a crash apart
+
+
+def _ok_beats(port: int) -> float:
+    """grayguard_registry_heartbeats_total{result="ok"} on a CLI exporter's /metrics (0 before any)."""
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "grayguard_registry_heartbeats_total" and s.labels.get("result") == "ok":
+                return s.value
+    return 0.0
+
+
+def test_a_node_killed_right_after_its_first_heartbeat_is_gone_within_the_first_ttl_not_ttl_max(
+        tmp_path, etcd, fleet, prefix):
+    """No interval can be measured before the second keep-alive: the first lease is first_ttl of the configured
+    heartbeat (3 x 2 s + 1 s = 7 s here), not --registry.ttl-max (60 s) of HAProxy sending to a dead node."""
+    node = fleet.nodes[1]
+    reg = Registry(etcd.url)
+    key = node_key(prefix, "chat", node.name)
+    web = free_port()
+    first = math.ceil(first_ttl(2.0, 1.0, lo=3.0, hi=60.0))
+    assert first == 7
+    proc = _cli_exporter(tmp_path, etcd, node, prefix, "--registry.heartbeat", "2s", "--registry.timeout", "1s",
+                         "--registry.ttl-min", "3s", "--registry.ttl-max", "60s", port=web)
+    try:
+        # the second keep-alive, which measures a second interval (and moves the key to a 3 s lease), is 2 s off
+        wait_until(lambda: _ok_beats(web) >= 1, 30, 0.02, "the first heartbeat")
+        proc.kill()
+        killed = time.monotonic()
+        proc.wait(5)
+        rec = record_of(reg, key)
+        wait_until(lambda: reg.get(key) is None, first + 3.0, 0.05, f"the key to expire within {first} s")
+        gone = time.monotonic() - killed
+    finally:
+        proc.kill()
+    log = (tmp_path / "exporter.log").read_text()
+    assert rec is not None and rec.ttl_s == first, log  # killed on its first lease
+    assert gone <= first + 1.5  # counted from the first keep-alive, before the kill; etcd sweeps every 500 ms
 
 
 # --- etcd restarts -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from grayguard.registry import (
     Snapshot,
     SnapshotError,
     adaptive_ttl,
+    first_ttl,
     node_key,
     node_records,
     nodes_prefix,
@@ -47,11 +48,51 @@ def test_adaptive_ttl_is_mean_plus_two_stddevs_of_the_last_five_intervals():
 @pytest.mark.parametrize(("intervals", "expect"), [
     ([2.0, 2.0, 2.0], 5.0),  # a steady 2 s heartbeat: mean + 0, clamped up to lo
     ([20.0, 40.0, 60.0, 20.0, 90.0], 60.0),  # clamped down to hi
-    ([], 60.0),  # no interval measured: hi (no spread known; an unknown cadence is not evicted early)
+    ([], 60.0),  # no interval measured and no first TTL given: hi
     ([3.0], 60.0),  # one interval: still no spread
 ])
 def test_adaptive_ttl_clamps_and_its_default(intervals, expect):
     assert adaptive_ttl(intervals, lo=5.0, hi=60.0) == expect
+
+
+@pytest.mark.parametrize(("intervals", "first", "expect"), [
+    ([], 8.0, 8.0),  # nothing measured: the first TTL, not hi
+    ([3.0], 8.0, 8.0),  # one interval: still no spread
+    ([], 2.0, 5.0),  # clamped up to lo...
+    ([], 90.0, 60.0),  # ...and down to hi
+    ([2.0, 2.0], 8.0, 5.0),  # two intervals: measured, the first TTL no longer counts
+])
+def test_adaptive_ttl_uses_the_first_ttl_until_two_intervals_are_measured(intervals, first, expect):
+    assert adaptive_ttl(intervals, lo=5.0, hi=60.0, first=first) == expect
+
+
+@pytest.mark.parametrize(("heartbeat", "timeout", "lo", "hi", "expect"), [
+    (2.0, 2.0, 5.0, 60.0, 8.0),  # the exporter's defaults: 3 rounds of 2 s + one 2 s call, not 60 s
+    (2.0, 0.5, 5.0, 60.0, 6.5),  # a round is the heartbeat when the call is shorter...
+    (1.0, 3.0, 5.0, 60.0, 12.0),  # ...and the whole timeout of a call that hangs when it is longer
+    (0.3, 0.2, 2.0, 60.0, 2.0),  # clamped up to lo
+    (10.0, 2.0, 5.0, 20.0, 20.0),  # clamped down to hi
+])
+def test_first_ttl_is_three_rounds_and_a_call_within_the_bounds(heartbeat, timeout, lo, hi, expect):
+    assert first_ttl(heartbeat, timeout, lo=lo, hi=hi) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize(("heartbeat", "timeout", "lo", "hi"), [
+    (0.0, 1.0, 5.0, 60.0), (-1.0, 1.0, 5.0, 60.0), (math.nan, 1.0, 5.0, 60.0), (2.0, -1.0, 5.0, 60.0),
+    (2.0, math.inf, 5.0, 60.0), (2.0, 1.0, 10.0, 5.0),
+])
+def test_first_ttl_rejects_bad_arguments(heartbeat, timeout, lo, hi):
+    with pytest.raises(ValueError):
+        first_ttl(heartbeat, timeout, lo=lo, hi=hi)
+
+
+@given(st.floats(0.05, 30.0), st.floats(0.0, 30.0), st.floats(1.0, 10.0), st.floats(10.0, 120.0))
+def test_first_ttl_outlasts_two_lost_keep_alives_within_its_bounds(heartbeat, timeout, lo, hi):
+    ttl = first_ttl(heartbeat, timeout, lo=lo, hi=hi)
+    assert lo <= ttl <= hi
+    # two keep-alives that hang their whole timeout, the third sent a round later and answered within its
+    # timeout, all before the first lease runs out (unless hi caps it)
+    assert ttl >= min(hi, heartbeat + 2 * max(heartbeat, timeout) + timeout)
 
 
 @pytest.mark.parametrize("bad", [[1.0, 0.0], [1.0, -2.0], [1.0, math.nan], [math.inf, 1.0]])
