@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.watch import Watcher
+from grayguard import terminate
 from grayguard.config import duration_seconds
 
 HELP = "run the full local stack on a simulated fleet, inject a gray failure, report what grayguard did"
@@ -195,9 +196,9 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
                                  overrides=opts.overrides, fleet=opts.fleet,
                                  timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5),
                        progress=progress)
-    interrupted = False
+    interrupted, stopped_by = False, None
     records = [] if records is None else records
-    sampler = watcher = None
+    sampler = watcher = fut = None
     result = None
     try:
         stack.start()
@@ -260,8 +261,10 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
                                                      (end_fault, cleared or not faulted)) if not done]
             concurrent.futures.wait([fut], timeout=max(0.0, min(due) - (time.time() - t0)))
         result = fut.result()
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (grayguard.terminate)
+        interrupted, stopped_by = True, e
+        if fut is not None:
+            fut.cancel()  # the load stops with the stack
         print("\n[demo] interrupted: stopping everything", file=out, flush=True)
     finally:
         if watcher is not None:
@@ -269,8 +272,13 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
         stack.stop(keep_workdir=opts.keep_workdir)
         if opts.keep_workdir:
             print(f"[demo] kept {stack.dir} (configs and logs of HAProxy, Prometheus, Alertmanager)", file=out)
-    return _finish(opts, report_dir, sampler, records, result, interrupted, out, watcher.marks if watcher else [],
-                   engine_of(stack))
+    if stopped_by is not None and sampler is None:  # interrupted while starting: nothing to report
+        raise stopped_by
+    report = _finish(opts, report_dir, sampler, records, result, interrupted, out,
+                     watcher.marks if watcher else [], engine_of(stack))
+    if stopped_by is not None:  # the report is written; the caller (compare, main) stops too
+        raise stopped_by
+    return report
 
 
 def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=(), engine=None) -> dict:
@@ -310,6 +318,8 @@ def engine_of(stack: Any) -> dict:
 
 def verdict(r: dict) -> str:
     """One line: did the demo show what it should?"""
+    if r.get("interrupted"):
+        return "interrupted: the run did not finish, nothing to judge"
     if r["fault"] == "none":
         q = r["false_quarantines"] + ([r["faulty_node"]] if r["quarantine_s"] is not None else [])
         return "no fault injected: " + (f"QUARANTINED {', '.join(q)} (false positive)" if q else
@@ -498,6 +508,6 @@ def run(args: argparse.Namespace) -> int:
     except BinaryMissing as e:
         print(f"grayguard demo: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return terminate.exit_status(e)
     return 0

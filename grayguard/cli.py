@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from grayguard import __version__
+from grayguard import __version__, terminate
 
 # subcommand -> module providing HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
@@ -51,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, set up logging and run the chosen subcommand."""
+    """Parse arguments, set up logging and run the chosen subcommand.
+
+    SIGTERM unwinds like Ctrl-C (exit 143, grayguard/terminate.py): a command that starts processes stops every one
+    of them in its `finally` and writes what it has. Commands with their own handling (controller, exporter,
+    actuator) install their handlers over this one."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -59,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    previous = terminate.install()
     try:
         return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return terminate.exit_status(e)
+    finally:
+        terminate.restore(previous)
 
 
 if __name__ == "__main__":

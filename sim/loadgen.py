@@ -200,21 +200,27 @@ class _Run:
         cfg = self.cfg
         start = self.loop.time()
         tasks: set[asyncio.Task] = set()
-        for i, (t, prompt, max_tokens) in enumerate(arrival_plan(cfg)):
-            rec = RequestRecord(i, t, "pending", prompt, max_tokens)
-            self.records.append(rec)
-            delay = start + t - self.loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if self.inflight >= cfg.max_concurrency:
-                rec.status, rec.e2e_s, rec.error = "overflow", 0.0, f"{cfg.max_concurrency} requests in flight"
-                continue
-            self.inflight += 1  # counted now, not when the task first runs: the cap must hold in a burst
-            task = asyncio.create_task(self.one(rec, start + t))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+        try:
+            for i, (t, prompt, max_tokens) in enumerate(arrival_plan(cfg)):
+                rec = RequestRecord(i, t, "pending", prompt, max_tokens)
+                self.records.append(rec)
+                delay = start + t - self.loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if self.inflight >= cfg.max_concurrency:
+                    rec.status, rec.e2e_s, rec.error = "overflow", 0.0, f"{cfg.max_concurrency} requests in flight"
+                    continue
+                self.inflight += 1  # counted now, not when the task first runs: the cap must hold in a burst
+                task = asyncio.create_task(self.one(rec, start + t))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # the run is stopped (Ctrl-C, SIGTERM): its requests end with it
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
 
 async def run_load(cfg: LoadConfig, *, session: aiohttp.ClientSession | None = None,

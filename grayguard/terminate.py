@@ -1,0 +1,44 @@
+"""SIGTERM as an unwinding exception, for the commands that start processes (demo, bench --cross-check, soak).
+
+`kill`, `timeout`, systemd and CI runners send SIGTERM, not Ctrl-C, and Python's default for it is to die at once,
+without `finally`: a demo then left HAProxy, Prometheus, Alertmanager and real vLLM servers (3 GB each) running.
+Its own module, so that `python -m grayguard.cli` (which runs grayguard.cli as __main__) and the commands that
+catch it share one class.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread (exit status 143 by convention)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """The first SIGTERM unwinds; the ones after it are ignored, so the cleanup it starts runs to its end (SIGKILL
+    still stops everything at once; Ctrl-C still interrupts)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.getLogger("grayguard").warning("SIGTERM: stopping everything this command started")
+    raise Terminated()
+
+
+def install() -> object | None:
+    """Make SIGTERM raise Terminated in the main thread; returns the previous handler (for restore), None off the
+    main thread (only it may set handlers: a caller running a command in a thread keeps its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _terminated)
+
+
+def restore(previous: object | None) -> None:
+    """Put back what install() returned (nothing when it installed nothing)."""
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
+
+
+def exit_status(e: KeyboardInterrupt) -> int:
+    """143 for SIGTERM, 130 for Ctrl-C."""
+    return 143 if isinstance(e, Terminated) else 130

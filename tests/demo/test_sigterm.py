@@ -1,0 +1,72 @@
+"""SIGTERM to `grayguard demo` stops everything it started and writes its report (exit 143).
+
+`kill`, `timeout`, systemd and CI runners send SIGTERM, not Ctrl-C. Python's default for it is to die at once,
+without `finally`: the demo then left HAProxy, Prometheus and Alertmanager running (and, with --fleet vllm, four
+real vLLM servers of 3 GB each). grayguard.cli turns the first SIGTERM into an unwinding exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from localstack.vllmserver import children
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited
+
+
+def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_path):
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "demo", "--nodes", "3", "--duration", "300",
+                             "--live", "plain", "--report-dir", str(report)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    running = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[run]"):
+                running.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert running.wait(180), "the demo never started its load:\n" + "".join(lines[-40:])
+        started = children(proc.pid)
+        names = {name for _, name in started}  # /proc's comm: 15 characters ("prometheus-aler")
+        assert {"haproxy", "prometheus"} <= names and any("aler" in n for n in names), names
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    out = "".join(lines)
+    assert rc == 143, out[-3000:]
+    deadline = time.monotonic() + 15
+    while (left := [(p, n) for p, n in started if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"still running after SIGTERM: {left}"
+    doc = json.loads((report / "report.json").read_text())
+    assert doc["interrupted"] is True
+    assert "interrupted: stopping everything" in out
+    assert "interrupted: the run did not finish" in out  # the verdict judges no targets on a cut-short run
+    assert "Task was destroyed" not in out  # the load's requests were cancelled with it, not dropped
