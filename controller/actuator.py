@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -27,6 +26,8 @@ from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.plan import Change, plan_backend
 from controller.runtime_view import RuntimeView, request_counter
 from exporters.cli import parse_duration, parse_listen_address
+from grayguard import etcdconn
+from grayguard.config import ConfigError
 from grayguard.registry import DEFAULT_PREFIX, Registry, RegistryError, nodes_prefix
 
 HELP = "apply the leader's desired HAProxy weights to this HAProxy (a sidecar of each gateway replica)"
@@ -160,8 +161,8 @@ class Actuator:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--registry.url", dest="registry_url", required=True, metavar="URL",
-      help="etcd's v3 HTTP gateway, as the controller's registry.url (e.g. http://etcd:2379)")
+    etcdconn.add_flags(p, required=True, url_help="etcd's v3 HTTP gateway, as the controller's registry.url or "
+                       "endpoints (e.g. https://etcd-0:2379)")  # TLS files and the etcd user: as the exporter's
     a("--registry.prefix", dest="registry_prefix", default=DEFAULT_PREFIX, metavar="PREFIX",
       help=f"the controller's registry.prefix (default {DEFAULT_PREFIX})")
     a("--registry.timeout", dest="registry_timeout", type=parse_duration, default="2s", metavar="DURATION",
@@ -185,9 +186,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_error(args: argparse.Namespace) -> str | None:
     """The first invalid flag, named, or None."""
-    url = urlsplit(args.registry_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        return f"--registry.url: {args.registry_url!r} is not an http(s) URL"
+    try:
+        etcdconn.settings_from_flags(args)  # the URLs, TLS files and password, loaded once
+    except ConfigError as e:
+        return str(e)
     try:
         nodes_prefix(args.registry_prefix)
     except ValueError as e:
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     metrics = ActuatorMetrics()
     hap = RuntimeClient(args.haproxy_socket, args.haproxy_timeout)
-    act = Actuator(Registry(args.registry_url, timeout=args.registry_timeout), hap, args.registry_prefix,
+    act = Actuator(Registry(etcdconn.settings_from_flags(args)), hap, args.registry_prefix,
                    pools=frozenset(args.pools), metrics=metrics, dry_run=args.dry_run)
     if args.once:
         res = act.round()
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     job = Periodic("actuator", act.round, args.interval, stop).start()
-    log.info("actuator: %s -> %s every %gs%s%s", args.registry_url, hap.endpoint, args.interval,
+    log.info("actuator: %s -> %s every %gs%s%s", ", ".join(args.registry_url), hap.endpoint, args.interval,
              f"; read-only view on {args.view[0]}:{args.view[1]}" if view else "", " (dry run)" if args.dry_run else "")
     stop.wait()
     job.join()

@@ -92,7 +92,7 @@ def build_leadership(cfg: Config, replica_id: str, metrics: ControllerMetrics) -
     if not REPLICA_ID_RE.match(replica_id):
         raise ConfigError("--id", f"{replica_id!r} may only hold letters, digits, '-', '_', '.' and ':' (1-128)")
     r = cfg.registry
-    return Leadership(ElectionStore(r.url, timeout=r.timeout_s), replica_id, [p.name for p in cfg.pools],
+    return Leadership(ElectionStore.from_config(r), replica_id, [p.name for p in cfg.pools],
                       r.lease_ttl_s, prefix=r.prefix, shard=r.shard_pools, metrics=metrics)
 
 
@@ -101,6 +101,10 @@ def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
     and files it names exist and load, and the state file's directory can exist. ConfigError names the field."""
     build_session_headers(cfg.prometheus, os.environ if environ is None else environ)  # headers_env, *_env, token
     tls_settings(cfg.prometheus)  # ca_file, cert_file, key_file
+    if cfg.registry.url is not None:  # its TLS files and the etcd user's password
+        from grayguard.etcdconn import settings as etcd_settings
+
+        etcd_settings(cfg.registry, os.environ if environ is None else environ)
     if cfg.state_file:
         path = Path(cfg.state_file)
         if path.is_dir():
@@ -236,7 +240,7 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
     from grayguard.registry import Registry
 
     r = cfg.registry
-    disc = Discovery(Registry(r.url, timeout=r.timeout_s), r.prefix, pools, r.snapshot_path(cfg.state_file),
+    disc = Discovery(Registry.from_config(r), r.prefix, pools, r.snapshot_path(cfg.state_file),
                      ctl.metrics.registry, readonly=ctl.dry_run).start()
     ctl.membership = MembershipSync(cfg, disc, ctl.policies, ctl.metrics.registry)
     if not disc.wait_synced(r.timeout_s + 1.0):  # the first tick plans from etcd's listing, or from the snapshot

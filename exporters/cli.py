@@ -14,6 +14,8 @@ import pynvml
 from exporters.prober import ProbeConfig
 from exporters.registration import RegistrationConfig
 from exporters.server import AgentListenError, Exporter
+from grayguard import etcdconn
+from grayguard.config import ConfigError
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.registry import DEFAULT_PREFIX, node_key
 
@@ -134,8 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_registry_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("registry (membership in etcd; off without --registry.url)")
     a = r.add_argument
-    a("--registry.url", dest="registry_url", metavar="URL",
-      help="etcd client URL, e.g. http://127.0.0.1:2379 (its v3 JSON gateway, etcd >= 3.4)")
+    etcdconn.add_flags(r)  # --registry.url (repeatable), TLS files, the etcd user: as the actuator's
     a("--registry.pool", dest="registry_pool", metavar="NAME", help="the pool (HAProxy backend) this node serves")
     a("--registry.node", dest="registry_node", metavar="NAME", help="this node's name (HAProxy server name)")
     a("--registry.advertise", dest="registry_advertise", metavar="HOST:PORT",
@@ -165,9 +166,10 @@ def _registry_error(args: argparse.Namespace) -> str | None:
     """The first invalid --registry.* setting, or None (also when registration is off)."""
     if not args.registry_url:
         return None
-    url = urlsplit(args.registry_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        return f"--registry.url: {args.registry_url!r} is not an http(s) URL"
+    try:
+        etcdconn.settings_from_flags(args)  # the URLs, TLS files and password, loaded once
+    except ConfigError as e:
+        return str(e)
     if not args.registry_pool or not args.registry_node or not args.registry_advertise:
         return "--registry.url needs --registry.pool, --registry.node and --registry.advertise"
     try:
@@ -198,9 +200,10 @@ def registration_config(args: argparse.Namespace) -> RegistrationConfig | None:
     if not args.registry_url:
         return None
     return RegistrationConfig(
-        url=args.registry_url, pool=args.registry_pool, node=args.registry_node, advertise=args.registry_advertise,
-        exporter=args.registry_exporter, prefix=args.registry_prefix, heartbeat=args.registry_heartbeat,
-        ttl_min=args.registry_ttl_min, ttl_max=args.registry_ttl_max, leave_grace=args.registry_leave_grace,
+        url=args.registry_url[0], pool=args.registry_pool, node=args.registry_node, advertise=args.registry_advertise,
+        etcd=etcdconn.settings_from_flags(args), exporter=args.registry_exporter, prefix=args.registry_prefix,
+        heartbeat=args.registry_heartbeat, ttl_min=args.registry_ttl_min, ttl_max=args.registry_ttl_max,
+        leave_grace=args.registry_leave_grace,
         timeout=args.registry_timeout, max_concurrency=args.registry_max_concurrency, model=args.probe_model,
         api_key_file=args.probe_key_file, api_key_env=args.probe_key_env or None)
 

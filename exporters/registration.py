@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporters.gpumetrics import NvmlSnapshot
 from exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
+from grayguard.etcdconn import EtcdSettings
 from grayguard.registry import (
     DEFAULT_PREFIX,
     ERROR_KINDS,
@@ -41,7 +42,7 @@ VERIFY_EVERY = 15  # heartbeats between two reads of the node's own key (someone
 class RegistrationConfig:
     """What --registry.* says (exporters/cli.py maps the flags one to one)."""
 
-    url: str  # etcd client URL
+    url: str  # etcd client URL (the first endpoint, for the logs)
     pool: str
     node: str
     advertise: str  # host:port of vLLM for HAProxy
@@ -56,6 +57,8 @@ class RegistrationConfig:
     model: str | None = None  # the model that must be loaded (--probe.model); None: the first listed
     api_key_file: str | None = None  # the probe's API key (--probe.api-key-file, re-read at every try)...
     api_key_env: str | None = "VLLM_API_KEY"  # ...or its environment variable (--probe.api-key-env)
+    # how to reach etcd (every --registry.url, TLS files, the etcd user; grayguard/etcdconn.py); None: url alone
+    etcd: EtcdSettings | None = None
 
 
 def api_key_reader(key_file: str | None, key_env: str | None,
@@ -102,7 +105,7 @@ class Registrar:
         self.exporter = config.exporter
         self.agent = ""  # the agent check's host:port for the record (start)
         self._vllm_url, self._nvml_snapshot, self._api_key = vllm_url, nvml_snapshot, api_key
-        self._client = client or Registry(config.url, timeout=config.timeout)
+        self._client = client or Registry(config.etcd or config.url, timeout=config.timeout)
         self._session = session or requests.Session()
         self._session.trust_env = False  # the local vLLM, never through a proxy
         self._clock, self._wall, self._numa_of = clock, wall, numa_of

@@ -460,6 +460,20 @@ class RegistryConfig:
     # etcd's v3 HTTP gateway, e.g. http://etcd-0:2379; null: no registry, the controller runs alone (no
     # election, static pools only)
     url: str | None = None
+    # several members of the cluster instead of url, tried in order: a call that cannot reach one (refused, TLS
+    # handshake failed, no connection within its share of timeout_s) goes on to the next, and later calls stay
+    # with the one that answered; url is then the first of them
+    endpoints: tuple[str, ...] = ()
+    # TLS (https:// endpoints only): the PEM CA bundle that signs etcd's server certificate (null: the system's)
+    ca_file: str | None = None
+    cert_file: str | None = None  # PEM client certificate, for etcd's --client-cert-auth (needs key_file)...
+    key_file: str | None = None  # ...and its key (not encrypted)
+    # etcd user (etcd's auth: `etcdctl auth enable`); null: etcd without auth. Its password is never written
+    # here: password_env names the environment variable holding it, or password_file a file (re-read at each
+    # authentication, so a rotated password is used at once)
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
     prefix: str = "/grayguard/v1"  # every key lives under it: <prefix>/leader/<scope>, <prefix>/state/<pool>, ...
     # the leader's lease (whole seconds, etcd's unit; at least 2, etcd's own floor): a leader that cannot
     # renew it for this long stops writing, and a standby takes over within lease_ttl_s + one tick
@@ -475,11 +489,19 @@ class RegistryConfig:
     # dead replica's pools are taken over by the others
     shard_pools: bool = False
 
+    def __post_init__(self) -> None:
+        # url stays the one test of "is there a registry" (and the name in logs): with endpoints, their first
+        if self.url is None and self.endpoints:
+            object.__setattr__(self, "url", self.endpoints[0])
+
+    def urls(self) -> tuple[str, ...]:
+        """The endpoints to try, in order (url alone when endpoints is empty; none without a registry)."""
+        return self.endpoints or ((self.url,) if self.url is not None else ())
+
     def validate(self, path: str) -> None:
         """Raise ConfigError naming the first bad field under path."""
         p = f"{path}."
-        if self.url is not None:
-            _check_url(self.url, p + "url")
+        self.validate_connection(path)
         _check(bool(_PREFIX_RE.match(self.prefix)), p + "prefix",
                f"must be /segments of letters, digits, '-', '_' or '.', without a trailing '/', got {self.prefix!r}")
         _check(self.lease_ttl_s >= 2, p + "lease_ttl_s", "must be >= 2 (etcd's shortest lease)")
@@ -490,6 +512,36 @@ class RegistryConfig:
         _check(self.expiry_cap_per_minute is None or 0 <= self.expiry_cap_per_minute <= 1,
                p + "expiry_cap_per_minute", "must be in [0, 1] (a share of the pool), or null")
         _check_finite(self, path)
+
+    def validate_connection(self, path: str) -> None:
+        """The fields that say how to reach etcd (endpoints, TLS, user); what the files hold is checked at startup
+        (grayguard/etcdconn.py's settings, the controller's preflight)."""
+        p = f"{path}."
+        _check(not self.endpoints or self.url == self.endpoints[0], p + "url",
+               "set url (one endpoint) or endpoints (several), not both")
+        named = [(f"{p}endpoints[{i}]", e) for i, e in enumerate(self.endpoints)] or [(p + "url", self.url)]
+        tls = [n for n in ("ca_file", "cert_file", "key_file") if getattr(self, n) is not None]
+        for where, url in named:
+            if url is None:
+                continue
+            _check_url(url, where)
+            _check(urlsplit(url).path in ("", "/") and not urlsplit(url).query, where,
+                   f"must be scheme://host:port alone (etcd's gateway is at its root), got {redact_url(url)!r}")
+            if tls:
+                _check(url.startswith("https://"), where,
+                       f"must be https:// with {p}{tls[0]} set (TLS files are for TLS), got {redact_url(url)!r}")
+        _check(len(set(self.endpoints)) == len(self.endpoints), p + "endpoints", "lists an endpoint twice")
+        for name in ("ca_file", "cert_file", "key_file", "username", "password_env", "password_file"):
+            _check(getattr(self, name) != "", p + name, "must be a non-empty string or null")
+        _check(self.cert_file is None or self.key_file is not None, p + "cert_file",
+               f"needs {p}key_file (the client certificate's key)")
+        _check(self.key_file is None or self.cert_file is not None, p + "key_file", f"needs {p}cert_file")
+        _check(not (self.password_env and self.password_file), p + "password_file",
+               "set password_env or password_file, not both")
+        for name in ("password_env", "password_file"):
+            _check(getattr(self, name) is None or self.username is not None, p + name, f"needs {p}username")
+        _check(self.username is None or bool(self.password_env or self.password_file), p + "username",
+               f"needs {p}password_env or {p}password_file (the password is never written in the config)")
 
     def snapshot_path(self, state_file: str | None) -> str | None:
         """Where the membership snapshot lives: snapshot_file, else next to the state file, else nowhere."""

@@ -1,6 +1,7 @@
 """etcd through its v3 JSON gateway, with the maintained `etcd3gw` client: leases, puts, reads, a
 compare-and-create and a prefix watch. Every call is bounded by a timeout and every failure is one
-classified RegistryError (the contract, with the records it carries, is in grayguard/registry.py)."""
+classified RegistryError (the contract, with the records it carries, is in grayguard/registry.py).
+Several endpoints, TLS and an etcd user ride on the session (grayguard/etcdconn.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import etcd3gw
@@ -21,8 +22,17 @@ import urllib3
 from etcd3gw import exceptions as gw
 from etcd3gw.lease import Lease
 
+from grayguard import etcdconn
+from grayguard.etcdconn import EtcdSession, EtcdSettings
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from grayguard.config import RegistryConfig
+
 T = TypeVar("T")
-API_PATH = "/v3/"  # etcd >= 3.4 (3.3 served /v3beta/): fixed, so no discovery request can fail first
+R = TypeVar("R", bound="Registry")
+API_PATH = etcdconn.API_PATH  # etcd >= 3.4 (3.3 served /v3beta/): fixed, so no discovery request can fail first
 # unreachable: no connection; timeout: no answer in time; garbage: an answer that is not etcd's JSON;
 # rejected: etcd refused the request; lease_gone: the lease named does not exist (expired, revoked, etcd wiped);
 # compacted: a watch's history is gone (compacted, or etcd lost its data): list again, then watch on
@@ -84,19 +94,40 @@ def _entry(kv: dict[str, Any]) -> Entry:
 
 
 class Registry:
-    """etcd at url (`http://127.0.0.1:2379`); each call waits at most `timeout` s for each connect and read.
+    """etcd at url (`http://127.0.0.1:2379`), or as EtcdSettings say (several endpoints, TLS, a user: build it
+    with from_config); each call finishes within `timeout` s, every endpoint it tries included.
 
     Thread-safe for one caller per instance at a time (a requests.Session); a watch uses its own session.
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:2379", *, timeout: float = 2.0, api_path: str = API_PATH,
-                 session: requests.Session | None = None):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an etcd client URL: {url!r} (e.g. http://127.0.0.1:2379)")
-        self.url, self.timeout = url.rstrip("/"), timeout
-        self._gw = etcd3gw.Etcd3Client(host=parts.hostname, port=parts.port or 2379, protocol=parts.scheme,
-                                       timeout=timeout, api_path=api_path, session=session or requests.Session())
+    def __init__(self, url: str | EtcdSettings = "http://127.0.0.1:2379", *, timeout: float = 2.0,
+                 api_path: str = API_PATH, session: requests.Session | None = None):
+        conn = url if isinstance(url, EtcdSettings) else EtcdSettings.plain(url, timeout)
+        for ep in conn.endpoints:
+            parts = urlsplit(ep)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"not an etcd client URL: {ep!r} (e.g. http://127.0.0.1:2379)")
+        self.settings, self.timeout = conn, conn.timeout
+        first = urlsplit(conn.endpoints[0])  # etcd3gw's URLs name it; EtcdSession sends them to the one in use
+        self._gw = etcd3gw.Etcd3Client(host=first.hostname or "", port=first.port or 2379, protocol=first.scheme,
+                                       timeout=conn.timeout, api_path=api_path,
+                                       session=session or EtcdSession(conn))
+
+    @classmethod
+    def from_config(cls: type[R], cfg: RegistryConfig, environ: Mapping[str, str] | None = None) -> R:
+        """The client cfg (the config's registry section) describes; ConfigError naming the field when a TLS
+        file does not load or the password cannot be read."""
+        return cls(etcdconn.settings(cfg, environ))
+
+    @property
+    def url(self) -> str:
+        """The endpoint in use (the one that answered last)."""
+        session = self._gw.session
+        return (session.endpoint if isinstance(session, EtcdSession) else self.settings.endpoints[0]).rstrip("/")
+
+    def _where(self) -> str:
+        eps = self.settings.endpoints
+        return self.url if len(eps) == 1 else f"etcd ({', '.join(e.rstrip('/') for e in eps)})"
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -166,7 +197,7 @@ class Registry:
 
     def _call(self, fn: Callable[[], T]) -> T:
         """fn's result, every failure raised as a classified RegistryError."""
-        where = self.url
+        where = self._where()
         try:
             return fn()
         except gw.ConnectionTimeoutError as e:
@@ -178,7 +209,9 @@ class Registry:
             if "lease not found" in detail:
                 raise RegistryError("lease_gone", f"{where}: {detail}") from None
             # etcd's gateway explains a refusal in JSON ({"error", "code", "message"}); anything else is not etcd
-            raise RegistryError("rejected" if _etcd_error(e) else "garbage", f"{where}: {detail}") from None
+            # (but for its plain-text refusal of a client certificate with a Common Name)
+            refused = _etcd_error(e) or "CommonName of client" in detail
+            raise RegistryError("rejected" if refused else "garbage", f"{where}: {detail}") from None
         except requests.Timeout as e:
             raise RegistryError("timeout", f"{where}: {e}") from None
         except requests.JSONDecodeError as e:  # a RequestException too, but an answer that is not etcd's
@@ -198,7 +231,7 @@ class Registry:
         timeout when etcd cannot be reached; compacted when the history from start_revision is gone
         (compacted, or etcd lost its data and its revision went back): list with get_prefix, watch again.
         """
-        next_rev, seen = start_revision, 0
+        next_rev, seen, relogin = start_revision, 0, True
         while not stop.is_set():
             stream = _WatchStream(self, prefix, next_rev, idle_timeout)
             try:
@@ -206,7 +239,14 @@ class Registry:
                     for event in self._events(msg, next_rev, seen):
                         next_rev = event.revision + 1
                         yield event
+                    relogin = True  # the stream worked: a later rejected token may be renewed again
                     seen = max(seen, _header_revision(msg))
+            except RegistryError as e:
+                # etcd cancels a stream opened with a token it no longer knows: log in again, once
+                if not (relogin and e.kind == "rejected" and "invalid auth token" in str(e)):
+                    raise
+                relogin = False
+                stream.forget_token()
             finally:
                 stream.close()
 
@@ -251,8 +291,8 @@ def _etcd_error(e: Exception) -> bool:
 
 
 def _detail(e: Exception) -> str:
-    detail = getattr(e, "detail_text", None) or str(e) or type(e).__name__
-    return " ".join(str(detail).split())[:300]
+    detail = str(getattr(e, "detail_text", None) or str(e) or type(e).__name__)
+    return " ".join(detail.split())[:300] + etcdconn.hint(detail)  # the hint even when the text is cut
 
 
 class _WatchStream:
@@ -261,7 +301,9 @@ class _WatchStream:
     _END, _IDLE = object(), object()
 
     def __init__(self, registry: Registry, prefix: str, start_revision: int, idle_timeout: float):
-        self._session = requests.Session()
+        main = registry._gw.session
+        # a session of its own (the stream holds it), with the registry's endpoints, TLS and token
+        self._session = main.fork() if isinstance(main, EtcdSession) else requests.Session()
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_range_end(prefix)),
                                    "start_revision": start_revision, "prev_kv": True}}
         gwc = registry._gw
@@ -270,10 +312,13 @@ class _WatchStream:
                                       timeout=(registry.timeout, idle_timeout))
         except requests.Timeout as e:
             self._session.close()
-            raise RegistryError("timeout", f"{registry.url}: watch: {e}") from None
+            raise RegistryError("timeout", f"{registry._where()}: watch: {_detail(e)}") from None
         except requests.RequestException as e:
             self._session.close()
-            raise RegistryError("unreachable", f"{registry.url}: watch: {e}") from None
+            raise RegistryError("unreachable", f"{registry._where()}: watch: {_detail(e)}") from None
+        except RegistryError:  # the login failed
+            self._session.close()
+            raise
         if resp.status_code != 200:
             text = resp.text[:200]
             resp.close()
@@ -319,6 +364,11 @@ class _WatchStream:
             self._queue.put(self._IDLE if idle else self._END)
         except Exception:  # closed under us (stop), or a broken stream: either way this stream is over
             self._queue.put(self._END)
+
+    def forget_token(self) -> None:
+        """etcd rejected this stream's token: the next stream logs in again."""
+        if isinstance(self._session, EtcdSession):
+            self._session.forget_token(self._resp.request.headers.get("Authorization"))
 
     def close(self) -> None:
         """Shut the connection (unblocks the reader) and wait briefly for the reader."""

@@ -26,6 +26,7 @@ from exporters.nvml import NvmlCollector
 from exporters.precheck import gpu_info, gpu_verdict, numa_node_of
 from exporters.registration import Registrar, RegistrationConfig, material_change
 from exporters.server import Exporter
+from grayguard.etcdconn import EtcdSettings
 from grayguard.registry import NodeRecord, Registry, RegistryError, first_ttl, node_key
 from localstack.etcd import EtcdProc
 from localstack.procs import free_port, wait_until
@@ -467,7 +468,7 @@ def test_registry_flags_map_to_the_config_and_are_off_by_default():
     assert cli.registration_config(args) == RegistrationConfig(
         url="http://127.0.0.1:2379", pool="chat", node="node3", advertise="10.0.0.13:8000", prefix="/gg/v1",
         heartbeat=0.5, ttl_min=3.0, ttl_max=60.0, leave_grace=2.0, timeout=2.0, max_concurrency=64, model="m",
-        api_key_file="/k", api_key_env="VLLM_API_KEY")
+        api_key_file="/k", api_key_env="VLLM_API_KEY", etcd=EtcdSettings(("http://127.0.0.1:2379",), 2.0))
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -52,8 +52,9 @@ def test_a_registry_with_every_field():
     ({"expiry_cap_per_minute": 1.5}, None, {}, "registry.expiry_cap_per_minute: must be in [0, 1] (a share of the "
                                                "pool), or null"),
     ({"shard_pools": "yes"}, None, {}, "registry.shard_pools: expected true or false, got 'yes'"),
-    ({"urls": "x"}, None, {}, "registry.urls: unknown field (known: expiry_cap_per_minute, lease_ttl_s, prefix, "
-                              "shard_pools, snapshot_file, timeout_s, url)"),
+    ({"urls": "x"}, None, {}, "registry.urls: unknown field (known: ca_file, cert_file, endpoints, "
+                              "expiry_cap_per_minute, key_file, lease_ttl_s, password_env, password_file, prefix, "
+                              "shard_pools, snapshot_file, timeout_s, url, username)"),
     (None, {"discovery": "dns"}, {}, "pools[0].discovery: must be static or registry, got 'dns'"),
     (None, {"discovery": "registry"}, {}, "pools[0].discovery: registry needs registry.url (the etcd the nodes "
                                           "register in)"),
@@ -93,3 +94,99 @@ def test_the_example_documents_the_registry_section_with_its_defaults():
     c = cfg(doc["registry"])
     assert c.registry == RegistryConfig(url=doc["registry"]["url"])
     assert set(doc["registry"]) == set(RegistryConfig.__dataclass_fields__)
+
+
+# --- how to reach etcd: endpoints, TLS, the etcd user -------------------------------------------
+HTTPS = {"url": "https://etcd-0:2379"}
+
+
+def test_endpoints_stand_for_url_and_url_for_one_endpoint():
+    c = cfg({"endpoints": ["https://etcd-0:2379", "https://etcd-1:2379"]}, pool={"discovery": "registry"})
+    assert c.registry.url == "https://etcd-0:2379"  # "is there a registry" and the logs keep working
+    assert c.registry.urls() == ("https://etcd-0:2379", "https://etcd-1:2379")
+    assert cfg({"url": "http://e:2379"}).registry.urls() == ("http://e:2379",) and cfg().registry.urls() == ()
+    assert cfg({"endpoints": ["https://e:2379/"], "url": "https://e:2379/"}).registry.urls() == ("https://e:2379/",)
+
+
+def test_tls_and_a_user_with_every_field():
+    r = cfg({**HTTPS, "ca_file": "/ca.pem", "cert_file": "/c.pem", "key_file": "/c.key", "username": "grayguard",
+             "password_file": "/run/secrets/etcd"}).registry
+    assert (r.ca_file, r.cert_file, r.key_file, r.username, r.password_file) == (
+        "/ca.pem", "/c.pem", "/c.key", "grayguard", "/run/secrets/etcd")
+    assert cfg({**HTTPS, "ca_file": "/ca.pem"}).registry.cert_file is None  # a CA alone: TLS without a client cert
+    assert cfg({"url": "http://e:2379", "username": "u", "password_env": "P"}).registry.password_env == "P"
+
+
+@pytest.mark.parametrize("registry, message", [
+    ({"url": "https://a:2379", "endpoints": ["https://b:2379"]},
+     "registry.url: set url (one endpoint) or endpoints (several), not both"),
+    ({"endpoints": ["https://a:2379", "b:2379"]},
+     "registry.endpoints[1]: must be an http:// or https:// URL with a host, got 'b:2379'"),
+    ({"endpoints": ["https://a:2379", "https://a:2379"]}, "registry.endpoints: lists an endpoint twice"),
+    ({"endpoints": "https://a:2379"}, "registry.endpoints: expected a list, got str"),
+    ({"url": "https://a:2379/etcd"}, "registry.url: must be scheme://host:port alone (etcd's gateway is at its "
+                                     "root), got 'https://a:2379/etcd'"),
+    ({"url": "http://a:2379", "ca_file": "/ca.pem"},
+     "registry.url: must be https:// with registry.ca_file set (TLS files are for TLS), got 'http://a:2379'"),
+    ({"endpoints": ["https://a:2379", "http://b:2379"], "cert_file": "/c.pem", "key_file": "/c.key"},
+     "registry.endpoints[1]: must be https:// with registry.cert_file set (TLS files are for TLS), "
+     "got 'http://b:2379'"),
+    ({**HTTPS, "cert_file": "/c.pem"}, "registry.cert_file: needs registry.key_file (the client certificate's key)"),
+    ({**HTTPS, "key_file": "/c.key"}, "registry.key_file: needs registry.cert_file"),
+    ({**HTTPS, "ca_file": ""}, "registry.ca_file: must be a non-empty string or null"),
+    ({**HTTPS, "username": "u"}, "registry.username: needs registry.password_env or registry.password_file (the "
+                                 "password is never written in the config)"),
+    ({**HTTPS, "password_env": "P"}, "registry.password_env: needs registry.username"),
+    ({**HTTPS, "password_file": "/p"}, "registry.password_file: needs registry.username"),
+    ({**HTTPS, "username": "u", "password_env": "P", "password_file": "/p"},
+     "registry.password_file: set password_env or password_file, not both"),
+    ({**HTTPS, "password": "hunter2"}, "registry.password: unknown field (known: ca_file, cert_file, endpoints, "
+                                       "expiry_cap_per_minute, key_file, lease_ttl_s, password_env, password_file, "
+                                       "prefix, shard_pools, snapshot_file, timeout_s, url, username)"),
+])
+def test_each_connection_check_names_its_field(registry, message):
+    with pytest.raises(ConfigError) as e:
+        cfg(registry)
+    assert str(e.value) == message
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    from localstack.etcd import EtcdTls
+
+    return EtcdTls.generate(tmp_path_factory.mktemp("certs"))
+
+
+def test_preflight_loads_the_files_and_the_password(tls, tmp_path):
+    from controller.cmd_controller import preflight
+
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    good = {**HTTPS, "ca_file": tls.ca_file, "cert_file": tls.client_cert_file, "key_file": tls.client_key_file}
+    preflight(cfg({**good, "username": "gg", "password_file": str(pw)}, state_file=None))
+    preflight(cfg({**good, "username": "gg", "password_env": "ETCD_PW"}, state_file=None), environ={"ETCD_PW": "x"})
+    cases = [
+        ({**good, "ca_file": str(tmp_path / "nope.pem")}, {}, "registry.ca_file: cannot load CA file"),
+        ({**good, "cert_file": tls.ca_file, "key_file": tls.client_key_file}, {}, "registry.cert_file: cannot load"),
+        ({**good, "key_file": str(tmp_path / "nope.key")}, {}, "registry.key_file: cannot load"),
+        ({**good, "username": "gg", "password_file": str(tmp_path / "nope")}, {},
+         "registry.password_file: cannot read"),
+        ({**good, "username": "gg", "password_env": "ETCD_PW"}, {},
+         "registry.password_env: environment variable ETCD_PW is not set or empty"),
+    ]
+    (tmp_path / "empty").write_text("\n")
+    cases.append(({**good, "username": "gg", "password_file": str(tmp_path / "empty")}, {},
+                  "registry.password_file: " + str(tmp_path / "empty") + " is empty"))
+    for registry, env, says in cases:
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg(registry, state_file=None), environ=env)
+        assert str(e.value).startswith(says), (registry, str(e.value))
+
+
+def test_check_exits_2_naming_a_missing_ca_file(tmp_path):
+    p = tmp_path / "g.yaml"
+    p.write_text(yaml.safe_dump({"pools": [POOL], "state_file": None,
+                                 "registry": {**HTTPS, "ca_file": str(tmp_path / "ca.pem")}}))
+    r = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(p), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "registry.ca_file: cannot load CA file" in r.stderr, r.stderr
