@@ -408,7 +408,7 @@ class Controller:
             return hap
         return self.membership.step(self.haproxies, hap, self.clock(), result, self._leads,
                                     lambda pool: self._may_write(pool, result), self.dry_run,
-                                    lambda: self.read_haproxy(result))
+                                    lambda: self.read_haproxy(result), states=self.states)
 
     # ---- leadership (registry.url set; controller/leader.py) ------------------------------------
     def _take_turn(self, result: TickResult) -> bool:

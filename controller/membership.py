@@ -4,11 +4,17 @@ the runtime-API writes that add, drain and delete servers. No I/O, no clock: `no
 A serving registration is a server: `add server` at the pool's base weight with the shipped health and agent
 checks (HAProxy 2.6 takes a subset of a server line's keywords and nothing from `default-server`), then its
 checks enabled, the warm-up weight (the policy's new-node warm-up) and `ready`; the policy slow-starts it once
-HAProxy has it UP. A key deleted while its last value said "leaving" (a graceful leave), or a record that says
-"leaving", takes the server out at once; a key deleted while it said "serving" is an expiry (a lease that ended:
-a crash, or a partition) and is capped: at most `expiry_cap` of them per minute (registry.expiry_cap_per_minute,
-default the pool's ejection cap share), the others stay in rotation and page. A removed server is drained, and
-deleted (`set server ... state maint` then `del server`, as 2.6 requires) once it has no connections.
+HAProxy has it UP. A node the policy holds out of rotation (quarantined, canary) comes back drained at weight 0
+instead: a re-add (after an HAProxy restart) never puts it back in rotation. A key deleted while its last value
+said "leaving" (a graceful leave), or a record that says "leaving", takes the server out at once. A key deleted
+while it said "serving" is an expiry (a lease that ended: a crash, or a partition), evidence only with the
+gateway's agreement: a server HAProxy still has UP (checks and agent) is kept in rotation and flagged; one it has
+DOWN is removed, at most `expiry_cap` per minute (registry.expiry_cap_per_minute, default the pool's ejection cap
+share) and never below the pool's floor (the nodes max_ejected leaves: 1 - thresholds.max_ejected_fraction of
+it), the others held (they page). A registry view that lost more than the cap at once, or every registration,
+is not trusted for a minute (an etcd freeze past the TTL ends every lease; the exporters re-register within a
+heartbeat): no expiry removal begins. A removed server is drained, and deleted (`set server ... state maint` then
+`del server`, as 2.6 requires) once it has no connections.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from controller.haproxy import CHK_ST_CONFIGURED, Command, ServerState, check_name, host_port
-from controller.policy import SLOW_START, NodeState, Policy, target_weight
+from controller.policy import IN_ROTATION, SLOW_START, NodeState, Policy, max_ejected, target_weight
 from grayguard.reflexes import DEFAULT, Reflexes, duration
 
-EXPIRY_WINDOW_S = 60.0  # the expiry cap counts removals begun in this sliding window
+EXPIRY_WINDOW_S = 60.0  # the expiry cap counts removals begun in this sliding window; a mass loss is doubted this long
 JOIN_TIMEOUT_S = 60.0  # a new server HAProxy has not had UP after this long is shown to the policy anyway
 DEFAULT_WEIGHT = 100  # base weight of a registered node when the backend has no server to copy it from
 SERVING, LEAVING = "serving", "leaving"
@@ -56,11 +62,13 @@ class Removal:
 
 @dataclass(frozen=True)
 class PoolMemory:
-    """What membership remembers of a pool between ticks (in-process)."""
+    """What membership remembers of a pool between ticks (in-process; the expiries also in etcd, membersync)."""
 
     removing: Mapping[str, Removal] = field(default_factory=dict)  # out of rotation, deleted once idle
     joining: Mapping[str, float] = field(default_factory=dict)  # added at (hidden from the policy until UP)
-    expiries: tuple[float, ...] = ()  # when each expiry removal began, within EXPIRY_WINDOW_S
+    expiries: tuple[tuple[float, str], ...] = ()  # (when, node) of each expiry removal begun within EXPIRY_WINDOW_S
+    registered: frozenset[str] | None = None  # the nodes the last fresh view had a record of (None: none seen yet)
+    untrusted_since: float | None = None  # when the view last lost more than the cap at once (or every record)
 
 
 @dataclass(frozen=True)
@@ -69,11 +77,14 @@ class Decision:
 
     wanted: dict[str, Registration]  # serving registrations: in HAProxy, in rotation
     removing: dict[str, Removal]  # drained, deleted once their connections are gone
-    held: tuple[str, ...]  # expired registrations beyond the cap, kept in rotation
+    held: tuple[str, ...]  # expired, DOWN in HAProxy, not removed: beyond the cap or the floor, or the view doubted
     cap: int  # expiry removals allowed per EXPIRY_WINDOW_S
     started: tuple[str, ...]  # removals begun this tick
     cancelled: tuple[str, ...]  # removals stopped: registered (serving) again
     memory: PoolMemory
+    kept: tuple[str, ...] = ()  # expired while HAProxy has them UP: kept in rotation (the registry's word alone)
+    floor: int = 0  # the pool's nodes expiries may not go below (those max_ejected leaves)
+    untrusted: bool = False  # the view lost more than the cap at once, or every record: no expiry removal
 
 
 def expiry_cap(share: float, nodes: int) -> int:
@@ -84,11 +95,13 @@ def expiry_cap(share: float, nodes: int) -> int:
     return max(1, math.floor(share * nodes + 1e-9))
 
 
-def decide(view: PoolView, memory: PoolMemory, present: Collection[str], now: float, share: float) -> Decision:
-    """Which registered nodes should serve, which leave (and which expiries the cap holds).
+def decide(view: PoolView, memory: PoolMemory, present: Collection[str], now: float, share: float, *,
+           up: Collection[str], fraction: float) -> Decision:
+    """Which registered nodes should serve, which leave (and which expiries are kept, or held).
 
-    present: the servers some HAProxy of the tier has. Only nodes the registry named are ever removed: a
-    server it never knew (a static one, or one seen by no snapshot) is left alone.
+    present: the servers some HAProxy of the tier has; up: those some HAProxy has UP (checks and agent; not in
+    MAINT). fraction: the pool's thresholds.max_ejected_fraction (its floor). Only nodes the registry named are
+    ever removed: a server it never knew (a static one, or one seen by no snapshot) is left alone.
     """
     wanted = {n: r for n, r in view.nodes.items() if r.state == SERVING}
     leaving = {n for n, r in view.nodes.items() if r.state == LEAVING}
@@ -98,23 +111,71 @@ def decide(view: PoolView, memory: PoolMemory, present: Collection[str], now: fl
     # a removal ends when no HAProxy has the server any more (deleted), or when the node serves again
     removing = {n: rm for n, rm in memory.removing.items() if n in present and n not in wanted}
     started: list[str] = []
-    recent = tuple(t for t in memory.expiries if now - t < EXPIRY_WINDOW_S)
+    recent = tuple(sorted(e for e in memory.expiries if now - e[0] < EXPIRY_WINDOW_S))
     known = set(view.nodes) | (set(view.departed) & set(present)) | set(removing)
     cap = expiry_cap(share, len(known))
+    lapsed = expired & set(present)  # expired, still in HAProxy
+    untrusted_since, registered = memory.untrusted_since, memory.registered
+    if view.fresh:
+        lost = ((memory.registered or frozenset()) - set(view.nodes)) & expired
+        # the pool had members: the last view had records, or (the first view since a start) HAProxy has them
+        had = bool(memory.registered) or (memory.registered is None and bool(lapsed))
+        if len(lost) > cap or (not view.nodes and had):  # a freeze past the TTL, a re-list gap: not that many deaths
+            untrusted_since = now
+        elif untrusted_since is not None and view.nodes and len(lapsed) <= cap:
+            untrusted_since = None  # registered again: the view holds together
+        registered = frozenset(view.nodes)
+    if untrusted_since is not None and now - untrusted_since >= EXPIRY_WINDOW_S:
+        untrusted_since = None  # a minute later the losses stand: the gateway, cap and floor rules decide
+    untrusted = untrusted_since is not None
     if view.fresh:  # a frozen view begins nothing: what it shows may be hours old
         for n in sorted(leaving & set(present) - set(removing)):
             removing[n] = Removal(LEFT, now)
             started.append(n)
-    candidates = sorted(expired & set(present) - set(removing))
-    room = max(0, cap - len(recent))
-    for n in candidates[:room] if view.fresh else ():  # frozen: within the cap, they wait for a fresh view
+    candidates = sorted(lapsed - set(removing))
+    kept = tuple(n for n in candidates if n in up)  # the gateway disagrees: it serves, whatever the registry says
+    down = [n for n in candidates if n not in up]
+    # the floor: the pool (its members and those expiries removed within the window) keeps what max_ejected leaves
+    out = {n for n, rm in removing.items() if rm.cause == EXPIRED} | {n for _, n in recent}
+    members = known - leaving - {n for n, rm in removing.items() if rm.cause == LEFT}
+    pool = len(members | out)
+    ejectable = max_ejected(pool, fraction)
+    room = max(0, min(cap - len(recent), ejectable - len(out)))
+    begin = down[:room] if view.fresh and not untrusted else []  # frozen: they wait for a fresh view
+    for n in begin:
         removing[n] = Removal(EXPIRED, now)
         started.append(n)
-        recent += (now,)
-    held = tuple(candidates[room:])
+        recent += ((now, n),)
+    held = tuple(down[len(begin):] if untrusted else down[room:])
     joining = {n: t for n, t in memory.joining.items() if n in wanted and n in present}
     return Decision(wanted, removing, held, cap, tuple(started), cancelled,
-                    PoolMemory(removing=removing, joining=joining, expiries=recent))
+                    PoolMemory(removing=removing, joining=joining, expiries=recent, registered=registered,
+                               untrusted_since=untrusted_since),
+                    kept=kept, floor=pool - ejectable, untrusted=untrusted)
+
+
+def may_expire(view: PoolView, memory: PoolMemory, present: Collection[str], up: Collection[str]) -> bool:
+    """Whether decide could begin an expiry removal: a lapsed registration whose server no HAProxy has UP."""
+    return view.fresh and any(r.state == SERVING and n not in view.nodes and n in present and n not in up
+                              and n not in memory.removing for n, r in view.departed.items())
+
+
+def remembered(memory: PoolMemory, stored: Collection[tuple[float, str]]) -> PoolMemory:
+    """memory with the expiry removals another process (or this one before a restart) recorded in the window."""
+    merged = tuple(sorted(set(memory.expiries) | set(stored)))
+    return memory if merged == memory.expiries else replace(memory, expiries=merged)
+
+
+def withhold(d: Decision, nodes: Collection[str]) -> Decision:
+    """d without the expiry removals it began for nodes (their record in etcd failed: they are held instead)."""
+    back = {n for n in nodes if n in d.started and d.removing[n].cause == EXPIRED}
+    if not back:
+        return d
+    removing = {n: rm for n, rm in d.removing.items() if n not in back}
+    expiries = tuple(e for e in d.memory.expiries if not (e[1] in back and e[0] == d.removing[e[1]].since))
+    return replace(d, removing=removing, started=tuple(n for n in d.started if n not in back),
+                   held=tuple(sorted((*d.held, *back))),
+                   memory=replace(d.memory, removing=removing, expiries=expiries))
 
 
 def joined(memory: PoolMemory, views: Collection[Mapping[str, ServerState]], now: float) -> PoolMemory:
@@ -264,13 +325,22 @@ def add_settings(servers: Mapping[str, ServerState], agent_ports: Mapping[str, i
 
 
 def plan_endpoint(pool: str, backend: str, d: Decision, servers: Mapping[str, ServerState],
-                  conns: Mapping[str, int], add: AddSettings) -> tuple[list[MemberChange], dict[str, str]]:
+                  conns: Mapping[str, int], add: AddSettings, states: Mapping[str, NodeState] | None = None,
+                  ) -> tuple[list[MemberChange], dict[str, str]]:
     """The membership writes for one HAProxy endpoint, and {node: why} for registrations it cannot add.
 
     conns: current sessions + queued requests per server (`show stat` scur + qcur); a server missing from it
-    is not deleted this tick. Removals come first (a leaving node stops taking traffic before anything else),
-    then additions, then address changes and returns from a cancelled removal.
+    is not deleted this tick. states: the policy's node states (retained ones too): a node it holds out of
+    rotation is added drained at weight 0, and a cancelled removal of one is not made ready. Removals come first
+    (a leaving node stops taking traffic before anything else), then additions, then address changes and
+    returns from a cancelled removal.
     """
+    states = states or {}
+
+    def ejected(n: str) -> NodeState | None:
+        st = states.get(n)
+        return st if st is not None and st.state not in IN_ROTATION else None
+
     removals: list[MemberChange] = []
     adds: list[MemberChange] = []
     fixes: list[MemberChange] = []
@@ -304,6 +374,18 @@ def plan_endpoint(pool: str, backend: str, d: Decision, servers: Mapping[str, Se
             bad[n] = str(e)
             continue
         s = servers.get(n)
+        out = ejected(n)
+        if s is None and out is not None:
+            why = (f"registered at {rec.endpoint}, {out.state} by the policy ({out.reason or 'no reason kept'}): "
+                   "enters drained at weight 0 until the policy releases it")
+            adds.append(MemberChange(pool, n, MemberCommand(backend, n, "add", add.arguments(ip, port, rec)),
+                                     why, "-", "add"))
+            adds.append(MemberChange(pool, n, Command(backend, n, "weight", 0), why, add.base_weight))
+            adds.append(MemberChange(pool, n, MemberCommand(backend, n, "health", "enable"), why, "disabled"))
+            if add.agent(rec) is not None:
+                adds.append(MemberChange(pool, n, Command(backend, n, "agent", "enable"), why, "disabled"))
+            adds.append(MemberChange(pool, n, Command(backend, n, "state", "drain"), why, "maint"))
+            continue
         if s is None:
             why = f"registered at {rec.endpoint}: enters at the warm-up weight {add.warm_weight}, then slow start"
             adds.append(MemberChange(pool, n, MemberCommand(backend, n, "add", add.arguments(ip, port, rec)),
@@ -317,7 +399,10 @@ def plan_endpoint(pool: str, backend: str, d: Decision, servers: Mapping[str, Se
         if not _same_address(s, ip, port):
             fixes.append(MemberChange(pool, n, MemberCommand(backend, n, "addr", f"{ip} port {port}"),
                                       f"registered at {rec.endpoint}", s.address, "addr"))
-        if n in d.cancelled and (s.maint or s.drain):
+        if n in d.cancelled and out is not None and s.maint:  # out of MAINT (its checks run), not into rotation
+            why = f"registered again while it was being removed, {out.state} by the policy: drained"
+            fixes.append(MemberChange(pool, n, Command(backend, n, "state", "drain"), why, "maint", "drain"))
+        elif n in d.cancelled and out is None and (s.maint or s.drain):
             why = "registered again while it was being removed"
             fixes.append(MemberChange(pool, n, Command(backend, n, "state", "ready"), why,
                                       "maint" if s.maint else "drain", "ready"))

@@ -1,4 +1,5 @@
-"""controller/membership.py, pure: which registered nodes serve, which leave, the expiry cap, the runtime-API lines."""
+"""controller/membership.py, pure: which registered nodes serve, which leave, the expiry rules (the gateway's
+agreement, the cap, the floor, a doubted view), the runtime-API lines."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from controller import membership as mb
 from controller.haproxy import ADMF_FDRAIN, ADMF_FMAINT, CHK_ST_CONFIGURED, CHK_ST_ENABLED, ServerState
-from controller.policy import Policy
+from controller.policy import QUARANTINED, NodeState, Policy, max_ejected
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.registry import NodeRecord
 
@@ -38,10 +39,15 @@ def settings_for(servers=None, ports=None) -> mb.AddSettings:
     return mb.add_settings(servers or {}, ports or {}, POLICY, now=100.0)
 
 
+def decide(v, mem, present, now, share, up=(), fraction=1.0) -> mb.Decision:
+    """mb.decide with every server DOWN in HAProxy (up: those UP) and no floor below max_ejected's own."""
+    return mb.decide(v, mem, present, now, share, up=up, fraction=fraction)
+
+
 # --- decide --------------------------------------------------------------------------------------------------------
 def test_serving_registrations_are_wanted_and_a_graceful_leave_is_removed_at_once():
     v = view([rec("a"), rec("b", state="leaving")], [rec("c", state="leaving")])
-    d = mb.decide(v, mb.PoolMemory(), {"a", "b", "c"}, 10.0, 0.3)
+    d = decide(v, mb.PoolMemory(), {"a", "b", "c"}, 10.0, 0.3)
     assert set(d.wanted) == {"a"}
     assert {n: r.cause for n, r in d.removing.items()} == {"b": mb.LEFT, "c": mb.LEFT}
     assert d.held == () and set(d.started) == {"b", "c"}
@@ -50,40 +56,47 @@ def test_serving_registrations_are_wanted_and_a_graceful_leave_is_removed_at_onc
 def test_an_expiry_within_the_cap_is_removed_the_rest_held_and_released_a_minute_later():
     nodes = [rec(f"n{i}", 9000 + i) for i in range(10)]
     present = {r.node for r in nodes}
-    v = view([], nodes)  # every lease ended at once
-    d = mb.decide(v, mb.PoolMemory(), present, 0.0, 0.3)
-    assert d.cap == 3 and len(d.removing) == 3 and len(d.held) == 7
-    d2 = mb.decide(v, d.memory, present, 59.0, 0.3)
-    assert set(d2.removing) == set(d.removing) and d2.held == d.held and d2.started == ()
-    d3 = mb.decide(v, d2.memory, present, 60.0, 0.3)
-    assert len(d3.removing) == 6 and len(d3.held) == 4
+    d = decide(view(nodes), mb.PoolMemory(), present, 0.0, 0.3)
+    d = decide(view(nodes[3:], nodes[:3]), d.memory, present, 1.0, 0.3)  # three leases end: the cap, not more
+    assert d.cap == 3 and len(d.removing) == 3 and d.held == () and not d.untrusted
+    v = view(nodes[6:], nodes[:6])  # three more a second later
+    d2 = decide(v, d.memory, present, 2.0, 0.3)
+    assert set(d2.removing) == set(d.removing) and len(d2.held) == 3 and d2.started == ()
+    d3 = decide(v, d2.memory, present, 59.0, 0.3)
+    assert set(d3.removing) == set(d.removing) and d3.held == d2.held
+    d4 = decide(v, d3.memory, present, 61.0, 0.3)
+    assert len(d4.removing) == 6 and d4.held == ()
 
 
-def test_a_lone_crash_in_a_small_pool_is_removed_and_share_0_never_removes_an_expiry():
-    v = view([rec("a")], [rec("b")])
-    assert set(mb.decide(v, mb.PoolMemory(), {"a", "b"}, 0.0, 0.3).removing) == {"b"}
-    d = mb.decide(v, mb.PoolMemory(), {"a", "b"}, 0.0, 0.0)
+def test_a_lone_crash_is_removed_but_share_0_and_the_floor_of_a_small_pool_never_remove_an_expiry():
+    v = view([rec("a"), rec("c"), rec("d")], [rec("b")])
+    assert set(decide(v, mb.PoolMemory(), {"a", "b", "c", "d"}, 0.0, 0.3, fraction=0.3).removing) == {"b"}
+    d = decide(v, mb.PoolMemory(), {"a", "b", "c", "d"}, 0.0, 0.0)
     assert d.removing == {} and d.held == ("b",)
+    # two nodes: max_ejected leaves both (as the policy never drains one of two): the dead one stays, DOWN
+    d = decide(view([rec("a")], [rec("b")]), mb.PoolMemory(), {"a", "b"}, 0.0, 0.3, fraction=0.3)
+    assert d.removing == {} and d.held == ("b",) and d.floor == 2
 
 
 def test_a_frozen_view_begins_no_removal_but_finishes_those_begun():
-    v = view([rec("a", state="leaving")], [rec("b"), rec("c")], fresh=False)
-    mem = mb.PoolMemory(removing={"c": mb.Removal(mb.EXPIRED, 0.0)}, expiries=(0.0,))
-    d = mb.decide(v, mem, {"a", "b", "c"}, 5.0, 0.7)
+    v = view([rec("a", state="leaving"), rec("d"), rec("e"), rec("f")], [rec("b"), rec("c")], fresh=False)
+    mem = mb.PoolMemory(removing={"c": mb.Removal(mb.EXPIRED, 0.0)}, expiries=((0.0, "c"),))
+    present = {"a", "b", "c", "d", "e", "f"}
+    d = decide(v, mem, present, 5.0, 0.7, fraction=0.7)
     assert set(d.removing) == {"c"} and d.started == ()
-    assert d.held == ()  # b waits for a fresh view: within the cap (2 a minute, c was 1), it is not held by it
-    d = mb.decide(replace(v, fresh=True), d.memory, {"a", "b", "c"}, 6.0, 0.7)
+    assert d.held == ()  # b waits for a fresh view: within the cap (4 a minute, c was 1), it is not held by it
+    d = decide(replace(v, fresh=True), d.memory, present, 6.0, 0.7, fraction=0.7)
     assert d.started == ("a", "b")
 
 
 def test_a_node_registered_again_cancels_its_removal_and_a_deleted_server_ends_it():
     mem = mb.PoolMemory(removing={"a": mb.Removal(mb.EXPIRED, 0.0), "b": mb.Removal(mb.LEFT, 0.0)})
-    d = mb.decide(view([rec("a")], [rec("b", state="leaving")]), mem, {"a"}, 1.0, 0.3)
+    d = decide(view([rec("a")], [rec("b", state="leaving")]), mem, {"a"}, 1.0, 0.3)
     assert d.cancelled == ("a",) and d.removing == {} and set(d.wanted) == {"a"}
 
 
 def test_servers_the_registry_never_named_are_left_alone():
-    d = mb.decide(view([rec("a")]), mb.PoolMemory(), {"a", "static1"}, 0.0, 0.3)
+    d = decide(view([rec("a")]), mb.PoolMemory(), {"a", "static1"}, 0.0, 0.3)
     assert d.removing == {} and d.held == ()
 
 
@@ -95,7 +108,7 @@ def test_expiries_never_remove_more_than_the_cap_in_any_minute(events, share, n)
     within the cap of the largest pool seen in it."""
     nodes = {f"n{i}": rec(f"n{i}", 9000 + i) for i in range(n)}
     alive, gone = set(nodes), set()
-    mem, t, begun, caps = mb.PoolMemory(), 0.0, [], []
+    mem, t, begun, caps = mb.PoolMemory(), 0.0, [], []  # every server DOWN: nothing but the cap limits removals
     for dt, k in events:
         t += dt * 5.0
         name = f"n{k % n}"
@@ -106,13 +119,114 @@ def test_expiries_never_remove_more_than_the_cap_in_any_minute(events, share, n)
             alive.add(name)
             gone.discard(name)
         v = view([nodes[x] for x in alive], [nodes[x] for x in gone])
-        d = mb.decide(v, mem, set(nodes), t, share)
+        d = decide(v, mem, set(nodes), t, share)
         mem = d.memory
         begun += [(t, x) for x in d.started if d.removing[x].cause == mb.EXPIRED]
         caps.append(mb.expiry_cap(share, n))
     for t0, _ in begun:
         in_window = [x for t1, x in begun if t0 <= t1 < t0 + mb.EXPIRY_WINDOW_S]
         assert len(in_window) <= max(caps)
+
+
+def test_an_expired_node_haproxy_has_up_is_kept_and_flagged_and_removed_once_haproxy_has_it_down():
+    """A partition of the exporters from etcd, a crashed exporter: the lease ends, vLLM still serves."""
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(6)]
+    present = {r.node for r in nodes}
+    v = view(nodes[1:], nodes[:1])
+    d = decide(v, mb.PoolMemory(), present, 0.0, 1.0, up=present)
+    assert d.removing == {} and d.kept == ("n0",) and d.held == ()
+    d = decide(v, d.memory, present, 1.0, 1.0, up=present - {"n0"})  # its checks fail now: the usual rules
+    assert d.started == ("n0",) and d.kept == ()
+
+
+def test_the_floor_keeps_what_max_ejected_leaves_whatever_the_cap():
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(4)]
+    present = {r.node for r in nodes}
+    d = decide(view(nodes[2:], nodes[:2]), mb.PoolMemory(), present, 0.0, 1.0, fraction=0.3)
+    assert d.cap == 4 and d.started == ("n0",) and d.held == ("n1",) and d.floor == 3
+    # n0 is deleted: the window still counts it, so the pool is 4 for the floor, not 3
+    d = decide(view(nodes[2:], nodes[:2]), d.memory, present - {"n0"}, 10.0, 1.0, fraction=0.3)
+    assert d.started == () and d.held == ("n1",)
+
+
+def test_removals_recorded_elsewhere_count_in_the_window():
+    """A restarted controller, or the replica a pool was handed over to, reads the window from etcd."""
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(10)]
+    present = {r.node for r in nodes} - {"x1", "x2"}
+    mem = mb.remembered(mb.PoolMemory(), [(0.0, "x1"), (5.0, "x2")])  # two removals, deleted since
+    d = decide(view(nodes[1:], nodes[:1]), mem, present, 10.0, 0.3, fraction=0.3)
+    assert d.cap == 3 and d.started == ("n0",)
+    d = decide(view(nodes[2:], nodes[:2]), d.memory, present, 11.0, 0.3, fraction=0.3)
+    assert d.started == () and d.held == ("n1",)  # 3 in the window
+    assert mb.remembered(d.memory, [(0.0, "x1")]) is d.memory
+
+
+def test_a_mass_loss_is_not_trusted_for_a_minute_or_until_the_nodes_register_again():
+    """An etcd freeze past the TTL ends every lease; its re-list shows no registration until the exporters
+    register again: no tick in that gap removes anything, even a server HAProxy has DOWN."""
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(10)]
+    present = {r.node for r in nodes}
+    d = decide(view(nodes), mb.PoolMemory(), present, 0.0, 0.3)
+    d = decide(view([], nodes), d.memory, present, 1.0, 0.3)
+    assert d.untrusted and d.removing == {} and len(d.held) == 10 and d.memory.untrusted_since == 1.0
+    d2 = decide(view(nodes[1:], nodes[:1]), d.memory, present, 2.0, 0.3)  # nine registered again
+    assert not d2.untrusted and d2.started == ("n0",)
+    d3 = decide(view([], nodes), d.memory, present, 60.5, 0.3)  # none did, for a minute: the rules decide
+    assert d3.untrusted and d3.started == ()
+    d3 = decide(view([], nodes), d3.memory, present, 61.0, 0.3)
+    assert not d3.untrusted and len(d3.started) == 3
+
+
+def test_a_view_with_no_registration_left_is_not_trusted_even_within_the_cap():
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(3)]
+    present = {r.node for r in nodes}
+    d = decide(view(nodes), mb.PoolMemory(), present, 0.0, 1.0)
+    d = decide(view([], nodes), d.memory, present, 1.0, 1.0)
+    assert d.cap == 3 and d.untrusted and d.started == ()
+    d = decide(view([], nodes), mb.PoolMemory(), present, 1.0, 1.0)  # a restart into such a view, too
+    assert d.untrusted and d.started == ()
+
+
+def test_withhold_takes_back_only_the_expiry_removals_begun_this_tick():
+    nodes = [rec(f"n{i}", 9000 + i) for i in range(10)]
+    present = {r.node for r in nodes}
+    mem = mb.PoolMemory(removing={"n9": mb.Removal(mb.EXPIRED, 0.0)}, expiries=((0.0, "n9"),))
+    v = view(nodes[2:9] + [rec("n1", 9001, state="leaving")], [nodes[0], nodes[9]])
+    d = decide(v, mem, present, 5.0, 0.3)
+    assert set(d.started) == {"n0", "n1"}
+    w = mb.withhold(d, ["n0", "n1", "n9"])
+    assert set(w.removing) == {"n1", "n9"} and w.started == ("n1",) and w.held == ("n0",)
+    assert w.memory.expiries == ((0.0, "n9"),) and set(w.memory.removing) == {"n1", "n9"}
+    assert mb.withhold(w, ["n0"]) is w
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 11), st.booleans()), min_size=1, max_size=40),
+       st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(1, 12))
+def test_expiry_removals_never_take_the_pool_below_its_floor(events, share, fraction, n):
+    """Servers DOWN and leases ending (or coming back) at random; a removed server is deleted at the next tick.
+    At every tick the servers left keep what max_ejected leaves of them and the expiry removals of the last
+    minute, as this test counts them itself."""
+    nodes = {f"n{i}": rec(f"n{i}", 9000 + i) for i in range(n)}
+    alive, present = set(nodes), set(nodes)
+    mem, t, removed = mb.PoolMemory(), 0.0, []  # (when, node) of each expiry removal begun
+    for dt, k, flip in events:
+        t += dt
+        name = f"n{k % n}"
+        if flip and name in alive:
+            alive.discard(name)
+        elif flip:
+            alive.add(name)
+            present.add(name)  # registered again: added again
+        v = view([nodes[x] for x in sorted(alive)], [nodes[x] for x in sorted(set(nodes) - alive)])
+        d = mb.decide(v, mem, present, t, share, up=(), fraction=fraction)
+        mem = d.memory
+        removed += [(t, x) for x in d.started if d.removing[x].cause == mb.EXPIRED]
+        out = {x for t1, x in removed if t - t1 < mb.EXPIRY_WINDOW_S} | {
+            x for x, rm in d.removing.items() if rm.cause == mb.EXPIRED}
+        pool = len((present & set(nodes)) | out)
+        assert len(out) <= max_ejected(pool, fraction), (t, sorted(out), pool)
+        present -= set(d.removing)  # deleted by the next tick
 
 
 # --- joining ---------------------------------------------------------------------------------------------------------
@@ -130,7 +244,7 @@ def lines(changes):
 
 
 def test_a_new_node_is_added_with_the_reflexes_checks_enabled_at_the_warm_up_weight_and_made_ready():
-    d = mb.decide(view([rec("a", 9001)]), mb.PoolMemory(), set(), 100.0, 0.3)
+    d = decide(view([rec("a", 9001)]), mb.PoolMemory(), set(), 100.0, 0.3)
     add = settings_for({"s": srv("s", 9000, agent=CHK_ST_CONFIGURED | CHK_ST_ENABLED)}, {"s": 9401})
     changes, bad = mb.plan_endpoint("chat", BE, d, {"s": srv("s", 9000)}, {}, add)
     assert bad == {}
@@ -147,12 +261,12 @@ def test_a_new_node_is_added_with_the_reflexes_checks_enabled_at_the_warm_up_wei
 def test_no_agent_check_where_none_is_known_to_answer():
     """A dynamic server's agent starts DOWN: without a port the backend's servers use, or the record's own agent
     address, a new server gets the health check only."""
-    d = mb.decide(view([rec("a", 9001)]), mb.PoolMemory(), set(), 100.0, 0.3)
+    d = decide(view([rec("a", 9001)]), mb.PoolMemory(), set(), 100.0, 0.3)
     changes, _ = mb.plan_endpoint("chat", BE, d, {}, {}, settings_for())
     assert "agent" not in " ".join(lines(changes))
     own = replace(rec("a", 9001))
     object.__setattr__(own, "agent", "0.0.0.0:7001")  # a future record field: the node's agent address
-    d = mb.decide(view([own]), mb.PoolMemory(), set(), 100.0, 0.3)
+    d = decide(view([own]), mb.PoolMemory(), set(), 100.0, 0.3)
     changes, _ = mb.plan_endpoint("chat", BE, d, {}, {}, settings_for())
     assert "agent-addr 127.0.0.1 agent-port 7001" in lines(changes)[0]
 
@@ -166,7 +280,7 @@ def test_base_weight_is_the_backends_most_common_initial_weight():
 
 
 def test_a_leaving_server_is_drained_then_deleted_once_its_connections_are_gone():
-    d = mb.decide(view([], [rec("a")]), mb.PoolMemory(), {"a"}, 0.0, 0.3)
+    d = decide(view([], [rec("a", state="leaving")]), mb.PoolMemory(), {"a"}, 0.0, 0.3)
     agent = CHK_ST_CONFIGURED | CHK_ST_ENABLED
     busy, _ = mb.plan_endpoint("chat", BE, d, {"a": srv("a", agent=agent)}, {"a": 3}, settings_for())
     assert lines(busy) == [f"set server {BE}/a state drain"]
@@ -185,14 +299,42 @@ def test_a_leaving_server_is_drained_then_deleted_once_its_connections_are_gone(
 
 def test_a_cancelled_removal_returns_the_server_and_a_moved_node_gets_its_new_address():
     mem = mb.PoolMemory(removing={"a": mb.Removal(mb.EXPIRED, 0.0)})
-    d = mb.decide(view([rec("a", 9005), rec("b")]), mem, {"a", "b"}, 1.0, 0.3)
+    d = decide(view([rec("a", 9005), rec("b")]), mem, {"a", "b"}, 1.0, 0.3)
     servers = {"a": srv("a", 9005, admin=ADMF_FDRAIN), "b": srv("b", 9000, host="127.0.0.9")}
     changes, _ = mb.plan_endpoint("chat", BE, d, servers, {}, settings_for())
     assert lines(changes) == [f"set server {BE}/a state ready", f"set server {BE}/b addr 127.0.0.1 port 9000"]
 
 
+def test_a_node_the_policy_holds_out_comes_back_drained_at_weight_0_and_a_healthy_one_as_before():
+    """HAProxy restarted (its dynamic servers gone): a quarantined node is added drained, its policy state kept."""
+    d = decide(view([rec("a", 9001), rec("b", 9002)]), mb.PoolMemory(), set(), 100.0, 0.3)
+    states = {"a": NodeState(state=QUARANTINED, since=50.0, reason="latency outlier"), "b": NodeState()}
+    changes, _ = mb.plan_endpoint("chat", BE, d, {}, {}, settings_for(), states)
+    assert lines(changes) == [
+        f"add server {BE}/a 127.0.0.1:9001 weight 100 check inter 2s downinter 10s fall 3 rise 2 observe layer7 "
+        "error-limit 5 on-error mark-down",
+        f"set server {BE}/a weight 0",
+        f"enable health {BE}/a",
+        f"set server {BE}/a state drain",  # out of MAINT (its checks run), never ready
+        f"add server {BE}/b 127.0.0.1:9002 weight 100 check inter 2s downinter 10s fall 3 rise 2 observe layer7 "
+        "error-limit 5 on-error mark-down",
+        f"set server {BE}/b weight 10",
+        f"enable health {BE}/b",
+        f"set server {BE}/b state ready"]
+    assert "quarantined by the policy (latency outlier)" in changes[0].reason
+
+
+def test_a_cancelled_removal_of_a_node_the_policy_holds_out_leaves_it_drained():
+    mem = mb.PoolMemory(removing={"a": mb.Removal(mb.EXPIRED, 0.0), "b": mb.Removal(mb.EXPIRED, 0.0)})
+    d = decide(view([rec("a"), rec("b", 9001)]), mem, {"a", "b"}, 1.0, 0.3)
+    states = {"a": NodeState(state=QUARANTINED), "b": NodeState(state=QUARANTINED)}
+    servers = {"a": srv("a", admin=ADMF_FMAINT), "b": srv("b", 9001, admin=ADMF_FDRAIN)}
+    changes, _ = mb.plan_endpoint("chat", BE, d, servers, {}, settings_for(), states)
+    assert lines(changes) == [f"set server {BE}/a state drain"]
+
+
 def test_a_converged_pool_plans_nothing():
-    d = mb.decide(view([rec("a"), rec("b", 9001)]), mb.PoolMemory(), {"a", "b"}, 0.0, 0.3)
+    d = decide(view([rec("a"), rec("b", 9001)]), mb.PoolMemory(), {"a", "b"}, 0.0, 0.3)
     servers = {"a": srv("a"), "b": srv("b", 9001), "static": srv("static", 9100)}
     assert mb.plan_endpoint("chat", BE, d, servers, {}, settings_for()) == ([], {})
 
@@ -204,7 +346,7 @@ def test_only_ip_endpoints_are_added(endpoint, ok):
         with pytest.raises(mb.BadEndpoint):
             mb.server_address(endpoint)
         r = replace(rec("a"), endpoint=endpoint)
-        d = mb.decide(view([r]), mb.PoolMemory(), set(), 0.0, 0.3)
+        d = decide(view([r]), mb.PoolMemory(), set(), 0.0, 0.3)
         changes, bad = mb.plan_endpoint("chat", BE, d, {}, {}, settings_for())
         assert changes == [] and "not an IP address" in bad["a"]
     else:
@@ -212,7 +354,7 @@ def test_only_ip_endpoints_are_added(endpoint, ok):
 
 
 def test_an_ipv6_server_is_matched_by_its_address():
-    d = mb.decide(view([replace(rec("a"), endpoint="[::1]:8000")]), mb.PoolMemory(), {"a"}, 0.0, 0.3)
+    d = decide(view([replace(rec("a"), endpoint="[::1]:8000")]), mb.PoolMemory(), {"a"}, 0.0, 0.3)
     servers = {"a": ServerState(BE, "a", "[::1]:8000", 100, 100, 0, 2)}
     assert mb.plan_endpoint("chat", BE, d, servers, {}, settings_for()) == ([], {})
 

@@ -1,6 +1,7 @@
-"""Membership from the registry on real processes: etcd, HAProxy 2.6 and the simulated fleet, the controller ticking
-every 0.5 s. Join, crash (lease expiry), graceful leave, mass expiry (capped, paged), etcd down (frozen, restart
-on the snapshot, reconciled without a flap)."""
+"""Membership from the registry on real processes: etcd, HAProxy 2.6 and the simulated fleet (and a static test
+backend), the controller ticking every 0.5 s. Join, crash (lease expiry and HAProxy's checks agreeing), graceful
+leave, mass death (doubted for a minute, then capped, paged), etcd down (frozen, restart on the snapshot, reconciled
+without a flap). tests/controller/test_membership_failsafe_e2e.py has the failures membership must not act on."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import time
 import pytest
 
 from controller.haproxy import ADMF_FDRAIN, CHK_ST_ENABLED
-from tests.support.registry_rig import BACKEND, TICK_S, Rig, UpAgent
+from grayguard.registry import NodeRecord
+from localstack.procs import free_port
+from tests.support.registry_rig import BACKEND, TICK_S, Member, Rig, UpAgent
 from tests.support.stack import require
+from tests.support.static_backend import StaticBackend
 
 WARM = 10  # slow_start_initial (10 %) of the base weight 100
 
@@ -33,6 +37,15 @@ def rig_factory(tmp_path):
 def in_rotation(rig: Rig, names) -> bool:
     s = rig.servers()
     return all(n in s and s[n].ready and s[n].op == 2 for n in names)
+
+
+def stop_node(rig: Rig, i: int) -> None:
+    """The node's vLLM is gone: its address refuses connections, HAProxy's checks fail."""
+    rig.fleet.run(rig.fleet.fleet.node(rig.nodes[i].name).stop(), 10)
+
+
+# HAProxy has a server DOWN within fall (3) checks of inter (2 s) after they start failing
+CHECKS_DOWN_S = 4 * 2.0
 
 
 def test_a_registered_node_enters_within_2s_at_the_warm_up_weight_then_slow_starts(rig_factory):
@@ -85,28 +98,42 @@ def test_a_new_node_with_an_agent_check_is_shown_to_the_policy_once_its_agent_an
         agent.close()
 
 
-def test_a_crashed_node_leaves_rotation_within_ttl_plus_a_tick_and_is_deleted_once_its_connections_are_gone(
-        rig_factory):
-    rig = rig_factory(1)
-    m = rig.register(0, ttl=2)
-    rig.start_controller()
-    name = rig.nodes[0].name
-    rig.wait(lambda: in_rotation(rig, [name]), 10, "the node in rotation")
-    req = rig.long_request(max_tokens=400)  # about 6 s
-    rig.wait(lambda: rig.servers()[name].scur >= 1, 5, "a request in flight")
-    t0 = time.monotonic()
-    m.crash()  # no more keep-alives: the lease ends within its TTL (etcd checks expiries every 0.5 s)
-    s = rig.wait(lambda: (x := rig.servers()[name]).admin & ADMF_FDRAIN and x, m.ttl + TICK_S + 2.0,
-                 "the node drained")
-    took = time.monotonic() - t0
-    assert took <= m.ttl + TICK_S + 1.5, took
-    assert s.scur >= 1 and req.is_alive()  # drained, not deleted: its request goes on
-    rig.wait(lambda: not req.is_alive(), 20, "the request finished")
-    rig.wait(lambda: name not in rig.servers(), 10, "the server deleted")
-    # the tick counts the delete once HAProxy answered it: the server can be gone a moment before the counter moves
-    rig.wait(lambda: rig.metric("grayguard_membership_changes_total", pool="chat", action="delete") == 1, 5,
-             "the delete counted")
-    assert rig.metric("grayguard_membership_expiries_held", pool="chat") == 0
+def test_a_dead_node_leaves_rotation_once_haproxy_agrees_and_is_deleted_once_its_connections_are_gone(rig_factory):
+    """Its lease ends (its exporter crashed): kept while HAProxy still has it UP; its checks fail: drained, and
+    deleted once its streamed request ends."""
+    rig = rig_factory(2)
+    backend = StaticBackend(stream_s=15.0)
+    try:
+        for i in range(2):
+            rig.register(i)
+        rec = NodeRecord(pool="chat", node="static-a", endpoint=backend.address, exporter=f"127.0.0.1:{free_port()}",
+                         model="m", ttl_s=2)
+        m = rig.members[rec.node] = Member(rig.etcd.url, rec, 2)
+        rig.start_controller()
+        names = [n.name for n in rig.nodes] + [rec.node]
+        rig.wait(lambda: in_rotation(rig, names), 10, "three nodes in rotation")
+        reqs = [rig.long_request() for _ in range(3)]  # round robin: one of them streams from the static backend
+        rig.wait(lambda: rig.servers()[rec.node].scur >= 1, 5, "a request in flight on it")
+        m.crash()  # no more keep-alives: the lease ends within its TTL (etcd checks expiries every 0.5 s)
+        rig.wait(lambda: rig.metric("grayguard_membership_expired_kept", pool="chat", node=rec.node) == 1,
+                 m.ttl + TICK_S + 2.0, "the expired node kept: HAProxy still has it UP")
+        assert in_rotation(rig, names)
+        t0 = time.monotonic()
+        backend.healthy = False  # and now its checks fail
+        s = rig.wait(lambda: (x := rig.servers()[rec.node]).admin & ADMF_FDRAIN and x, CHECKS_DOWN_S + 2 * TICK_S,
+                     "the node drained")
+        assert time.monotonic() - t0 <= CHECKS_DOWN_S + 2 * TICK_S
+        assert s.scur >= 1 and any(r.is_alive() for r in reqs)  # drained, not deleted: its request goes on
+        assert rig.metric("grayguard_membership_expired_kept", pool="chat", node=rec.node) is None
+        rig.wait(lambda: (x := rig.servers().get(rec.node)) is None or x.scur == 0, 20, "the request finished")
+        rig.wait(lambda: rec.node not in rig.servers(), 10, "the server deleted")
+        # the tick counts the delete once HAProxy answered it: the server can be gone a moment before the counter
+        rig.wait(lambda: rig.metric("grayguard_membership_changes_total", pool="chat", action="delete") == 1, 5,
+                 "the delete counted")
+        assert rig.metric("grayguard_membership_expiries_held", pool="chat") == 0
+        assert in_rotation(rig, names[:2])
+    finally:
+        backend.close()
 
 
 def test_a_graceful_leave_is_drained_at_once_and_never_capped(rig_factory):
@@ -129,31 +156,40 @@ def test_a_graceful_leave_is_drained_at_once_and_never_capped(rig_factory):
     assert rig.metric("grayguard_membership_expiries_held", pool="chat") == 0
 
 
-def test_a_mass_expiry_removes_at_most_the_cap_per_minute_and_pages(rig_factory):
+def test_a_mass_death_is_doubted_for_a_minute_then_removed_at_most_the_cap_per_minute_and_pages(rig_factory):
+    """Ten nodes die at once (HAProxy has them DOWN) and their leases end together: a view that lost that many at
+    once is not trusted for a minute (nothing removed, held, paged); then the cap (and the floor) per minute."""
     rig = rig_factory(10)
     members = [rig.register(i, ttl=5) for i in range(10)]
     rig.start_controller()
     names = [n.name for n in rig.nodes]
     rig.wait(lambda: in_rotation(rig, names), 15, "ten nodes in rotation")
-    cap = 3  # max(1, floor(0.3 x 10)): the default, the pool's ejection cap share
-    for m in members:  # every lease at once: a partition, not ten crashes
+    cap = 3  # max(1, floor(0.3 x 10)): the default, the pool's ejection cap share; the floor leaves 7 as well
+    for i, m in enumerate(members):  # every lease at once
+        stop_node(rig, i)
         m.revoke()
-    rig.wait(lambda: rig.metric("grayguard_membership_expiries_held", pool="chat") == 10 - cap, 5,
-             "the expiries beyond the cap held")
+    # (stopping ten nodes takes a few seconds, then HAProxy needs its fall checks)
+    rig.wait(lambda: rig.metric("grayguard_membership_expiries_held", pool="chat") == 10, 30,
+             "every dead node held: the view is doubted")
+    assert rig.metric("grayguard_membership_view_untrusted", pool="chat") == 1
     assert rig.metric("grayguard_membership_expiry_cap", pool="chat") == cap
-    rig.wait(lambda: len(set(names) - set(rig.servers())) == cap, 10, "the capped expiries deleted")
-
-    def gone_and_ready():
-        s = rig.servers()
-        return len(set(names) - set(s)), sum(1 for n in names if n in s and s[n].ready)
-    # for the rest of the minute nothing more is removed: the held nodes stay in rotation
     end = time.monotonic() + 4 * TICK_S
     while time.monotonic() < end:
-        assert gone_and_ready() == (cap, 10 - cap)
+        assert set(rig.servers()) == set(names)
         time.sleep(TICK_S / 2)
-    # a minute later (the controller's clock), the next share goes; the pool is smaller, so is its share
+
+    # a minute later (the controller's clock) the losses stand: the cap's share goes
     rig.offset += 61
-    rig.wait(lambda: gone_and_ready()[0] == cap + 2, 10, "the next minute's removals")
+    rig.wait(lambda: len(set(names) - set(rig.servers())) == cap, 10, "the capped removals deleted")
+    assert rig.metric("grayguard_membership_view_untrusted", pool="chat") == 0
+    assert rig.metric("grayguard_membership_expiries_held", pool="chat") == 10 - cap
+    end = time.monotonic() + 4 * TICK_S  # for the rest of the minute nothing more is removed
+    while time.monotonic() < end:
+        assert len(set(names) - set(rig.servers())) == cap
+        time.sleep(TICK_S / 2)
+    # a minute later, the next share goes; the pool is smaller, so is its share
+    rig.offset += 61
+    rig.wait(lambda: len(set(names) - set(rig.servers())) == cap + 2, 10, "the next minute's removals")
     assert rig.metric("grayguard_membership_expiry_cap", pool="chat") == 2
     assert rig.metric("grayguard_membership_expiries_held", pool="chat") == 10 - cap - 2
 
@@ -182,10 +218,13 @@ def test_etcd_down_freezes_membership_a_restart_uses_the_snapshot_and_etcd_back_
     try:
         rig.etcd.kill()
         rig.members[names[4]].crash()  # a node dies while etcd is down: nobody can see it go
+        stop_node(rig, 4)
         rig.wait(lambda: rig.metric("grayguard_registry_up") == 0, 5, "registry_up 0")
         # the alert's condition (rules: GrayguardRegistryDown): up 0, the snapshot ageing
         rig.wait(lambda: rig.metric("grayguard_registry_snapshot_age_seconds") >= 3, 10, "the snapshot ageing")
-        assert in_rotation(rig, names)  # frozen: nothing removed, not even the dead node
+        rig.wait(lambda: rig.servers()[names[4]].op == 0, CHECKS_DOWN_S, "the dead node DOWN in HAProxy")
+        assert in_rotation(rig, names[:4])  # frozen: nothing removed, not even the dead node
+        assert names[4] in rig.servers()
 
         # a controller restarted during the outage, beside a restarted HAProxy (which lost every dynamic server):
         # the new controller has only the snapshot to go by, and it restores the membership from it
@@ -196,14 +235,15 @@ def test_etcd_down_freezes_membership_a_restart_uses_the_snapshot_and_etcd_back_
         rig.hap.restart()
         assert rig.servers() == {}
         rig.start_controller()
-        rig.wait(lambda: in_rotation(rig, names[:4]), 10, "the snapshot's nodes back in HAProxy")
+        rig.wait(lambda: in_rotation(rig, names[:4]) and names[4] in rig.servers(), 10,
+                 "the snapshot's nodes back in HAProxy")
         assert rig.metric("grayguard_registry_up") == 0
         assert rig.discovery.view("chat").fresh is False
         watching.clear()
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         time.sleep(4 * TICK_S)  # several frozen ticks: still nothing removed
-        assert in_rotation(rig, names)
+        assert in_rotation(rig, names[:4]) and names[4] in rig.servers()
 
         rig.etcd.start()  # back with its data: the live nodes' leases are renewed again, the dead one's ends
         rig.wait(lambda: rig.metric("grayguard_registry_up") == 1, 10, "registry_up 1")
