@@ -29,6 +29,7 @@ ALERTS: dict[str, tuple[str, str | None]] = {
     "GrayguardPoolUnprotected": ("ticket", "10m"),
     "GrayguardControllerRegistryDown": ("page", "1m"),
     "GrayguardRegistryMassExpiry": ("page", "0s"),
+    "GrayguardRegistryExpiredKept": ("ticket", "2m"),
     "GrayguardNoLeader": ("page", None),  # registry.lease_ttl_s + tick_interval_s: longer than any hand-over
     "GrayguardProbeFailing": ("page", "2m"),
     "GrayguardProbeCudaError": ("page", "1m"),
