@@ -4,13 +4,21 @@ One connection per batch in interactive mode ("prompt"): each command on its own
 ends with the prompt "\\n> ", so replies pair with commands one to one and a batch is not limited
 by HAProxy's 16 KB line buffer. Names are validated before anything is sent: a ';', space or
 newline in a backend or server name would inject commands.
+
+Fencing (docs/architecture.md, "Leader election"): with a registry every write batch is fenced by an epoch kept in
+HAProxy itself (a process variable, `get var`/`set var`), read in the batch's own connection before the batch is
+sent; the connection's idle timeout is cut to CLI_TIMEOUT_S first, so a writer paused between that read and its
+batch finds its connection closed by HAProxy and its batch unsent.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import re
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from grayguard.config import HAPROXY_NAME_RE
@@ -27,6 +35,15 @@ MAINT_MASK = ADMF_FMAINT | ADMF_IMAINT | ADMF_CMAINT | ADMF_RMAINT | ADMF_HMAINT
 DRAIN_MASK = ADMF_FDRAIN | ADMF_IDRAIN
 STATIC_ALGOS = frozenset({"static-rr", "first"})
 PROMPT_SEP = b"\n> "
+# a fenced connection's idle timeout (`set timeout cli`, whole seconds in HAProxy 2.6): HAProxy closes it, batch
+# unsent, when the writer sends nothing for this long after reading the epoch
+CLI_TIMEOUT_S = 1
+# after setting its epoch a writer waits this long before its first batch: every connection that read the epoch
+# before has sent its batch by then, or been closed by HAProxy (CLI_TIMEOUT_S, plus HAProxy's timer granularity)
+CLAIM_WAIT_S = CLI_TIMEOUT_S + 0.5
+EPOCH_READ_S = 0.5  # a batch is not sent when its epoch was read longer ago than this (the writer's own clock)
+_VAR_RE = re.compile(r"type=sint value=<(-?\d+)>")
+_READ_VERBS = ("show ", "get ", "help")
 
 
 class HaproxyError(Exception):
@@ -35,6 +52,54 @@ class HaproxyError(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class FencedError(HaproxyError):
+    """A fenced batch HAProxy was not sent (or an epoch set, the batch to follow): why, and the epoch HAProxy has."""
+
+    def __init__(self, message: str, gateway: int | None, claimed: bool = False):
+        super().__init__("fenced", message)
+        self.gateway, self.claimed = gateway, claimed
+
+
+def epoch_var(prefix: str, scope: str) -> str:
+    """The process variable holding the fencing epoch of a scope (a registry prefix's pool, or "all")."""
+    return "proc.grayguard_epoch_" + hashlib.sha256(f"{prefix}/{scope}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a batch requires of HAProxy's epoch for its scope, read in the batch's own connection.
+
+    epoch: the writer's (None: it has no term). claim_until: until then (the client's monotonic clock, at the
+    epoch read) its lease is confirmed for longer than a claim can take, so it may set its epoch where HAProxy has
+    another (the batch follows after CLAIM_WAIT_S). restore: the batch may go where HAProxy has no epoch at all (it
+    restarted: the membership from the snapshot, by any replica)."""
+
+    var: str
+    epoch: int | None
+    claim_until: float = -math.inf
+    restore: bool = False
+    seen: Callable[[str, int | None], None] | None = None  # told (endpoint, the epoch HAProxy had) at every read
+
+
+def is_write(line: str) -> bool:
+    return not line.startswith(_READ_VERBS)
+
+
+def write_backend(lines: Sequence[str]) -> str | None:
+    """The backend the write lines of a batch touch (`<verb> ... <backend>/<server> ...`); None: reads only.
+    A batch over several backends raises: a fence is per backend's scope."""
+    found = {tok.split("/", 1)[0] for ln in lines if is_write(ln) for tok in ln.split()[2:3] if "/" in tok}
+    if any(is_write(ln) for ln in lines) and len(found) != 1:
+        raise HaproxyError("unsafe_name", f"a fenced batch must write one backend: {sorted(found) or lines[:1]}")
+    return next(iter(found), None)
+
+
+def parse_var(reply: str) -> int | None:
+    """The value of a `get var` reply; None when the variable is not set."""
+    m = _VAR_RE.search(reply)
+    return int(m.group(1)) if m else None
 
 
 class UnsafeNameError(HaproxyError):
@@ -277,9 +342,14 @@ def parse_backend_algos(csv_text: str) -> dict[str, str]:
 class RuntimeClient:
     """One HAProxy runtime API endpoint: "unix:/path", "/path" or "host:port"."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 2.0):
+    # with a registry the controller sets this: the fence of a batch's write lines (None: none, a read)
+    fence_for: Callable[[str, list[str]], Fence | None] | None = None
+
+    def __init__(self, endpoint: str, timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.clock = clock
+        self._claimed: dict[str, tuple[int, float]] = {}  # var -> (epoch this client set, when)
 
     def _remaining(self, deadline: float) -> float:
         left = deadline - time.monotonic()
@@ -313,19 +383,16 @@ class RuntimeClient:
         for ln in lines:
             if "\n" in ln or "\r" in ln or ";" in ln:
                 raise HaproxyError("unsafe_name", f"refusing command with a separator: {ln!r}")
-        payload = "prompt\n" + "".join(ln + "\n" for ln in lines) + "quit\n"
+        fence = self.fence_for(self.endpoint, lines) if self.fence_for is not None and lines else None
         deadline = time.monotonic() + self.timeout_s
         sock = self._connect(deadline)
-        chunks = []
+        chunks: list[bytes] = []
         try:
+            after = self._fence(sock, fence, deadline, chunks) if fence is not None else ""
             sock.settimeout(self._remaining(deadline))
+            payload = ("" if fence else "prompt\n") + "".join(ln + "\n" for ln in lines) + after + "quit\n"
             sock.sendall(payload.encode())  # the timeout bounds sendall as a whole
-            while True:
-                sock.settimeout(self._remaining(deadline))
-                data = sock.recv(65536)
-                if not data:
-                    break
-                chunks.append(data)
+            self._read_until(sock, deadline, chunks, None)
         except TimeoutError as e:
             raise HaproxyError("timeout", f"HAProxy at {self.endpoint} did not finish within "
                                f"{self.timeout_s:g}s") from e
@@ -335,12 +402,91 @@ class RuntimeClient:
             sock.close()
         raw = b"".join(chunks)
         parts = raw.split(PROMPT_SEP)
-        # parts[0] answers "prompt"; then one part per command; the tail after the last prompt is "".
-        replies = [p.decode(errors="replace") for p in parts[1:len(lines) + 1]]
+        # parts[0] answers "prompt" (fenced: then `set timeout cli`, `get var`); then one part per command; the
+        # tail after the last prompt is "".
+        skip = 3 if fence is not None else 1
+        replies = [p.decode(errors="replace") for p in parts[skip:len(lines) + skip]]
         if len(replies) != len(lines):
             raise HaproxyError("bad_reply", f"HAProxy at {self.endpoint} answered {len(replies)} of "
                                f"{len(lines)} commands (closed early?)")
         return replies
+
+    def hold(self, fence: Fence) -> bool:
+        """Make sure HAProxy has fence's epoch, claiming it when the fence allows (a leader does this every tick
+        until it has, so that it can steer on it through an etcd outage, with nothing to write); True when it has
+        and no claim is being waited on."""
+        if fence.epoch is None:
+            return False
+        if self._claimed.get(fence.var, (None, 0.0))[0] == fence.epoch:
+            return self.clock() - self._claimed[fence.var][1] >= CLAIM_WAIT_S
+        deadline = time.monotonic() + self.timeout_s
+        sock = self._connect(deadline)
+        try:
+            self._fence(sock, fence, deadline, [])
+            self._quit(sock)
+        except FencedError:
+            return False
+        except OSError as e:
+            raise HaproxyError("io", f"HAProxy at {self.endpoint} failed reading the epoch: {e}") from e
+        finally:
+            sock.close()
+        self._claimed[fence.var] = (fence.epoch, -math.inf)  # its own already (set by another client of this replica)
+        return True
+
+    def _read_until(self, sock: socket.socket, deadline: float, chunks: list[bytes], prompts: int | None) -> None:
+        """Read into chunks until the connection ends (prompts None) or holds that many prompts."""
+        while prompts is None or b"".join(chunks).count(PROMPT_SEP) < prompts:
+            sock.settimeout(self._remaining(deadline))
+            data = sock.recv(65536)
+            if not data:
+                if prompts is not None:
+                    raise HaproxyError("io", f"HAProxy at {self.endpoint} closed the connection before the epoch")
+                return
+            chunks.append(data)
+
+    def _fence(self, sock: socket.socket, fence: Fence, deadline: float, chunks: list[bytes]) -> str:
+        """Read the epoch in this connection and return when the batch may follow (with the lines to send after it:
+        a restore by a claiming writer sets its epoch behind the batch); else raise FencedError (an epoch claimed:
+        set, the batch to follow after CLAIM_WAIT_S)."""
+        sock.settimeout(self._remaining(deadline))
+        sock.sendall(f"prompt\nset timeout cli {CLI_TIMEOUT_S}\nget var {fence.var}\n".encode())
+        self._read_until(sock, deadline, chunks, 3)
+        read_at = self.clock()
+        gateway = parse_var(b"".join(chunks).split(PROMPT_SEP)[2].decode(errors="replace"))
+        if fence.seen is not None:
+            fence.seen(self.endpoint, gateway)
+        mine, after = fence.epoch, ""
+        if mine is not None and gateway == mine:
+            claimed = self._claimed.get(fence.var)
+            if claimed is not None and claimed[0] == mine and read_at - claimed[1] < CLAIM_WAIT_S:
+                self._quit(sock)
+                raise FencedError(f"epoch {mine} set {read_at - claimed[1]:.1f}s ago: the batch waits "
+                                  f"{CLAIM_WAIT_S:g}s for older connections to end", gateway)
+        elif gateway is None and fence.restore:  # a restarted HAProxy: nobody steers it; the snapshot's members go in
+            if mine is not None and read_at < fence.claim_until:
+                after = f"experimental-mode on\nset var {fence.var} int({mine})\n"
+                self._claimed[fence.var] = (mine, read_at)
+        elif mine is not None and read_at < fence.claim_until:
+            self._quit(sock, f"experimental-mode on\nset var {fence.var} int({mine})\n")
+            self._claimed[fence.var] = (mine, read_at)
+            raise FencedError(f"epoch {mine} set (HAProxy had {gateway}): the batch follows in {CLAIM_WAIT_S:g}s",
+                              gateway, claimed=True)
+        else:
+            self._quit(sock)
+            raise FencedError(f"HAProxy {self.endpoint} has epoch {gateway}, this writer {mine}: not sent", gateway)
+        if self.clock() - read_at > EPOCH_READ_S:  # a pause since the read: the batch goes in a later connection
+            self._quit(sock)
+            raise FencedError(f"the epoch was read {self.clock() - read_at:.2f}s ago (> {EPOCH_READ_S:g}s)", gateway)
+        return after
+
+    def _quit(self, sock: socket.socket, before: str = "") -> None:
+        try:
+            sock.sendall((before + "quit\n").encode())
+            if before:  # the epoch must be set before the caller counts CLAIM_WAIT_S from now
+                while sock.recv(65536):
+                    pass
+        except OSError:
+            pass
 
     def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
         """Every server (of one backend, or all), with its hanafail counter and status from `show stat` (same

@@ -4,15 +4,20 @@ the node states (docs/architecture.md, "Leader election").
 Leading a scope ("all", or one pool with registry.shard_pools) means holding the key <prefix>/leader/<scope>,
 created with compare-and-create on this replica's own lease of registry.lease_ttl_s. The lease is renewed at the
 start of every tick and by the run loop's keeper job (every third of the lease, so a long tick does not lose it);
-a standby campaigns every tick. Fencing: a leader writes HAProxy only while the lease it last confirmed (from the
-monotonic time the renewal was *sent*, less CLOCK_MARGIN) outlasts the write; etcd can only expire the lease
-later than that, and no other replica can create the key before it does. Handover: before its HAProxy writes the
+a standby campaigns every tick. Fencing: every HAProxy batch is fenced by the scope's epoch kept in HAProxy
+(controller/haproxy.py, Fence), read in the batch's own connection. A leader sets its epoch there ("claims" it)
+only while the lease it last confirmed (from the monotonic time the renewal was *sent*, less CLOCK_MARGIN) outlasts
+the claim; etcd can only expire the lease later than that, and no other replica can create the key before it does.
+A leader that cannot renew (etcd unreachable) keeps its scopes and steers every HAProxy whose epoch is still its
+own: another replica leads only through etcd, and sets its own epoch before its first write. Handover: before its
+HAProxy writes the
 leader puts the pool's states (the state file's JSON) to <prefix>/state/<pool> in a transaction guarded by its
 leader key, so etcd never lags what HAProxy was told; a new leader loads them before its first tick.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -22,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controller.desired import desired_key
+from controller.haproxy import CLI_TIMEOUT_S, Fence, epoch_var
 from controller.leader_store import ElectionStore
 from controller.metrics import ControllerMetrics
 from controller.policy import NodeState
@@ -33,6 +39,7 @@ log = logging.getLogger("grayguard.leader")
 SCOPE_ALL = "all"
 CLOCK_MARGIN = 0.1  # share of a confirmed lease never counted on (clock rates differ by ppm: ample)
 REPUBLISH_TICKS = 60  # unchanged states are published again this often (a key deleted by hand comes back)
+CLAIM_MARGIN_S = 0.5  # a claim ends at most CLI_TIMEOUT_S after its epoch read; this much more is kept in hand
 
 
 def leader_key(prefix: str, scope: str) -> str:
@@ -141,6 +148,8 @@ class Leadership:
         self._pending: set[str] = set()  # pools taken over whose states are not loaded yet
         self._published: dict[str, tuple[str, int]] = {}  # pool -> (text in etcd, ticks since it was put)
         self._error: str | None = None  # the registry trouble last logged (once per kind, until it clears)
+        self._unconfirmed = False  # it leads with a lease it cannot confirm: it steers on HAProxy's epoch alone
+        self._said: set[str] = set()  # "<op>: <kind>" of the registry errors logged since it last answered
         self._export()
 
     # ---- what the tick asks --------------------------------------------------------------------
@@ -157,17 +166,42 @@ class Leadership:
         return Turn(led, handover, "" if led else self._standby_why(), ready)
 
     def may_write(self, pool: str, budget_s: float) -> str | None:
-        """None when this replica may write pool's HAProxy now: it leads it, and its confirmed lease outlasts a write
-        of budget_s (renewed first when it would not); else why not."""
-        if self.scope_of(pool) in self._held and self.valid_for() < budget_s:
+        """None when this replica may send pool's HAProxy batches now: it leads it (each batch is then fenced in
+        HAProxy: fence()); else why not. A lease confirmed for less than budget_s is renewed first, unless the
+        registry did not answer the last call (the tick and the keeper job retry: no batch waits on it)."""
+        if self.scope_of(pool) in self._held and self._error is None and self.valid_for() < budget_s:
             self.renew()
         if self.scope_of(pool) not in self._held:
             return f"replica {self.id} does not lead {self.scope_of(pool)} any more"
-        left = self.valid_for()
-        if left < budget_s:
-            return (f"fenced: the lease is confirmed for {max(left, 0):.1f}s more, less than a HAProxy write may take "
-                    f"({budget_s:g}s)")
         return None
+
+    def fence(self, pool: str, restore: bool = False) -> Fence:
+        """What a batch of pool's needs of HAProxy's epoch: this replica's epoch if it leads the pool, the right to
+        claim it while the confirmed lease outlasts a claim; restore: the batch may go where HAProxy has no epoch
+        (membership put back after a restart). Not leading: only a restore can pass."""
+        scope = self.scope_of(pool)
+        var = epoch_var(self.prefix, scope)
+        if scope not in self._held:
+            return Fence(var, None, restore=restore)
+        mine = self.epoch(scope)
+        return Fence(var, mine, claim_until=self._claim_until(), restore=restore,
+                     seen=lambda endpoint, gateway: self._gateway_seen(scope, mine, endpoint, gateway))
+
+    def epoch(self, scope: str) -> int:
+        """This replica's fencing epoch for a scope it leads: unique to its term (lease, the leader key's create
+        revision, its id), so a term of an earlier etcd history (its data lost) never passes for this one."""
+        text = f"{self._lease}:{self._held[scope]}:{self.id}"
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)  # 60 bits: an HAProxy sint
+
+    def steering_unpublished(self, pool: str) -> bool:
+        """Whether pool's HAProxy may be written although its states could not be put in etcd: it leads pool and
+        etcd did not answer (the states go in once it does; a successor reseeds drains from HAProxy)."""
+        return self.scope_of(pool) in self._held and self._error is not None
+
+    def _claim_until(self) -> float:
+        """Until when an epoch read may be followed by a claim: the claim reaches HAProxy at most CLI_TIMEOUT_S after
+        its read (or HAProxy closes the connection unread), before the confirmed lease can end."""
+        return self._confirmed + self.ttl * (1 - CLOCK_MARGIN) - CLI_TIMEOUT_S - CLAIM_MARGIN_S
 
     def publish(self, pool: str, states: Mapping[str, NodeState], desired: str | None = None) -> str | None:
         """Put pool's states in etcd, guarded by this replica's leader key (skipped when etcd has them already);
@@ -231,6 +265,8 @@ class Leadership:
         """For /status."""
         return {"id": self.id, "leads": sorted(self._held), "leaders": dict(sorted(self._leaders.items())),
                 "lease_valid_for_s": round(max(self.valid_for(), 0.0), 3) if self._held else None,
+                "steering_without_registry": bool(self._held) and self.valid_for() <= 0,
+                "epochs": {s: self.epoch(s) for s in sorted(self._held)},
                 "shard_pools": self.shard}
 
     # ---- the election --------------------------------------------------------------------------
@@ -252,10 +288,32 @@ class Leadership:
         return True
 
     def _check_fence(self) -> None:
-        if self._held and self.valid_for() <= 0:
+        """A leader whose lease may have ended keeps its scopes on HAProxy's epoch alone (said once each way)."""
+        unconfirmed = bool(self._held) and self.valid_for() <= 0
+        if unconfirmed and not self._unconfirmed:
             age = self.clock() - self._confirmed
-            self._lose(set(self._held), f"fenced: the lease was not confirmed for {age:.1f}s "
-                       f"({self._error or 'no answer'}); it writes nothing until it leads again")
+            log.warning("replica %s: the lease was not confirmed for %.1fs (%s): it steers %s only where HAProxy still "
+                        "has its epoch (nobody else was elected since), and sets it nowhere", self.id, age,
+                        self._error or "no answer", ", ".join(sorted(self._held)))
+        elif self._unconfirmed and not unconfirmed and self._held:
+            log.warning("replica %s: the lease is confirmed again: it leads %s as before", self.id,
+                        ", ".join(sorted(self._held)))
+        self._unconfirmed = unconfirmed
+        self._export()
+
+    def _gateway_seen(self, scope: str, mine: int, endpoint: str, gateway: int | None) -> None:
+        """A fenced read: another epoch in HAProxy while this replica's lease may have ended means another replica
+        was elected and claimed it (or HAProxy restarted: no epoch); the first loses the scope at once."""
+        if gateway == mine or self.clock() < self._claim_until():
+            return  # its own, or the lease is confirmed: a claim sets it
+        if self.valid_for() > 0:
+            return  # confirmed, for too short a claim: the next renewal gives one
+        if self.metrics is not None:
+            self.metrics.fence_refusals.labels(endpoint, "no_epoch" if gateway is None else "other_epoch").inc()
+        if gateway is not None and scope in self._held and self._held_epoch(scope) == mine:
+            with self._io:
+                self._lose({scope}, f"HAProxy {endpoint} has epoch {gateway}, not this replica's {mine}: another "
+                           "replica was elected and claimed it")
 
     def _campaign(self) -> bool:
         """Read who leads, campaign for what is this replica's to lead, hand over the rest; True when etcd answered."""
@@ -357,6 +415,9 @@ class Leadership:
         log.warning("replica %s stops leading %s: %s", self.id, ", ".join(sorted(scopes)), why)
         self._changed()
 
+    def _held_epoch(self, scope: str) -> int | None:
+        return self.epoch(scope) if scope in self._held else None
+
     def _changed(self) -> None:
         if self.metrics is not None:
             self.metrics.leader_changes.inc()
@@ -366,6 +427,8 @@ class Leadership:
         if self.metrics is not None:
             self.metrics.controller_leader.labels(self.id).set(1 if self._held else 0)
             self.metrics.led_pools.labels(self.id).set(sum(1 for p in self.pools if self.scope_of(p) in self._held))
+            self.metrics.steering_without_registry.labels(self.id).set(
+                1 if self._held and self.valid_for() <= 0 else 0)
 
     def _standby_why(self) -> str:
         if self._lease is None or self._error:
@@ -377,7 +440,8 @@ class Leadership:
         if self.metrics is not None:
             self.metrics.registry_errors.labels(op, e.kind).inc()
         text = f"{op}: {e}"
-        if self._error is None or not self._error.startswith(f"{op}: {e.kind}"):
+        if f"{op}: {e.kind}" not in self._said:  # once per operation and kind until the registry answers again
+            self._said.add(f"{op}: {e.kind}")
             log.warning("replica %s: registry %s", self.id, text)
         self._error = text
 
@@ -385,3 +449,4 @@ class Leadership:
         if self._error is not None:
             log.info("replica %s: registry answers again", self.id)
             self._error = None
+            self._said.clear()

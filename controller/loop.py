@@ -21,7 +21,7 @@ from controller.clock import SteadyClock
 from controller.desired import dump as dump_desired
 from controller.desired import from_decision
 from controller.export import NodeSeries, node_row
-from controller.haproxy import HaproxyError, RuntimeClient, ServerState
+from controller.haproxy import Fence, HaproxyError, RuntimeClient, ServerState, epoch_var, write_backend
 from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend, tier_view
 from controller.policy import NodeState, PoolDecision, config_policy, pool_policies
@@ -29,6 +29,7 @@ from controller.statefile import StateFile
 from grayguard.config import Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.redact import redact_url
+from grayguard.vocab import EJECTED
 
 if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
     from controller.leader import Leadership
@@ -87,6 +88,12 @@ class Controller:
         # written; None: it runs alone and leads every pool
         self.leadership = leadership
         self._led: frozenset[str] | None = None
+        self._restoring: set[tuple[str, str]] = set()  # (endpoint, backend): a registry pool's servers all gone
+        self._reseed: set[str] = set()  # pools just taken over: drains HAProxy has and their states do not, kept
+        self._said_unpublished: set[str] = set()
+        if leadership is not None:  # every HAProxy batch is fenced by the scope's epoch in HAProxy (leader.py)
+            for hc in haproxies:
+                hc.fence_for = self._fence_for
 
     # ---- observe -------------------------------------------------------------------------------
     def read_haproxy(self, result: TickResult) -> dict[str, dict[str, dict[str, ServerState]]]:
@@ -332,7 +339,7 @@ class Controller:
                 result.errors.append(why)
                 held.append(why)
                 continue
-            prev = self.states.get(pool.name, {})
+            prev = self._reseeded(pool, servers)
             pools[pool.name] = decide.PoolObservation(servers, prev, data=data)
         if held and not pools:
             result.held = "; ".join(held)
@@ -406,9 +413,63 @@ class Controller:
         of its data); the HAProxy view the tick goes on with, without the servers leaving or not yet UP."""
         if self.membership is None:
             return hap
+        self._restoring = self._lost_members(hap)
         return self.membership.step(self.haproxies, hap, self.clock(), result, self._leads,
                                     lambda pool: self._may_write(pool, result), self.dry_run,
                                     lambda: self.read_haproxy(result), states=self.states)
+
+    def _lost_members(self, hap: dict, pools: list[PoolConfig] | None = None) -> set[tuple[str, str]]:
+        """(endpoint, backend) of the registry pools whose HAProxy has none of the registry's (or the snapshot's)
+        servers: a restarted HAProxy, which lost its dynamic servers."""
+        out = set()
+        for pool in self.membership.pools if pools is None else pools:  # type: ignore[union-attr]
+            view = self.membership.discovery.view(pool.name)  # type: ignore[union-attr]
+            if view is None or not view.nodes:
+                continue
+            for ep, backends in hap.items():
+                if not set(view.nodes) & set(backends.get(pool.backend, {})):
+                    out.add((ep, pool.backend))
+        return out
+
+    def _restore_membership(self, result: TickResult) -> None:
+        """A replica leading nothing (a standby, or one that cannot reach etcd) puts the membership back into a
+        HAProxy that lost every server of a registry pool, from the registry or the snapshot; each batch goes only
+        where HAProxy has no fencing epoch (nobody steers it since it started: Fence.restore)."""
+        pools = [p for p in self.membership.pools if not self._leads(p.name)]  # type: ignore[union-attr]
+        if not pools:
+            return
+        hap: dict = {}
+        for hc in self.haproxies:
+            try:
+                servers = hc.show_backends_state(sorted({p.backend for p in pools}))
+            except HaproxyError as e:
+                self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
+                continue
+            by_backend: dict[str, dict[str, ServerState]] = {p.backend: {} for p in pools}
+            for srv in servers:
+                by_backend.setdefault(srv.backend, {})[srv.name] = srv
+            hap[hc.endpoint] = by_backend
+        self._restoring = self._lost_members(hap, pools)
+        lost = {b for _, b in self._restoring}
+        if not lost:
+            return
+        log.warning("HAProxy lost every server of %s: the membership goes back from the %s", ", ".join(sorted(lost)),
+                    "registry" if all(self.membership.discovery.view(p.name).fresh  # type: ignore[union-attr]
+                                      for p in pools if p.backend in lost) else "snapshot")
+        self.membership.step(self.haproxies, hap, self.clock(), result,  # type: ignore[union-attr]
+                             lambda name: any(p.name == name and p.backend in lost for p in pools),
+                             lambda pool: True, self.dry_run, lambda: {}, states=self.states)
+
+    def _fence_for(self, endpoint: str, lines: list[str]) -> Fence | None:
+        """The fence of a batch (RuntimeClient.fence_for): its backend's pool's epoch (controller/leader.py);
+        None for reads. A backend of no pool gets a fence nothing passes."""
+        backend = write_backend(lines)
+        if backend is None or self.leadership is None:
+            return None
+        pool = next((p for p in self.cfg.pools if p.backend == backend), None)
+        if pool is None:
+            return Fence(epoch_var(self.cfg.registry.prefix, f"backend:{backend}"), None)
+        return self.leadership.fence(pool.name, restore=(endpoint, backend) in self._restoring)
 
     # ---- leadership (registry.url set; controller/leader.py) ------------------------------------
     def _take_turn(self, result: TickResult) -> bool:
@@ -417,18 +478,53 @@ class Controller:
             return True
         turn = self.leadership.begin_tick()
         for pool, states in turn.handover.items():
+            self._reseed.add(pool)
             if states is not None:  # None: nothing was ever published, keep what this replica has (its state file)
                 self.states[pool] = states
         for pool in sorted((self._led or frozenset()) - turn.led):  # the new leader's series are the truth
             self.node_series.forget_pool(pool)
             self.rounds.discard(pool)  # and its canaries are the new leader's to send and decide
         self._led = turn.led
+        self._hold_epochs(turn.led)
         if not turn.led:
             result.standby = result.held = turn.why
             if turn.ready:  # a standby's liveness: it reaches the registry and could lead at once
                 self.metrics.last_success.set(self.clock())
+            if self.membership is not None:  # with etcd or without: a restarted HAProxy gets its members back
+                self._restore_membership(result)
             return False
         return True
+
+    def _reseeded(self, pool: PoolConfig, servers: dict[str, ServerState]) -> dict[str, NodeState]:
+        """The pool's states; at the first tick after a takeover without the states of the nodes HAProxy has drained
+        while they say in rotation (a predecessor that steered without etcd drained them after its last put): those
+        are seeded from HAProxy, so a drain is never undone by states older than it."""
+        prev = self.states.get(pool.name, {})
+        if pool.name not in self._reseed:
+            return prev
+        self._reseed.discard(pool.name)
+        stale = sorted(n for n, st in prev.items() if n in servers and servers[n].drain and st.state not in EJECTED)
+        if stale:
+            log.warning("pool=%s: %s drained in HAProxy but in rotation in the states taken over: seeded from HAProxy "
+                        "(kept drained)", pool.name, ", ".join(stale))
+            prev = {n: st for n, st in prev.items() if n not in stale}
+        return prev
+
+    def _hold_epochs(self, led: frozenset[str]) -> None:
+        """Claim this replica's epoch in every HAProxy (once per term; leader.py), even with nothing to write: it
+        steers on it alone through an etcd outage."""
+        if self.dry_run:
+            return
+        scopes = {self.leadership.scope_of(p): p for p in sorted(led)}  # type: ignore[union-attr]
+        for pool in scopes.values():
+            fence = self.leadership.fence(pool)  # type: ignore[union-attr]
+            for hc in self.haproxies:
+                hold = getattr(hc, "hold", None)  # a fake seam without fencing has none
+                try:
+                    if hold is not None:
+                        hold(fence)
+                except HaproxyError as e:
+                    self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
 
     def _leads(self, pool: str) -> bool:
         return self._led is None or pool in self._led
@@ -451,6 +547,13 @@ class Controller:
         if self.cfg.haproxy.writer == "actuators":
             desired = dump_desired(from_decision(pool.name, pool.backend, decision))
         why = self.leadership.publish(pool.name, states, desired)
+        if why and desired is None and self.leadership.steering_unpublished(pool.name):
+            if pool.name not in self._said_unpublished:  # fenced in HAProxy all the same; etcd gets them once back
+                self._said_unpublished.add(pool.name)
+                log.warning("pool=%s: %s; steering on without (the HAProxy fencing epoch guards each write)",
+                            pool.name, why)
+            return True
+        self._said_unpublished.discard(pool.name)
         if why:
             result.errors.append(f"pool={pool.name}: {why}")
             log.warning("pool=%s: HAProxy not written this tick: %s", pool.name, why)

@@ -49,6 +49,8 @@ class ControllerMetrics:
     led_pools: Gauge
     leader_changes: Counter
     registry_errors: Counter
+    steering_without_registry: Gauge
+    fence_refusals: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ControllerMetrics:
@@ -133,8 +135,9 @@ class ControllerMetrics:
                                         "Failed reloads after re-rendered alert rules, by kind (connect, http; "
                                         "not_found: no reload endpoint there, never retried)", ["kind"], registry=r),
             controller_leader=Gauge("grayguard_controller_leader",
-                                    "1 while this replica leads (holds a leader key with a confirmed lease), 0 while "
-                                    "it stands by or is fenced (registry.url set only)", ["id"], registry=r),
+                                    "1 while this replica leads (holds a leader key; also with a lease it cannot "
+                                    "confirm, see ..._steering_without_registry), 0 while it stands by "
+                                    "(registry.url set only)", ["id"], registry=r),
             led_pools=Gauge("grayguard_controller_led_pools", "Pools this replica leads (registry.url set only)",
                             ["id"], registry=r),
             leader_changes=Counter("grayguard_controller_leader_changes",
@@ -142,6 +145,15 @@ class ControllerMetrics:
             registry_errors=Counter("grayguard_controller_registry_errors",
                                     "Failed registry (etcd) calls of the election by operation (lease, read, campaign, "
                                     "publish, load, resign) and kind", ["op", "kind"], registry=r),
+            steering_without_registry=Gauge(
+                "grayguard_controller_steering_without_registry",
+                "1 while this replica leads with a lease it cannot confirm (etcd unreachable): it steers only the "
+                "HAProxies whose fencing epoch is still its own (registry.url set only)", ["id"], registry=r),
+            fence_refusals=Counter(
+                "grayguard_controller_fence_refusals",
+                "HAProxy batches not sent because the HAProxy's fencing epoch was not this replica's while its lease "
+                "was unconfirmed, by endpoint and what HAProxy had (other_epoch: another replica claimed it; "
+                "no_epoch: it restarted)", ["endpoint", "seen"], registry=r),
         )
 
     def canary_sent(self, pool: str, node: str, keys: Iterable[str]) -> None:

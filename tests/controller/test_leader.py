@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controller.haproxy import CLI_TIMEOUT_S
 from controller.leader import (
     CLOCK_MARGIN,
     SCOPE_ALL,
@@ -125,7 +126,8 @@ def test_standby_takes_over_within_the_lease_and_one_tick_after_the_leader_dies(
 
 # ---- fencing ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("renew_takes_s", [0.0, 1.5])
-def test_a_leader_cut_off_from_etcd_stops_writing_before_its_lease_can_end(world, renew_takes_s):
+def test_a_leader_cut_off_from_etcd_never_claims_past_its_lease_and_stops_at_the_first_sight_of_the_new_epoch(
+        world, renew_takes_s):
     clock, etcd = world
     a, ca = replica(world, "a")
     b, _ = replica(world, "b")
@@ -136,30 +138,68 @@ def test_a_leader_cut_off_from_etcd_stops_writing_before_its_lease_can_end(world
     a.renew()
     ca.delay_s = 0.0
     ca.cut = True  # a partition: a cannot reach etcd, b can
-    budget, last_ok = 2.0, None
-    while clock() - sent < 2 * TTL:
-        if a.may_write("chat", budget) is None:
-            last_ok = clock()
-        b.begin_tick()
+    mine = a.epoch(SCOPE_ALL)
+    last_claim = None
+    while not b.begin_tick().led:
+        f = a.fence("chat")
+        assert f.epoch == mine and a.may_write("chat", 2.0) is None  # it goes on steering where HAProxy has `mine`
+        if clock() < f.claim_until:
+            last_claim = clock()
         clock.advance(0.1)
-    assert last_ok is not None and last_ok + budget <= sent + TTL * (1 - CLOCK_MARGIN) + 1e-9
-    assert "fenced" in (a.may_write("chat", budget) or "") or a.begin_tick().led == frozenset()
-    took = etcd.kv[leader_key(PREFIX, SCOPE_ALL)]
-    assert took.value == "b"  # b leads: etcd expired a's lease after a had stopped
+    # a claim's epoch reaches HAProxy at most CLI_TIMEOUT_S after its read: before a's lease could end anywhere
+    assert last_claim is not None and last_claim + CLI_TIMEOUT_S <= sent + TTL * (1 - CLOCK_MARGIN) + 1e-9
+    assert etcd.kv[leader_key(PREFIX, SCOPE_ALL)].value == "b"  # etcd expired a's lease; b leads
+    theirs = b.fence("chat")
+    assert theirs.epoch != mine and clock() < theirs.claim_until  # b may claim at once
+    assert a.status()["steering_without_registry"] and a.begin_tick().led == {"chat"}
+    a.fence("chat").seen("unix:/h1", mine)  # HAProxy still has a's epoch: b has not claimed it yet
+    assert a.begin_tick().led == {"chat"}
+    a.fence("chat").seen("unix:/h1", theirs.epoch)  # b claimed it: a stops at once
+    assert a.begin_tick().led == frozenset() and a.fence("chat").epoch is None
 
 
-def test_a_fenced_leader_whose_lease_survived_leads_again_with_the_states_it_published(world):
-    clock, etcd = world
+def test_a_standby_cannot_pass_a_fence_but_may_restore_a_restarted_haproxy(world):
+    a, _ = replica(world, "a")
+    b, _ = replica(world, "b")
+    a.begin_tick()
+    b.begin_tick()
+    f = b.fence("chat")
+    assert f.epoch is None and not f.restore and f.claim_until == float("-inf")
+    assert b.fence("chat", restore=True).restore  # the snapshot's members, only where HAProxy has no epoch
+    assert a.fence("chat").var == b.fence("chat").var  # one epoch per scope, whoever writes
+
+
+def test_each_term_has_its_own_epoch(world):
     a, _ = replica(world, "a")
     a.begin_tick()
+    first = a.epoch(SCOPE_ALL)
+    assert 0 < first < 2 ** 63 and a.fence("chat").epoch == first
+    a.close()  # resigned: the next term is another
+    a.begin_tick()
+    assert a.epoch(SCOPE_ALL) != first
+
+
+def test_a_leader_whose_lease_survived_an_etcd_outage_steered_through_it_and_keeps_its_term(world):
+    clock, etcd = world
+    m = ControllerMetrics.create()
+    a, _ = replica(world, "a", metrics=m)
+    a.begin_tick()
+    mine = a.epoch(SCOPE_ALL)
     assert a.publish("chat", {"n1": NodeState(state=State.QUARANTINED, since=5.0)}) is None
     etcd.down = True
-    clock.advance(TTL)  # etcd is down: nobody can confirm anything, a fences itself
-    assert a.begin_tick().led == frozenset() and a.may_write("chat", 0.1) is not None
+    clock.advance(TTL)  # etcd is down: nobody can confirm anything, and nobody else can be elected
+    assert a.begin_tick().led == {"chat"} and a.may_write("chat", 0.1) is None
+    assert a.steering_unpublished("chat") and clock() >= a.fence("chat").claim_until  # it never claims now
+    assert m.registry.get_sample_value("grayguard_controller_steering_without_registry", {"id": "a"}) == 1
+    a.fence("chat").seen("unix:/h1", None)  # a restarted HAProxy has no epoch: a cannot steer it, but keeps the rest
+    assert a.begin_tick().led == {"chat"}
+    assert m.registry.get_sample_value("grayguard_controller_fence_refusals_total",
+                                       {"endpoint": "unix:/h1", "seen": "no_epoch"}) == 1
     etcd.down = False
     etcd.leases = {k: (ttl, clock() + ttl) for k, (ttl, _) in etcd.leases.items()}  # a restarted etcd renews leases
     turn = a.begin_tick()
-    assert turn.led == {"chat"} and turn.handover["chat"]["n1"].state == State.QUARANTINED
+    assert turn.led == {"chat"} and a.epoch(SCOPE_ALL) == mine and not a.steering_unpublished("chat")
+    assert m.registry.get_sample_value("grayguard_controller_steering_without_registry", {"id": "a"}) == 0
 
 
 # ---- handover --------------------------------------------------------------------------------------------
@@ -304,20 +344,44 @@ def test_a_standby_controller_neither_reads_prometheus_nor_writes_haproxy_and_th
     assert etcd.kv[state_key(PREFIX, "chat")].value.count('"quarantined"') == 1
 
 
-def test_states_that_cannot_be_put_in_etcd_are_not_written_to_haproxy(world):
+def test_with_etcd_unreachable_the_leader_steers_on_and_puts_the_states_once_etcd_answers(world):
     clock, etcd = world
     lat = {0: 0.02, 1: 0.02, 2: 0.02, 3: 0.02}
     controller, events = gated_controllers(world, lat)
     a, hap, client = controller("a")
     a.tick()
-    client.cut = True  # etcd unreachable; the lease is still good for a few seconds
+    client.cut = True  # etcd unreachable (HAProxy's fencing epoch guards the write: test_outage_e2e.py)
     lat[0] = 0.2
     clock.advance(1.0)
     res = a.tick()
     assert res.decisions["chat"].nodes["node0"].state.state == State.QUARANTINED
-    assert not hap.table[("vllm_chat", "node0")].drain and "could not be put in etcd" in " ".join(res.errors)
+    assert hap.table[("vllm_chat", "node0")].drain and not res.errors  # steered: the tick is a success
+    assert '"quarantined"' not in etcd.kv[state_key(PREFIX, "chat")].value
     client.cut = False
     clock.advance(1.0)
     a.tick()
-    assert hap.table[("vllm_chat", "node0")].drain
     assert '"quarantined"' in etcd.kv[state_key(PREFIX, "chat")].value
+
+
+def test_a_new_leader_keeps_a_drain_its_predecessor_made_without_etcd(world):
+    """a drains node0 while etcd cannot take the states; b takes over with the older states (node0 healthy) and
+    must not ready node0: it is seeded from HAProxy (quarantined), as a drain it cannot explain."""
+    clock, etcd = world
+    lat = {0: 0.02, 1: 0.02, 2: 0.02, 3: 0.02}
+    controller, events = gated_controllers(world, lat)
+    a, hap_a, client_a = controller("a")
+    b, hap_b, _ = controller("b")
+    hap_b.table = hap_a.table  # one HAProxy
+    a.tick()
+    b.tick()
+    client_a.cut = True
+    lat[0] = 0.2
+    clock.advance(1.0)
+    a.tick()
+    assert hap_a.table[("vllm_chat", "node0")].drain
+    lat[0] = 0.02  # node0 looks fine again: only its state keeps it out
+    while not b.tick().decisions:
+        clock.advance(1.0)
+        assert clock() < 1000 + 4 * TTL
+    assert hap_a.table[("vllm_chat", "node0")].drain
+    assert b.states["chat"]["node0"].state == State.QUARANTINED
