@@ -43,6 +43,9 @@ examples:
   grayguard actuator --registry.url http://etcd:2379 --haproxy.socket unix:/run/haproxy/admin.sock \\
       --view.listen-address :9999
   grayguard actuator --registry.url http://etcd:2379 --once --dry-run   # print this HAProxy's plan, write nothing
+  grayguard actuator --registry.url https://etcd-0:2379 --registry.url https://etcd-1:2379 \\
+      --registry.ca-file ca.pem --registry.cert-file client.pem --registry.key-file client.key \\
+      --registry.user grayguard --registry.password-file /run/secrets/etcd-password   # TLS and an etcd user
 """
 log = logging.getLogger("grayguard.actuator")
 

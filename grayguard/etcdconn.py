@@ -159,14 +159,14 @@ class _Shared:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.value: str | None = None  # the token
+        self.token: str | None = None
         self.current = 0  # index of the endpoint that answered last
 
     def drop(self, seen: str | None) -> None:
         """Forget the token etcd rejected (unless another thread already replaced it)."""
         with self._lock:
-            if self.value == seen:
-                self.value = None
+            if self.token == seen:
+                self.token = None
 
 
 class EtcdSession(requests.Session):
@@ -181,24 +181,24 @@ class EtcdSession(requests.Session):
         self.settings = settings
         self.verify = settings.ca_file or True
         self.cert = (settings.cert_file, settings.key_file) if settings.cert_file else None
-        self._token = shared or _Shared()
+        self._shared = shared or _Shared()
 
     @property
     def endpoint(self) -> str:
         """The endpoint in use."""
-        return self.settings.endpoints[self._token.current]
+        return self.settings.endpoints[self._shared.current]
 
     def fork(self) -> EtcdSession:
         """A session of its own (a watch stream's connection) sharing this one's token and endpoint in use."""
-        return EtcdSession(self.settings, self._token)
+        return EtcdSession(self.settings, self._shared)
 
     def forget_token(self, token: str | None) -> None:
         """Drop token (etcd rejected it) so the next request logs in again."""
-        self._token.drop(token)
+        self._shared.drop(token)
 
     @property
     def token(self) -> str | None:
-        return self._token.value
+        return self._shared.token
 
     def request(self, method: str | bytes, url: str | bytes, *args: Any, **kwargs: Any) -> requests.Response:
         deadline = time.monotonic() + self.settings.timeout
@@ -214,8 +214,8 @@ class EtcdSession(requests.Session):
     def _authorized(self, method: str, path: str, kwargs: dict[str, Any], deadline: float,
                     rejected: str | None = None) -> requests.Response:
         if rejected is not None:
-            self._token.drop(rejected)
-        token = self._token.value or self._login(deadline)
+            self._shared.drop(rejected)
+        token = self._shared.token or self._login(deadline)
         return self._send(method, path, {**kwargs, "headers": {**(kwargs.get("headers") or {}),
                                                                "Authorization": token}}, deadline)
 
@@ -229,15 +229,15 @@ class EtcdSession(requests.Session):
             raise RegistryError("rejected", f"etcd user {s.username!r}: no password: {e}") from None
         resp = self._send("POST", API_PATH + AUTH_PATH, {"json": {"name": s.username, "password": password}},
                           deadline)
-        if resp.status_code != 200:
-            raise RegistryError("rejected", f"{self.endpoint}: etcd user {s.username!r} not authenticated: "
-                                            f"{_etcd_message(resp)}")
+        if resp.status_code != 200:  # a refusal, or (5xx) an etcd that cannot answer now: no leader, say
+            raise RegistryError("unreachable" if resp.status_code >= 500 else "rejected",
+                                f"{self.endpoint}: etcd user {s.username!r} not authenticated: {_etcd_message(resp)}")
         try:
             token = str(resp.json()["token"])
         except (ValueError, KeyError, TypeError):
             raise RegistryError("garbage", f"{self.endpoint}: authentication answer without a token: "
                                            f"{resp.text[:120]}") from None
-        self._token.value = token
+        self._shared.token = token
         return token
 
     def _send(self, method: str, path: str, kwargs: dict[str, Any], deadline: float) -> requests.Response:
@@ -247,7 +247,7 @@ class EtcdSession(requests.Session):
         failed: list[str] = []
         last: Exception | None = None
         for i in range(len(eps)):
-            idx = (self._token.current + i) % len(eps)
+            idx = (self._shared.current + i) % len(eps)
             left = deadline - time.monotonic()
             if left <= 0 and i > 0:
                 break
@@ -267,7 +267,7 @@ class EtcdSession(requests.Session):
                 failed.append(f"{eps[idx]}: 503 {resp.text[:120]}")  # a member without a leader, say
                 resp.close()
                 continue
-            self._token.current = idx
+            self._shared.current = idx
             return resp
         if last is not None and len(failed) == 1:
             raise last
