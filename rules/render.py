@@ -31,6 +31,7 @@ ALERTS: dict[str, tuple[str, str | None]] = {
     "GrayguardRegistryMassExpiry": ("page", "0s"),
     "GrayguardRegistryExpiredKept": ("ticket", "2m"),
     "GrayguardNoLeader": ("page", None),  # registry.lease_ttl_s + tick_interval_s: longer than any hand-over
+    "GrayguardControllerSteeringWithoutRegistry": ("ticket", "2m"),
     "GrayguardProbeFailing": ("page", "2m"),
     "GrayguardProbeCudaError": ("page", "1m"),
     "GrayguardExporterDown": ("ticket", "5m"),
