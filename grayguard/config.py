@@ -461,8 +461,8 @@ class RegistryConfig:
     # election, static pools only)
     url: str | None = None
     # several members of the cluster instead of url, tried in order: a call that cannot reach one (refused, TLS
-    # handshake failed, no connection within its share of timeout_s) goes on to the next, and later calls stay
-    # with the one that answered; url is then the first of them
+    # handshake failed, no connection, or for a read no answer, within its share of timeout_s) goes on to the
+    # next, and later calls stay with the one that answered; url is then the first of them
     endpoints: tuple[str, ...] = ()
     # TLS (https:// endpoints only): the PEM CA bundle that signs etcd's server certificate (null: the system's)
     ca_file: str | None = None

@@ -251,7 +251,7 @@ class EtcdSession(requests.Session):
             left = deadline - time.monotonic()
             if left <= 0 and i > 0:
                 break
-            timeout = _timeouts(kwargs.get("timeout"), max(left, 0.001), len(eps) - i)
+            timeout = _timeouts(kwargs.get("timeout"), max(left, 0.001), len(eps) - i, read_only)
             try:
                 # verify and cert given per request: requests lets REQUESTS_CA_BUNDLE override a session's verify
                 resp = super().request(method, eps[idx].rstrip("/") + path, **{**kwargs, "timeout": timeout,
@@ -259,7 +259,10 @@ class EtcdSession(requests.Session):
                                                                                  "cert": self.cert})
             except (requests.ConnectionError, requests.Timeout) as e:
                 if not (read_only or _not_sent(e)):
-                    raise  # a write that may have reached etcd is not sent twice: the caller decides
+                    # a write that may have reached etcd is not sent twice (the caller decides), but the next
+                    # call starts at the next endpoint: a member cut off from its quorum accepts and never answers
+                    self._shared.current = (idx + 1) % len(eps)
+                    raise
                 failed.append(f"{eps[idx]}: {e}")
                 last = e
                 continue
@@ -280,14 +283,16 @@ def _path(url: str) -> str:
     return parts.path + (f"?{parts.query}" if parts.query else "")
 
 
-def _timeouts(asked: Any, left: float, endpoints_left: int) -> tuple[float, float]:
+def _timeouts(asked: Any, left: float, endpoints_left: int, read_only: bool) -> tuple[float, float]:
     """(connect, read) for one try: a connection gets its share of what is left, so a silent endpoint leaves time
-    for the next; a read gets what is left (a stream's read timeout, its idle timeout, stays as asked)."""
+    for the next, and so does the answer to a read (sent again elsewhere); a write's answer gets all that is left
+    (it is not sent again). A stream's read timeout (a watch's idle timeout) stays as asked."""
     if isinstance(asked, tuple):
         connect, read = asked
         return min(connect, left / endpoints_left), read
     limit = float(asked) if asked is not None else left
-    return min(limit, left / endpoints_left), min(limit, left)
+    share = min(limit, left / endpoints_left)
+    return share, share if read_only else min(limit, left)
 
 
 def _not_sent(e: Exception) -> bool:
@@ -316,7 +321,9 @@ def hint(detail: str) -> str:
         return " (TLS: etcd's certificate is not signed by registry.ca_file, or does not name this host)"
     if any(t in detail for t in ("EOF occurred in violation", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED")):
         return (" (TLS: etcd refused the client certificate, or wants one: check registry.cert_file and key_file "
-                "against etcd's --trusted-ca-file)")
+                "against etcd's --trusted-ca-file; or etcd does not serve TLS there)")
     if "SSL" in detail:
         return " (TLS: check registry.ca_file, cert_file and key_file)"
+    if "Remote end closed connection without response" in detail:
+        return " (does etcd serve https:// there?)"  # what etcd's TLS port does to a plain HTTP request
     return ""

@@ -106,7 +106,7 @@ def test_tls_etcd_refuses_without_a_client_certificate_or_with_the_wrong_ca(etcd
                                       key_file=other.client_key_file))  # a client certificate of another CA
     assert foreign_cert.kind == "unreachable" and "TLS" in str(foreign_cert)
     plain = refused(RegistryConfig(url=etcd.url.replace("https://", "http://")))
-    assert plain.kind == "unreachable"
+    assert plain.kind == "unreachable" and "does etcd serve https:// there?" in str(plain)
 
 
 def test_the_first_endpoint_dead_the_second_answers_and_is_kept(etcd, certs):
@@ -155,6 +155,51 @@ def test_a_silent_endpoint_leaves_time_for_the_next(etcd, certs):
         finally:
             for s in fillers:
                 s.close()
+
+
+class Mute:
+    """A member that accepts connections and reads requests but never answers (cut off from its quorum)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)  # held open, never answered
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_member_that_never_answers_a_read_moves_on_a_write_is_not_sent_twice(tmp_path):
+    etcd = EtcdProc(tmp_path / "etcd").start()
+    mute = Mute()
+    try:
+        reader = Registry.from_config(RegistryConfig(endpoints=(mute.url, etcd.url), timeout_s=1.0))
+        started = time.monotonic()
+        assert reader.get("/mute/a") is None and reader.url == etcd.url  # its share of the deadline, then the next
+        assert time.monotonic() - started < 1.0
+        writer = Registry.from_config(RegistryConfig(endpoints=(mute.url, etcd.url), timeout_s=1.0))
+        with pytest.raises(RegistryError) as e:
+            writer.put("/mute/a", "1")  # sent to the mute member: it may have been applied, so not sent again
+        assert e.value.kind == "timeout" and reader.get("/mute/a") is None
+        assert writer.url == etcd.url  # but the next call starts at the next member
+        writer.put("/mute/a", "1")
+        assert reader.get("/mute/a").value == "1"
+    finally:
+        mute.close()
+        etcd.stop()
 
 
 def test_every_endpoint_dead_is_unreachable_naming_them_all(certs):
