@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="do not serve /metrics and /status")
     p.add_argument("--id", metavar="ID", default=None,
                    help="this replica's name in the leader election (registry.url set); default hostname:pid")
+    p.add_argument("--record", metavar="FILE", default=None,
+                   help="flight recorder: append every tick's observation (Prometheus samples, HAProxy servers, "
+                   "states, canary rounds) to FILE as JSON lines (.gz: gzip), to decide the run again offline "
+                   "with `grayguard replay --recording FILE --config ...` (same config: the same decisions; "
+                   "another: what it would have done). About 2.5 KB per node per tick; gzipped (.gz) 0.2 KB")
 
 
 def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetrics | None = None,
@@ -218,10 +223,20 @@ def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     except ConfigError as e:
         print(f"grayguard: config error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "record", None):
+        from controller.recorder import Recorder
+        try:
+            ctl.recorder = Recorder(args.record)
+        except OSError as e:
+            print(f"grayguard: --record: cannot write {args.record}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        log.info("recording every tick to %s", args.record)
     discovery = start_discovery(cfg, ctl)
     try:
         return _run_controller(args, cfg, ctl)
     finally:
+        if ctl.recorder is not None:
+            ctl.recorder.close()
         ctl.close()  # no canary starts any more; one in flight is not waited on past a second
         if discovery is not None:
             discovery.stop()

@@ -34,6 +34,7 @@ from grayguard.vocab import EJECTED
 if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
     from controller.leader import Leadership
     from controller.membersync import MembershipSync
+    from controller.recorder import Recorder
 
 log = logging.getLogger("grayguard.controller")
 
@@ -64,8 +65,9 @@ class Controller:
                  canary: CanaryFn | None = None, metrics: ControllerMetrics | None = None,
                  state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
                  dry_run: bool = False, leadership: Leadership | None = None,
-                 canary_workers: int = canary_rounds.WORKERS):
+                 canary_workers: int = canary_rounds.WORKERS, recorder: Recorder | None = None):
         self.cfg = cfg
+        self.recorder = recorder  # controller/recorder.py: every tick's Observation (grayguard controller --record)
         self.policy = config_policy(cfg)
         self.policies = pool_policies(cfg)  # the same builder as replay
         self.prom = prom
@@ -301,6 +303,8 @@ class Controller:
             log.warning("holding every weight: %s", result.held)
             return
         obs, hap = seen
+        if self.recorder is not None:
+            self.recorder.write(obs)
         self.act(obs, decide.decide_tick(obs, self.cfg.pools, self.policies), hap, result)
 
     def observe(self, result: TickResult) -> tuple[decide.Observation, dict] | None:

@@ -1,5 +1,10 @@
 """`grayguard replay`: run the controller's decision code over a recorded trace, in virtual time.
 
+Two inputs: a controller's own recording (`--recording`, controller/recorder.py: every tick's Observation, so the
+replay runs exactly the live tick's decision code, decide_tick, on exactly what it saw), or a trace CSV built by
+hand or from Prometheus range queries (`--trace`: the 30 s window's latency and the probe, KV, error and GPU columns
+only).
+
 Trace CSV, one row per node per tick: t (seconds), pool, node, normalized_latency (empty: no data
 that tick), and the optional columns listed in OPTIONAL. While a node is drained its trace values
 stand for what its canary requests measure. Output: one JSON object per node per tick.
@@ -13,11 +18,12 @@ import json
 import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO
 
+from controller.decide import Observation, PoolOutcome, decide_tick
 from controller.policy import NodeInput, NodeState, Policy, canary_due, config_policy, decide_pool, pool_policies
-from grayguard.config import ConfigError, load_config
+from grayguard.config import Config, ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
@@ -158,10 +164,108 @@ def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100,
                        "weight": nd.weight, "reason": s.reason}
 
 
+def replay_recording(ticks: Iterable[Observation], cfg: Config
+                     ) -> Iterator[tuple[Observation, dict[str, PoolOutcome]]]:
+    """Each recorded tick decided again by decide_tick under cfg: (the tick as recorded, the replay's outcomes).
+
+    The first tick a pool appears in starts from the states recorded with it; after that each tick starts from the
+    replay's own states (as the live loop starts from its last tick's), so another config's decisions evolve on
+    their own. Everything the shell did (canary rounds, HAProxy's view) is as recorded."""
+    policies = pool_policies(cfg)
+    states: dict[str, dict[str, NodeState]] = {}
+    for obs in ticks:
+        pools = {p: replace(po, prev=states.get(p, po.prev)) for p, po in obs.pools.items()}
+        outcomes = decide_tick(replace(obs, pools=pools), cfg.pools, policies)
+        for p, o in outcomes.items():
+            states[p] = o.states
+        yield obs, outcomes
+
+
+def recording_decisions(ticks: Iterable[Observation], cfg: Config) -> Iterator[dict]:
+    """One record per node per decided tick: the replay's state, score, weight and reason, and `live`: the state
+    the recording's controller held after that tick (the next tick's recorded states; None on the last tick)."""
+    pending: list[tuple[Observation, dict[str, PoolOutcome]]] = []
+    for obs, outcomes in replay_recording(ticks, cfg):
+        if pending:
+            yield from _decided(*pending.pop(), obs)
+        pending.append((obs, outcomes))
+    if pending:
+        yield from _decided(*pending.pop(), None)
+
+
+def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Observation | None) -> Iterator[dict]:
+    for pool, o in outcomes.items():
+        nxt = following.pools.get(pool) if following is not None else None
+        for n, nd in sorted(o.decision.nodes.items()):
+            s = nd.state
+            live = nxt.prev.get(n) if nxt is not None else None
+            yield {"t": round(obs.now, 3), "pool": pool, "node": n, "state": s.state,
+                   "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
+                   "reason": s.reason, "live": None if live is None else live.state}
+
+
+def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
+    """Per node: ticks in each state, quarantines begun, weight cuts begun (a healthy node going degraded) and the
+    longest cut in ticks, and the ticks on which the replay's state differs from the live controller's."""
+    out: dict[str, dict] = {}
+    last: dict[str, str] = {}
+    run: dict[str, int] = {}
+    for d in decisions:
+        key = f"{d['pool']}/{d['node']}"
+        s = out.setdefault(key, {"ticks": {}, "quarantines": 0, "cuts": 0, "longest_cut_ticks": 0, "differ": 0})
+        s["ticks"][d["state"]] = s["ticks"].get(d["state"], 0) + 1
+        before = last.get(key)
+        if d["state"] == "quarantined" and before != "quarantined":
+            s["quarantines"] += 1
+        if d["state"] == "degraded":
+            if before != "degraded":
+                s["cuts"] += 1
+            run[key] = run.get(key, 0) + 1
+            s["longest_cut_ticks"] = max(s["longest_cut_ticks"], run[key])
+        else:
+            run[key] = 0
+        if d["live"] is not None and d["live"] != d["state"]:
+            s["differ"] += 1
+        last[key] = d["state"]
+    return out
+
+
+def run_recording(args: argparse.Namespace, cfg: Config) -> int:
+    from controller.recorder import RecordingError, read
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (stdout must not be closed)
+    decisions: list[dict] = []
+    try:
+        for rec in recording_decisions(read(args.recording), cfg):
+            out.write(json.dumps(rec) + "\n")
+            decisions.append(rec)
+    except OSError as e:
+        print(f"grayguard: cannot read recording {args.recording}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except RecordingError as e:
+        print(f"grayguard: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    ticks = len({d["t"] for d in decisions})
+    print(f"replayed {ticks} recorded tick(s) of {args.recording}", file=sys.stderr)
+    for node, s in sorted(summarize(decisions).items()):
+        states = ", ".join(f"{k}={v}" for k, v in sorted(s["ticks"].items()))
+        print(f"  {node}: {states}; quarantines {s['quarantines']}, cuts {s['cuts']} (longest "
+              f"{s['longest_cut_ticks']} ticks); differs from the live controller on {s['differ']} tick(s)",
+              file=sys.stderr)
+    return 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="FILE", help="YAML config: thresholds and recovery")
-    p.add_argument("--trace", required=True, metavar="CSV",
-                   help="trace to replay (with --from-prometheus: where the built trace is written)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--recording", metavar="FILE",
+                     help="a controller's recording (grayguard controller --record FILE; .gz read as gzip): "
+                     "every tick decided again by the live decision code under --config; stderr sums up each "
+                     "node (quarantines, cuts, ticks that differ from what the live controller did)")
+    src.add_argument("--trace", metavar="CSV",
+                     help="trace to replay (with --from-prometheus: where the built trace is written)")
     p.add_argument("--out", metavar="FILE", help="JSON-lines output (default stdout)")
     p.add_argument("--base-weight", type=int, default=100, help="HAProxy weight of a healthy node (default 100)")
     p.add_argument("--from-prometheus", metavar="URL", help="build the trace from range queries first")
@@ -179,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.base_weight <= 256:
         print("grayguard: --base-weight must be in 0..256", file=sys.stderr)
         return 2
+    if args.recording:
+        return run_recording(args, cfg)
     if args.from_prometheus:
         from controller.trace_builder import build_trace_cli
         rc = build_trace_cli(cfg, args)

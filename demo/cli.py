@@ -81,6 +81,9 @@ FLEET_DEFAULTS = {
 # The targets a run is judged by: issue 13's for the simulated fleet in demo time; the real-vLLM issue's at the
 # shipped defaults (cut, quarantine, page: seconds after the fault).
 TARGETS = {"sim": (3.0, 10.0, 15.0), "vllm": (5.0, 10.0, 15.0)}
+# in the report directory: the controller's flight recording and the config it ran with; together they decide the run
+# again offline: grayguard replay --recording <dir>/recording.jsonl.gz --config <dir>/grayguard.yaml
+RECORDING, CONFIG = "recording.jsonl.gz", "grayguard.yaml"
 
 
 class Sampler:
@@ -194,7 +197,8 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
     stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
                                  balance=opts.balance, control_window=opts.control_window,
                                  overrides=opts.overrides, fleet=opts.fleet,
-                                 timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5),
+                                 timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5,
+                                 record=str(report_dir / RECORDING) if report_dir is not None else None),
                        progress=progress)
     interrupted, stopped_by = False, None
     records = [] if records is None else records
@@ -272,6 +276,9 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
         stack.stop(keep_workdir=opts.keep_workdir)
         if opts.keep_workdir:
             print(f"[demo] kept {stack.dir} (configs and logs of HAProxy, Prometheus, Alertmanager)", file=out)
+    if report_dir is not None and stack.cfg is not None:  # what `grayguard replay --recording` needs besides it
+        report_dir.mkdir(parents=True, exist_ok=True)
+        (report_dir / CONFIG).write_text(stack.controller_config_yaml())
     if stopped_by is not None and sampler is None:  # interrupted while starting: nothing to report
         raise stopped_by
     report = _finish(opts, report_dir, sampler, records, result, interrupted, out,

