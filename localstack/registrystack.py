@@ -33,7 +33,7 @@ class RegistryTiming:
 
     heartbeat_s: float = 1.0  # --registry.heartbeat
     ttl_min_s: int = 3  # --registry.ttl-min: a crashed node's key is gone this long after its last heartbeat
-    ttl_max_s: int = 10  # --registry.ttl-max: the TTL until two heartbeat intervals are measured
+    ttl_max_s: int = 10  # --registry.ttl-max: the TTL's upper bound (the first lease is first_ttl: 4 s here)
     leave_grace_s: float = 0.2  # --registry.leave-grace
     timeout_s: float = 1.0  # every etcd call, both sides
     lease_ttl_s: int = 5  # the controller replicas' leader lease (registry.lease_ttl_s)
