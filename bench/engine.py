@@ -79,7 +79,7 @@ class Run:
         self.nodes = [VirtualNode(spec, i, scn, params) for i, spec in enumerate(scn.nodes)]
         self.index = {n.spec.name: n.index for n in self.nodes}
         self.detector, balancer = make_policy(policy, scn.nodes, scn)
-        self.lb = make_balancer(balancer, len(self.nodes))
+        self.lb = make_balancer(balancer, len(self.nodes), scn.seed)
         self.lazy = balancer == "roundrobin"  # roundrobin needs no node state to pick
         self.weights = [n.base_weight for n in scn.nodes]
         self.drained = [False] * len(self.nodes)
@@ -99,6 +99,8 @@ class Run:
         self.ai = 0
         interval = self.detector.interval_s
         self.next_tick = (scn.control_start_s or interval) if interval else math.inf
+        # a balancer that reads the nodes (a peer's: bench.peers) is refreshed every refresh_s; HAProxy's never are
+        self.next_refresh = self.lb.refresh_s or math.inf
         self._schedule_faults(0.0)
         # pool membership (Scenario.absent): (time, node index, joins, its Absence); absent nodes are not in HAProxy
         self.absent = [False] * len(self.nodes)
@@ -178,6 +180,7 @@ class Run:
                 node.ttft_count += 1
                 if status[rid] == PENDING:
                     res.ttft[rid] = ev.time - res.t[rid]
+                    self.lb.first_byte(k, ev.time, res.ttft[rid])  # the stream's first bytes reach the gateway
                     if self.gw is not None:  # the status line (200) reached HAProxy
                         self.gw.answered(k)
                     if self.midstream[rid]:  # cuda_error midstream: an error event after the first token
@@ -202,6 +205,8 @@ class Run:
     def _end(self, rid: int, k: int, st: int, t: float) -> None:
         self.res.status[rid] = st
         self.res.e2e[rid] = t - self.res.t[rid]
+        if math.isnan(self.res.ttft[rid]):  # it ends without a first byte: the gateway's wait for one ends too
+            self.lb.first_byte(k, t, self.res.e2e[rid])
         self.lb.ended(k, t)
         self.apply(self.detector.on_result(self.nodes[k].spec.name, st in (OK, GARBAGE), t), t)
 
@@ -251,7 +256,7 @@ class Run:
         if gw is not None:
             gw.request(t)
         sticky = pin >= 0 and not self.absent[pin] and (gw is None or not gw.out[pin])  # else: balanced
-        k = pin if sticky else self.lb.pick(self.weights, self._eligible([]))
+        k = pin if sticky else self.lb.pick(self.weights, self._eligible([]), t)
         while True:
             if k is None:  # HAProxy answers 503 itself
                 res.status[i], res.e2e[i] = NO_SERVER, 0.0
@@ -263,7 +268,7 @@ class Run:
             why = self._fails_at_once(node, t)
             if why is None:
                 break
-            self.lb.failed_at_once(k)  # sent to the server all the same: HAProxy's stot counts it
+            self.lb.failed_at_once(k, t, why)  # sent to the server all the same: HAProxy's stot counts it
             if gw is None:
                 res.status[i], res.e2e[i] = ERROR, 0.0
                 self.apply(self.detector.on_result(node.spec.name, False, t), t)
@@ -274,7 +279,7 @@ class Run:
             retry = len(tried) <= rx.retries and why in rx.retry_on and (why == "conn-failure" or gw.budget_ok(t))
             nxt = None
             if retry:  # redispatch: the balancer picks again among the servers not tried yet
-                nxt = self.lb.pick(self.weights, self._eligible(tried)) if rx.redispatch else k
+                nxt = self.lb.pick(self.weights, self._eligible(tried), t) if rx.redispatch else k
             if nxt is None:
                 res.status[i], res.e2e[i] = ERROR, 0.0
                 gw.response_failed(t)
@@ -391,6 +396,13 @@ class Run:
         self.canary = c
         self.canary_step(t)
 
+    def lb_refresh(self, t: float) -> None:
+        """A peer balancer's periodic read of the nodes (its metrics scrape, its reconnect attempts)."""
+        self.next_refresh += self.lb.refresh_s  # type: ignore[operator]
+        for k in range(len(self.nodes)):
+            self.advance(k, t)
+        self.lb.refresh(t, [None if self.absent[n.index] else n.vllm_gauges() for n in self.nodes])
+
     def _new_id(self) -> int:
         self._synthetic_id -= 1
         return self._synthetic_id
@@ -503,7 +515,8 @@ class Run:
             t_check = self.check_due[0][0] if self.check_due and self.check_due[0][0] < end else inf
             t_agent = self.agent_due[0][0] if self.agent_due and self.agent_due[0][0] < end else inf
             t_member = self.member_events[self.mi][0] if self.mi < len(self.member_events) else inf
-            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check, t_agent, t_member)
+            t_lbr = self.next_refresh if self.next_refresh < end else inf
+            t = min(t_arr, t_fault, t_dead, t_tick, t_can, t_probe, t_pdead, t_check, t_agent, t_member, t_lbr)
             if t == inf or t >= until:
                 break
             self.now = t
@@ -531,6 +544,8 @@ class Run:
                     self.tick(t)
             elif t == t_dead:
                 self.deadline()
+            elif t == t_lbr:
+                self.lb_refresh(t)
             else:
                 self.ai = ai + 1
                 self.arrival(ai)

@@ -13,15 +13,29 @@ from collections.abc import Sequence
 
 
 class _Stat:
-    """HAProxy's per-server session counters (`show stat` scur and stot)."""
+    """HAProxy's per-server session counters (`show stat` scur and stot), and the engine's feedback hooks.
+
+    HAProxy's balancers read none of the feedback: `first_byte` and `refresh` do nothing here, `refresh_s` is None
+    (the engine schedules no refresh). The peers' balancers (bench.peers) use them.
+    """
+
+    refresh_s: float | None = None  # how often the engine calls refresh() with the nodes' gauges; None: never
 
     def __init__(self, n: int) -> None:
         self.active = [0] * n  # scur: requests on the server now
         self.stot = [0] * n  # stot: requests sent to the server so far
 
-    def failed_at_once(self, i: int) -> None:
-        """An attempt on server i failed before it was served (HTTP 500, refused): stot counts it, scur does not."""
+    def failed_at_once(self, i: int, t: float = 0.0, why: str = "") -> None:
+        """An attempt on server i failed at t before it was served (why: '500', 'conn-failure'): stot counts it,
+        scur does not."""
         self.stot[i] += 1
+
+    def first_byte(self, i: int, t: float, rtt: float) -> None:
+        """A request on server i got its first body bytes (its first token) at t, rtt seconds after it was sent;
+        also called when one ends without any (timeout, error), with the time it waited."""
+
+    def refresh(self, t: float, gauges: Sequence[tuple[int, int, float] | None]) -> None:
+        """Every refresh_s: each node's vLLM gauges (running, waiting, KV usage) at t; None where it refuses."""
 
 
 class LeastConn(_Stat):
@@ -42,7 +56,7 @@ class LeastConn(_Stat):
     def _touch(self, i: int, t: float) -> None:
         self._seq[i] = (t, i)
 
-    def pick(self, weights: Sequence[int], drained: Sequence[bool]) -> int | None:
+    def pick(self, weights: Sequence[int], drained: Sequence[bool], t: float = 0.0) -> int | None:
         """The next server, or None when none is eligible."""
         best = None
         best_key: tuple[float, tuple[float, int]] = (0.0, (0.0, 0))
@@ -81,7 +95,7 @@ class RoundRobin(_Stat):
         super().__init__(n)
         self._credit = [0] * n
 
-    def pick(self, weights: Sequence[int], drained: Sequence[bool]) -> int | None:
+    def pick(self, weights: Sequence[int], drained: Sequence[bool], t: float = 0.0) -> int | None:
         """The next server, or None when none is eligible."""
         best = None
         total = 0
@@ -231,9 +245,13 @@ class Gateway:
 BALANCERS = {"leastconn": LeastConn, "roundrobin": RoundRobin}
 
 
-def make_balancer(name: str, n: int) -> LeastConn | RoundRobin:
-    """A balancer by HAProxy name for n servers."""
+def make_balancer(name: str, n: int, seed: int = 0) -> _Stat:
+    """A balancer for n servers: HAProxy's by name, or a peer's (bench.peers, seeded with the scenario's seed)."""
+    from bench.peers import PEER_BALANCERS  # bench.peers builds on _Stat
+
+    if name in PEER_BALANCERS:
+        return PEER_BALANCERS[name](n, seed)
     try:
         return BALANCERS[name](n)
     except KeyError:
-        raise ValueError(f"unknown balancer {name!r}; known: {', '.join(BALANCERS)}") from None
+        raise ValueError(f"unknown balancer {name!r}; known: {', '.join([*BALANCERS, *PEER_BALANCERS])}") from None

@@ -310,6 +310,28 @@ class VirtualNode:
                        self.probes.ttft_median(t, 2 * w), self.prompt_total,
                        self.engine.kv_usage() if self.spec.backend == "vllm" else None)
 
+    def vllm_gauges(self) -> tuple[int, int, float] | None:
+        """What vLLM's /metrics shows now: (num_requests_running, num_requests_waiting, kv_cache_usage_perc); None
+        when the port refuses connections. Read-only.
+
+        A hung engine core publishes no stats, so its gauges stay at its last step's: the running batch and the KV
+        it holds do not change while the engine is stalled, and the queue counts only the requests that waited when
+        it froze (the ones queued since are not in the gauge). Client aborts of frozen requests (after the client's
+        deadline) do shrink this model's running batch, which a hung vLLM's gauge would not show.
+        A plain server (the Linkerd replica's) shows its requests in progress as running, no queue and no KV.
+        """
+        if self.fault_name() == "refused":
+            return None
+        eng = self.engine
+        if not isinstance(eng, EngineModel):
+            return eng.num_running, 0, 0.0
+        if eng.stalled:
+            at = eng._stalled_at
+            waiting = sum(1 for s in eng._waiting if s.arrival <= at)  # type: ignore[operator]
+        else:
+            waiting = eng.num_waiting
+        return eng.num_running, waiting, eng.kv_usage()
+
     def forget_before(self, t: float) -> None:
         """Drop records older than t (ticks only move forward)."""
         fin, err = self.finished, self.errors

@@ -6,6 +6,10 @@ the latency-based ones) and sets per-server weights: 0..256, or drained. Names: 
 with HAProxy's reflexes of grayguard.reflexes, no controller), `grayguard` (the controller behind the same
 reflexes), `oracle` (the reference floor: behind the same reflexes, drains each faulty node exactly while its
 fault lasts); the detectors run on leastconn unless the name says `@roundrobin`, e.g. `grayguard@roundrobin`.
+The peers users pick instead of grayguard, other gateways with no controller and no HAProxy reflexes (PEERS;
+their balancers are bench.peers'): `linkerd` (Peak-EWMA with power of two choices), `envoy-lr` (Envoy's
+LEAST_REQUEST at its defaults, without outlier detection: Envoy configures none by default) and `epp` (the Gateway
+API Inference Extension's endpoint picker: least queue, then least KV cache, from vLLM's gauges every 50 ms).
 """
 
 from __future__ import annotations
@@ -238,7 +242,14 @@ DETECTORS = {
     "haproxy": (Detector, "leastconn", {}),
     "grayguard": (Grayguard, "leastconn", {}),
     "oracle": (Oracle, "leastconn", {}),
+    "linkerd": (Detector, "peak_ewma", {}),
+    "envoy-lr": (Detector, "least_request", {}),
+    "epp": (Detector, "epp", {}),
 }
+# The peers: another gateway's balancer, nothing on top. Linkerd's failure accrual and retries are opt-in (off);
+# Envoy has no outlier detection, health check or retry policy unless configured; the endpoint picker follows
+# Kubernetes' readiness (bench.peers.EndpointPicker) and Envoy in front of it retries nothing by default.
+PEERS = frozenset({"linkerd", "envoy-lr", "epp"})
 # Policies behind HAProxy's reflexes as shipped (grayguard.reflexes, the agent check included): grayguard's
 # gateway, that gateway without a controller, and the oracle reference behind it. roundrobin / leastconn / seeds
 # are the status quo without them; Envoy has its own outlier detection (its defaults) and no retry policy
@@ -252,7 +263,7 @@ def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[De
     if base not in DETECTORS:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(DETECTORS)} (optionally @roundrobin)")
     cls, default_lb, kw = DETECTORS[base]
-    if balancer and base in ("roundrobin", "leastconn", "haproxy"):
+    if balancer and (base in ("roundrobin", "leastconn", "haproxy") or base in PEERS):
         raise ValueError(f"policy {name!r}: {base} is itself a balancer")
     if balancer not in ("", "roundrobin", "leastconn"):
         raise ValueError(f"policy {name!r}: unknown balancer {balancer!r}")

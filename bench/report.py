@@ -7,7 +7,8 @@ import statistics
 from bench.detection import GG, REFERENCES, detection_targets, percentile_table
 from sim.faults import LATENCY_FAULTS
 
-POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "haproxy", "grayguard", "oracle")
+POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "envoy-lr", "linkerd", "epp", "haproxy",
+                "grayguard", "oracle")
 FAULTED = ("fault", "sensitivity", "double", "linkerd", "pool")
 FAST_FAILS = ("cuda_error", "refused")  # faults HAProxy's reflexes see: the node answers 500 or refuses
 RATIOS = ("ttft_p99", "ttft_p999", "e2e_p99", "e2e_p999")
@@ -22,8 +23,24 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def is_peer(policy: str) -> bool:
+    """A policy users could run instead of grayguard: not grayguard (on any balancer), not a reference (oracle)."""
+    return policy.partition("@")[0] != GG and policy not in REFERENCES
+
+
+def best_peers(rows: list[dict]) -> dict[str, dict]:
+    """Per scenario, the peer's row with the lowest P99 TTFT (ties: report order); scenarios without a peer: none."""
+    peers = [r for r in rows if is_peer(r["policy"]) and r["ttft_p99"] is not None]
+    rank = {p: k for k, p in enumerate(_order({r["policy"] for r in peers}))}
+    out: dict[str, dict] = {}
+    for r in sorted(peers, key=lambda r: (r["ttft_p99"], rank[r["policy"]])):
+        out.setdefault(r["scenario"], r)
+    return out
+
+
 def add_baselines(rows: list[dict]) -> None:
-    """Add `<metric>_x` (vs the healthy twin, same policy) and `ttft_p99_vs_lc` (vs leastconn, same scenario)."""
+    """Add `<metric>_x` (vs the healthy twin, same policy), `ttft_p99_vs_lc` (vs leastconn, same scenario), and
+    `best_peer` with `ttft_p99_vs_best_peer` (vs the scenario's best peer, bench.report.best_peers)."""
     twin = {(r["traffic_key"], r["policy"]): r for r in rows if r["group"] == "healthy"}
     lc = {r["scenario"]: r for r in rows if r["policy"] == "leastconn"}
     for r in rows:
@@ -36,6 +53,11 @@ def add_baselines(rows: list[dict]) -> None:
         r["failed_by_fault"] = r["error"] + r["no_server"] + max(0, r["timeout"] - base["timeout"]) if base else None
         other = lc.get(r["scenario"])
         r["ttft_p99_vs_lc"] = _ratio(r["ttft_p99"], other["ttft_p99"]) if other else None
+    best = best_peers(rows)
+    for r in rows:
+        b = best.get(r["scenario"])
+        r["best_peer"] = b["policy"] if b else None
+        r["ttft_p99_vs_best_peer"] = _ratio(r["ttft_p99"], b["ttft_p99"]) if b else None
 
 
 def _med(vals):
@@ -352,16 +374,40 @@ def _linkerd(rows: list[dict]) -> list[str]:
         ["policy", "success", "timeouts", "requests", "P99 e2e", "time to cut", "time to quarantine"], body) + [""]
 
 
+def _best_peer(rows: list[dict]) -> list[str]:
+    gg = {r["scenario"]: r for r in rows if r["policy"] == GG}
+    body, faults = [], []
+    for scn in sorted(gg):
+        g = gg[scn]
+        if g.get("best_peer") is None:
+            continue
+        peer = next(r for r in rows if r["scenario"] == scn and r["policy"] == g["best_peer"])
+        body.append([scn, g["best_peer"], _f(peer["ttft_p99"], 3), _f(g["ttft_p99"], 3),
+                     _f(g["ttft_p99_vs_best_peer"])])
+        if g["group"] in FAULTED:
+            faults.append(g["ttft_p99_vs_best_peer"])
+    if not body:
+        return []
+    return ["### grayguard against the best peer of each scenario (P99 TTFT)", "",
+            "The best peer: the policy other than grayguard and the oracle with the lowest P99 TTFT in the scenario "
+            "(failed requests count as the client deadline). grayguard / best peer below 1: grayguard is faster. "
+            f"Median over the faulted scenarios: {_f(_med(faults))}x over {len(faults)}.", ""] + _table(
+        ["scenario", "best peer", "its P99 TTFT", "grayguard P99 TTFT", "grayguard / best peer"], body) + [""]
+
+
 def _details(rows: list[dict]) -> list[str]:
     body = []
     for r in rows:
         body.append([r["scenario"], r["policy"], _f(r["t_cut_s"], 0), _f(r["t_quarantine_s"], 0),
                      f"{r['false_cuts']}/{r['false_quarantines']}", _f(r["ttft_p99"], 3), _f(r["ttft_p99_x"]),
                      _f(r["ttft_p999_x"]), _f(r["e2e_p99"], 2), _f(r["e2e_p99_x"]), r["timeout"],
-                     r["error"] + r["no_server"], _pct(r["capacity_kept"])])
-    return ["## Per scenario", "", "Times in seconds from the fault; x = ratio to the healthy baseline.", ""] + _table(
+                     r["error"] + r["no_server"], _pct(r["capacity_kept"]), r.get("best_peer") or "–",
+                     _f(r.get("ttft_p99_vs_best_peer"))])
+    return ["## Per scenario", "", "Times in seconds from the fault; x = ratio to the healthy baseline; vs best peer = "
+            "P99 TTFT over that of the scenario's best peer (the policy other than grayguard and the oracle with the "
+            "lowest).", ""] + _table(
         ["scenario", "policy", "cut", "quarantine", "false cut/q", "P99 TTFT", "x", "P99.9 TTFT x", "P99 e2e",
-         "x", "timeouts", "errors", "capacity"], body)
+         "x", "timeouts", "errors", "capacity", "best peer", "P99 TTFT vs best peer"], body)
 
 
 def markdown_parts(rows: list[dict], tgt: list[dict], meta: dict) -> tuple[list[str], list[str], list[str]]:
@@ -374,7 +420,8 @@ def markdown_parts(rows: list[dict], tgt: list[dict], meta: dict) -> tuple[list[
         f"- **{t['status']}** {t['target']}: {t['measured']}" + (f" ({t['detail']})" if t["detail"] else "")
         for t in tgt] + [""]
     tables = _fault_summary(rows) + _per_fault(rows) + _reflexes(rows) + _pool(rows) + _per_size(rows) \
-        + percentile_table(rows) + _sensitivity(rows) + _benign(rows) + _double(rows) + _linkerd(rows)
+        + percentile_table(rows) + _sensitivity(rows) + _benign(rows) + _double(rows) + _linkerd(rows) \
+        + _best_peer(rows)
     return head + tl, tables, _details(rows)
 
 
