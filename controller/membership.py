@@ -115,18 +115,7 @@ def decide(view: PoolView, memory: PoolMemory, present: Collection[str], now: fl
     known = set(view.nodes) | (set(view.departed) & set(present)) | set(removing)
     cap = expiry_cap(share, len(known))
     lapsed = expired & set(present)  # expired, still in HAProxy
-    untrusted_since, registered = memory.untrusted_since, memory.registered
-    if view.fresh:
-        lost = ((memory.registered or frozenset()) - set(view.nodes)) & expired
-        # the pool had members: the last view had records, or (the first view since a start) HAProxy has them
-        had = bool(memory.registered) or (memory.registered is None and bool(lapsed))
-        if len(lost) > cap or (not view.nodes and had):  # a freeze past the TTL, a re-list gap: not that many deaths
-            untrusted_since = now
-        elif untrusted_since is not None and view.nodes and len(lapsed) <= cap:
-            untrusted_since = None  # registered again: the view holds together
-        registered = frozenset(view.nodes)
-    if untrusted_since is not None and now - untrusted_since >= EXPIRY_WINDOW_S:
-        untrusted_since = None  # a minute later the losses stand: the gateway, cap and floor rules decide
+    untrusted_since, registered = _trust(view, memory, expired, lapsed, cap, now)
     untrusted = untrusted_since is not None
     if view.fresh:  # a frozen view begins nothing: what it shows may be hours old
         for n in sorted(leaving & set(present) - set(removing)):
@@ -152,6 +141,26 @@ def decide(view: PoolView, memory: PoolMemory, present: Collection[str], now: fl
                     PoolMemory(removing=removing, joining=joining, expiries=recent, registered=registered,
                                untrusted_since=untrusted_since),
                     kept=kept, floor=pool - ejectable, untrusted=untrusted)
+
+
+def _trust(view: PoolView, memory: PoolMemory, expired: set[str], lapsed: set[str], cap: int,
+           now: float) -> tuple[float | None, frozenset[str] | None]:
+    """(since when the view is doubted, None: trusted; the records it had). A view that lost more than the cap at
+    once, or every record of a pool that had members, is doubted for EXPIRY_WINDOW_S, or until the nodes register
+    again (what is left lapsed is within the cap)."""
+    since, registered = memory.untrusted_since, memory.registered
+    if view.fresh:
+        lost = ((memory.registered or frozenset()) - set(view.nodes)) & expired
+        # the pool had members: the last view had records, or (the first view since a start) HAProxy has them
+        had = bool(memory.registered) or (memory.registered is None and bool(lapsed))
+        if len(lost) > cap or (not view.nodes and had):  # a freeze past the TTL, a re-list gap: not that many deaths
+            since = now
+        elif since is not None and view.nodes and len(lapsed) <= cap:
+            since = None  # registered again: the view holds together
+        registered = frozenset(view.nodes)
+    if since is not None and now - since >= EXPIRY_WINDOW_S:
+        since = None  # a minute later the losses stand: the gateway, cap and floor rules decide
+    return since, registered
 
 
 def may_expire(view: PoolView, memory: PoolMemory, present: Collection[str], up: Collection[str]) -> bool:
