@@ -402,10 +402,10 @@ class RuntimeClient:
             sock.close()
         raw = b"".join(chunks)
         parts = raw.split(PROMPT_SEP)
-        # parts[0] answers "prompt" (fenced: then `set timeout cli`, `get var`); then one part per command; the
-        # tail after the last prompt is "".
+        # parts[0] answers "prompt" (fenced: then `set timeout cli`, `get var`); then one part per command, each
+        # complete once the next prompt follows it; the tail after the last prompt is "" (or a reply cut short)
         skip = 3 if fence is not None else 1
-        replies = [p.decode(errors="replace") for p in parts[skip:len(lines) + skip]]
+        replies = [p.decode(errors="replace") for p in parts[skip:-1][:len(lines)]]
         if len(replies) != len(lines):
             raise HaproxyError("bad_reply", f"HAProxy at {self.endpoint} answered {len(replies)} of "
                                f"{len(lines)} commands (closed early?)")
@@ -432,6 +432,11 @@ class RuntimeClient:
             sock.close()
         self._claimed[fence.var] = (fence.epoch, -math.inf)  # its own already (set by another client of this replica)
         return True
+
+    def claim_pending(self, var: str) -> float:
+        """Seconds before a batch may follow this client's claim of var (0: none pending)."""
+        claimed = self._claimed.get(var)
+        return 0.0 if claimed is None else max(0.0, claimed[1] + CLAIM_WAIT_S - self.clock())
 
     def _read_until(self, sock: socket.socket, deadline: float, chunks: list[bytes], prompts: int | None) -> None:
         """Read into chunks until the connection ends (prompts None) or holds that many prompts."""

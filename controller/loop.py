@@ -313,7 +313,9 @@ class Controller:
         if not hap:
             result.held = "no HAProxy endpoint answered"
             return None
-        hap = self.sync_membership(hap, result)
+        hap = self.sync_membership(hap, result)  # first: a restore into a restarted HAProxy goes in before a claim
+        if self.leadership is not None and self._led:
+            self._hold_epochs(self._led)
         samples, why = self.read_prometheus()
         if why:
             result.held = why
@@ -489,7 +491,6 @@ class Controller:
             self.node_series.forget_pool(pool)
             self.rounds.discard(pool)  # and its canaries are the new leader's to send and decide
         self._led = turn.led
-        self._hold_epochs(turn.led)
         if not turn.led:
             result.standby = result.held = turn.why
             if turn.ready:  # a standby's liveness: it reaches the registry and could lead at once
@@ -517,7 +518,7 @@ class Controller:
     def _hold_epochs(self, led: frozenset[str]) -> None:
         """Claim this replica's epoch in every HAProxy (once per term; leader.py), even with nothing to write: it
         steers on it alone through an etcd outage."""
-        if self.dry_run:
+        if self.dry_run or self.cfg.haproxy.writer == "actuators":  # the actuators write HAProxy, from etcd
             return
         scopes = {self.leadership.scope_of(p): p for p in sorted(led)}  # type: ignore[union-attr]
         for pool in scopes.values():
@@ -564,10 +565,16 @@ class Controller:
         return why is None
 
     def _may_write(self, pool: PoolConfig, result: TickResult) -> bool:
-        """Fencing, before every HAProxy batch: only a leader whose lease outlasts the write may write."""
+        """Before every HAProxy batch: only the pool's leader sends it (HAProxy's epoch fences it, leader.py), and not
+        while its claim of the epoch is still waited on (quietly: that is every takeover's first CLAIM_WAIT_S)."""
         if self.leadership is None:
             return True
         why = self.leadership.may_write(pool.name, self.cfg.haproxy.timeout_s)
+        if why is None:
+            var = self.leadership.fence(pool.name).var
+            if any(getattr(hc, "claim_pending", lambda _: 0.0)(var) > 0 for hc in self.haproxies):
+                log.debug("pool=%s: HAProxy not written this tick: its fencing epoch was just claimed", pool.name)
+                return False
         if why:
             result.errors.append(f"pool={pool.name}: {why}")
             log.warning("pool=%s: HAProxy not written: %s", pool.name, why)
