@@ -50,7 +50,7 @@ class ElectionStore(Registry):
     def _txn(self, body: dict[str, Any]) -> dict[str, Any]:
         res = self._call(lambda: self._gw.transaction(body))
         if not isinstance(res, dict) or "header" not in res:
-            raise RegistryError("garbage", f"{self.url}: transaction answer not understood: {str(res)[:120]}")
+            raise RegistryError("garbage", f"{self._where()}: transaction answer not understood: {str(res)[:120]}")
         return res
 
 

@@ -42,7 +42,9 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
   * With --registry.url: the node's membership in etcd. After pre-checks (GPU healthy, the advertised port
     reachable, the model loaded, the API key accepted) it writes <prefix>/nodes/<pool>/<node> on its own
     lease, kept alive every --registry.heartbeat with an adaptive TTL; on SIGTERM it says "leaving", then
-    revokes the lease (docs/exporters.md, "Registry").
+    revokes the lease (docs/exporters.md, "Registry"). --registry.url once per member of the etcd cluster;
+    TLS with --registry.ca-file, --registry.cert-file and --registry.key-file; an etcd user with --registry.user
+    and --registry.password-file (docs/operations.md, "etcd security").
 
 A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
 No node label is added: Prometheus' scrape config sets `instance` and `pool`.
