@@ -1,4 +1,4 @@
-"""`grayguard loadgen`: open-loop Poisson load against a URL, then a percentile report."""
+"""`grayguard loadgen`: open-loop Poisson (or production-trace) load against a URL, then a percentile report."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 
 from sim.loadgen import LengthDist, LoadConfig, run_load
 from sim.loadstats import Phase
+from sim.traces import FORMATS, TraceError, TraceLoad, parse_window, plan_trace
 
-HELP = "open-loop Poisson load of streaming completions; prints TTFT/e2e percentiles per phase"
+HELP = "open-loop Poisson (or production-trace) load of streaming completions; prints TTFT/e2e percentiles per phase"
 DESCRIPTION = """\
 Send streaming /v1/completions at a Poisson rate to URL (HAProxy or a node) for a bounded time or count.
 Arrivals never wait for answers; requests beyond --concurrency are counted as `overflow` errors.
@@ -18,10 +19,21 @@ Prompt and completion lengths are lognormal (median, coefficient of variation), 
 Latencies count from each request's scheduled arrival. Errors are classed as timeout, overflow,
 connect, http_4xx, http_5xx, stream_error, garbage, protocol.
 
+--trace FILE replays a production trace instead (sim/traces.py): the Azure LLM inference traces (CSV: TIMESTAMP,
+ContextTokens, GeneratedTokens), Mooncake's (JSON lines: timestamp ms, input_length, output_length, hash_ids) or
+BurstGPT's (CSV: Timestamp, Request tokens, Response tokens), the format read from the header. Its arrival times
+and token counts replace the Poisson ones: --trace-window START:DURATION picks trace seconds, --trace-speedup X
+plays them X times faster, or --trace-rate R / --trace-utilization U (of --trace-capacity-rps or
+--trace-capacity-tps) compresses them to that mean; lengths are clipped to --trace-max-len (prompt + output).
+Requests that share Mooncake hash ids share a prompt prefix (512 words a block: one token a word). --duration
+still bounds the run (0: the whole window). The summary names the trace and its attribution.
+
 examples:
   grayguard loadgen --url http://127.0.0.1:8080 --rate 20 --duration 60
   grayguard loadgen --url http://127.0.0.1:8080 --rate 30 --duration 120 \\
       --phase baseline:0:40 --phase fault:40:80 --phase recovery:80: --records run.csv
+  grayguard loadgen --url http://127.0.0.1:8080 --trace azure-llm-inference-2023-conv.csv \
+      --trace-window 600:300 --trace-rate 20 --duration 0
 """
 
 
@@ -48,6 +60,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra request header (repeatable)")
     p.add_argument("--records", metavar="PATH", help="write per-request records (.csv, else JSON lines)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    t = p.add_argument_group("production trace (instead of Poisson arrivals and lognormal lengths)")
+    t.add_argument("--trace", metavar="FILE", help="replay this trace (Azure CSV, Mooncake JSON lines, BurstGPT CSV)")
+    t.add_argument("--trace-format", choices=FORMATS, default=None, help="override the format read from the header")
+    t.add_argument("--trace-window", default="0:", metavar="START:DURATION",
+                   help="trace seconds to replay (default 0: from the start, as long as the run needs)")
+    pace = t.add_mutually_exclusive_group()
+    pace.add_argument("--trace-speedup", type=float, default=None, metavar="X",
+                      help="play the trace X times faster (default 1: its own pace)")
+    pace.add_argument("--trace-rate", type=float, default=None, metavar="R",
+                      help="compress the trace's time so its mean is R requests/s")
+    pace.add_argument("--trace-utilization", type=float, default=None, metavar="U",
+                      help="compress it to U x the pool's capacity (--trace-capacity-rps or --trace-capacity-tps)")
+    cap = t.add_mutually_exclusive_group()
+    cap.add_argument("--trace-capacity-rps", type=float, default=None, metavar="C",
+                     help="the pool's capacity in requests/s (e.g. 11 per simulated h100 node)")
+    cap.add_argument("--trace-capacity-tps", type=float, default=None, metavar="C",
+                     help="the pool's capacity in tokens/s (prompt + output)")
+    t.add_argument("--trace-max-len", type=int, default=8192, metavar="N",
+                   help="the model's context: prompt + output are clipped to it (default 8192, the simulator's and "
+                   "the real fleet's max_model_len)")
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
@@ -58,12 +90,37 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         if not sep:
             raise ValueError(f"bad --header {h!r}: want 'Name: value'")
         headers[name.strip()] = value.strip()
+    trace = trace_plan_from_args(args)
     return LoadConfig(
-        url=args.url, rate=args.rate, duration_s=args.duration or None, count=args.count,
+        url=args.url, rate=args.rate, duration_s=args.duration or None, count=args.count, trace=trace,
         max_concurrency=args.concurrency, timeout_s=args.timeout, seed=args.seed, model=args.model,
         stream=not args.no_stream, phases=tuple(Phase.parse(s) for s in args.phase), headers=headers,
         prompt_tokens=LengthDist(args.prompt_median, args.prompt_cv, 1, args.prompt_max),
         completion_tokens=LengthDist(args.completion_median, args.completion_cv, 1, args.completion_max))
+
+
+def trace_plan_from_args(args: argparse.Namespace):
+    """The trace's arrivals for --trace (None without it); TraceError on a bad file or option."""
+    if not getattr(args, "trace", None):
+        for opt in ("trace_speedup", "trace_rate", "trace_utilization", "trace_capacity_rps", "trace_capacity_tps"):
+            if getattr(args, opt, None) is not None:
+                raise TraceError(f"--{opt.replace('_', '-')} needs --trace")
+        return None
+    if args.trace_utilization is None and (args.trace_capacity_rps or args.trace_capacity_tps):
+        raise TraceError("--trace-capacity-rps/--trace-capacity-tps: only with --trace-utilization")
+    start, dur = parse_window(args.trace_window)
+    load = TraceLoad(args.trace, args.trace_format, start, dur, speedup=args.trace_speedup, rate=args.trace_rate,
+                     utilization=args.trace_utilization, max_model_len=args.trace_max_len)
+    return plan_trace(load, args.duration or None, capacity_rps=args.trace_capacity_rps,
+                      capacity_tps=args.trace_capacity_tps)
+
+
+def trace_line(meta: dict) -> str:
+    """One line for the report: which trace, which window, at what pace, and its attribution."""
+    w = meta["window_s"]
+    return (f"trace {meta['file']} ({meta['format']}): window {w[0]:g}-{w[1]:g} s x{meta['speedup']:g}, "
+            f"{meta['requests']} requests over {meta['run_s']:g} s ({meta['mean_rate']} req/s, "
+            f"{meta['clipped']} clipped to {meta['max_model_len']} tokens)\nsource: {meta['attribution']}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(run_load(cfg))
     if args.records:
         result.write_records(args.records)
+    meta = result.config.get("trace")
     if args.json:
-        print(json.dumps(result.summary(), indent=2))
+        print(json.dumps({**result.summary(), **({"trace": meta} if meta else {})}, indent=2))
     else:
+        if meta:
+            print(trace_line(meta))
         print(result.format_table())
     return 0 if result.select(statuses=("ok",)) else 1

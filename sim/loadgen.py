@@ -7,6 +7,7 @@ instead of queueing them. Seeded: the same seed gives the same arrivals and requ
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -65,11 +66,14 @@ class LoadConfig:
     phases: tuple[Phase, ...] = ()
     backend_headers: tuple[str, ...] = BACKEND_HEADERS
     headers: Mapping[str, str] = field(default_factory=dict)  # extra request headers
+    # a sim.traces.TracePlan: its arrivals and lengths replace the Poisson ones (rate and the length
+    # distributions are then unused; duration_s and count still bound the run)
+    trace: Any = None
 
     def __post_init__(self) -> None:
         if self.rate <= 0:
             raise ValueError("rate must be > 0")
-        if self.duration_s is None and self.count is None:
+        if self.duration_s is None and self.count is None and self.trace is None:  # a trace's window bounds it
             raise ValueError("set duration_s or count: a run must be bounded")
         if self.max_concurrency < 1 or self.timeout_s <= 0:
             raise ValueError("max_concurrency must be >= 1 and timeout_s > 0")
@@ -112,6 +116,9 @@ async def _first_model(session: aiohttp.ClientSession, cfg: LoadConfig) -> str |
 
 def arrival_plan(cfg: LoadConfig) -> Iterator[tuple[float, int, int]]:
     """The run's arrivals as (seconds from start, prompt tokens, max_tokens); a pure function of cfg."""
+    if cfg.trace is not None:
+        yield from _trace_plan(cfg)
+        return
     rng_gap = random.Random(cfg.seed)
     rng_len = random.Random(cfg.seed + 1)  # separate stream: sizes do not shift when the rate changes
     t, i = 0.0, 0
@@ -121,6 +128,30 @@ def arrival_plan(cfg: LoadConfig) -> Iterator[tuple[float, int, int]]:
             return
         yield t, cfg.prompt_tokens.sample(rng_len), cfg.completion_tokens.sample(rng_len)
         i += 1
+
+
+def _trace_plan(cfg: LoadConfig) -> Iterator[tuple[float, int, int]]:
+    plan = cfg.trace
+    for i, t in enumerate(plan.t):
+        if (cfg.count is not None and i >= cfg.count) or (cfg.duration_s is not None and t >= cfg.duration_s):
+            return
+        yield t, plan.prompt[i], plan.output[i]
+
+
+def request_prompt(cfg: LoadConfig, index: int, tokens: int) -> str:
+    """Request `index`'s prompt: its own words, or a trace's shared prefix blocks first (sim.traces)."""
+    if cfg.trace is not None:
+        return cfg.trace.prompt_text(index, tokens, cfg.seed)
+    return make_prompt(tokens, cfg.seed * 1_000_003 + index)
+
+
+def config_summary(cfg: LoadConfig) -> dict[str, Any]:
+    """The config as the result records it: no headers (they may hold secrets), a trace as its metadata."""
+    bare = copy.copy(cfg)
+    bare.trace = None  # its metadata, not its arrivals
+    d = {k: v for k, v in asdict(bare).items() if k != "headers"}
+    d["trace"] = dict(cfg.trace.meta) if cfg.trace is not None else None
+    return d
 
 
 class _Run:
@@ -133,7 +164,7 @@ class _Run:
 
     async def one(self, rec: RequestRecord, due: float) -> None:
         cfg = self.cfg
-        prompt = make_prompt(rec.prompt_tokens, cfg.seed * 1_000_003 + rec.index)  # each request's own words
+        prompt = request_prompt(cfg, rec.index, rec.prompt_tokens)  # each request's own words (or a trace's prefix)
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": rec.max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": cfg.stream}
         if cfg.stream:
@@ -245,5 +276,4 @@ async def run_load(cfg: LoadConfig, *, session: aiohttp.ClientSession | None = N
             await session.close()
     window = cfg.duration_s if cfg.duration_s is not None else (
         run.records[-1].start_s if run.records else 0.0)
-    cfg_dict = {k: v for k, v in asdict(cfg).items() if k != "headers"}  # headers may hold secrets
-    return LoadResult(run.records, tuple(cfg.phases), window, wall_s, wall, cfg_dict)
+    return LoadResult(run.records, tuple(cfg.phases), window, wall_s, wall, config_summary(cfg))
