@@ -139,6 +139,29 @@ def startup_checks(ctl: Controller) -> list[str]:
                                 "accepts weights 0% or 100%: degraded weights cannot apply; use roundrobin or "
                                 "leastconn")
     problems += staleness_checks(ctl)
+    problems += fencing_checks(ctl)
+    return problems
+
+
+def fencing_checks(ctl: Controller) -> list[str]:
+    """With a registry every batch is fenced by an epoch kept in HAProxy (`get var`, `set var`: HAProxy 2.6+ on an
+    admin-level socket): one that cannot keep it would refuse every write."""
+    if ctl.leadership is None or ctl.dry_run or ctl.cfg.haproxy.writer == "actuators":
+        return []
+    from controller.haproxy import epoch_var
+
+    problems = []
+    var = epoch_var(ctl.cfg.registry.prefix, "check")
+    for hc in ctl.haproxies:
+        try:
+            got, level = hc.execute([f"get var {var}", "show cli level"])
+        except HaproxyError as e:
+            problems.append(f"HAProxy {hc.endpoint}: {e}")
+            continue
+        if ("not found" not in got.lower() and "value=" not in got) or "admin" not in level:
+            problems.append(f"HAProxy {hc.endpoint} cannot keep the fencing epoch (`get var`: {got.strip()[:60]!r}, "
+                            f"CLI level {level.strip()!r}): with registry.url every write is fenced by it, so this "
+                            "replica will write nothing there; HAProxy 2.6+ and `stats socket ... level admin` needed")
     return problems
 
 

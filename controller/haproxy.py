@@ -457,7 +457,12 @@ class RuntimeClient:
         sock.sendall(f"prompt\nset timeout cli {CLI_TIMEOUT_S}\nget var {fence.var}\n".encode())
         self._read_until(sock, deadline, chunks, 3)
         read_at = self.clock()
-        gateway = parse_var(b"".join(chunks).split(PROMPT_SEP)[2].decode(errors="replace"))
+        reply = b"".join(chunks).split(PROMPT_SEP)[2].decode(errors="replace")
+        if reply.strip() and parse_var(reply) is None and "not found" not in reply.lower():
+            self._quit(sock)  # an HAProxy without `get var` (before 2.4) or a socket below admin level
+            raise HaproxyError("unsupported", f"HAProxy at {self.endpoint} cannot keep the fencing epoch "
+                               f"(`get var`: {reply.strip()[:80]!r}); HAProxy 2.6+ and an admin-level socket needed")
+        gateway = parse_var(reply)
         if fence.seen is not None:
             fence.seen(self.endpoint, gateway)
         mine, after = fence.epoch, ""
@@ -472,7 +477,10 @@ class RuntimeClient:
                 after = f"experimental-mode on\nset var {fence.var} int({mine})\n"
                 self._claimed[fence.var] = (mine, read_at)
         elif mine is not None and read_at < fence.claim_until:
-            self._quit(sock, f"experimental-mode on\nset var {fence.var} int({mine})\n")
+            said = self._quit(sock, f"experimental-mode on\nset var {fence.var} int({mine})\n")
+            if said.replace(PROMPT_SEP.decode(), "").strip():  # both answer nothing when they took
+                raise HaproxyError("unsupported", f"HAProxy at {self.endpoint} did not set the fencing epoch: "
+                                   f"{said.strip()[:120]!r}")
             self._claimed[fence.var] = (mine, read_at)
             raise FencedError(f"epoch {mine} set (HAProxy had {gateway}): the batch follows in {CLAIM_WAIT_S:g}s",
                               gateway, claimed=True)
@@ -484,14 +492,16 @@ class RuntimeClient:
             raise FencedError(f"the epoch was read {self.clock() - read_at:.2f}s ago (> {EPOCH_READ_S:g}s)", gateway)
         return after
 
-    def _quit(self, sock: socket.socket, before: str = "") -> None:
+    def _quit(self, sock: socket.socket, before: str = "") -> str:
+        """Send before (if any) and quit; with before, wait for HAProxy to close: what it answered to before."""
+        got = []
         try:
             sock.sendall((before + "quit\n").encode())
-            if before:  # the epoch must be set before the caller counts CLAIM_WAIT_S from now
-                while sock.recv(65536):
-                    pass
+            while before and (data := sock.recv(65536)):  # the epoch is set before CLAIM_WAIT_S counts from now
+                got.append(data)
         except OSError:
             pass
+        return b"".join(got).decode(errors="replace")
 
     def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
         """Every server (of one backend, or all), with its hanafail counter and status from `show stat` (same

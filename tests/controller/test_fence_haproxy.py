@@ -128,3 +128,35 @@ def test_a_writer_paused_after_its_read_sends_nothing(hap):
         pass
     s.close()
     assert RuntimeClient(hap.endpoint).get_weight(BE, "node0")[0] == 100
+
+
+def test_a_socket_below_admin_level_is_named_at_startup_and_its_batches_are_errors(tmp_path, hap):
+    """With registry.url every write is fenced: an HAProxy that cannot keep the epoch is said before the first tick
+    (cmd_controller.fencing_checks), and a fenced batch there is an `unsupported` error, never a silent no-op."""
+    from controller.cmd_controller import fencing_checks
+    from controller.leader import Leadership
+    from controller.loop import Controller
+    from controller.metrics import ControllerMetrics
+    from grayguard.config import parse_config
+    from localstack.haproxy import HaproxyProc, haproxy_config
+    from tests.support.ctl_helpers import PROM, FakeProm
+    from tests.support.fake_etcd import Client, FakeEtcd
+
+    d = tmp_path / "operator"
+    d.mkdir()
+    low = HaproxyProc(d, haproxy_config(d / "admin.sock", {BE: servers(2)}, "leastconn").replace("level admin",
+                                                                                                   "level operator"))
+    low.start()
+    try:
+        with pytest.raises(Exception, match="unsupported|cannot keep|did not set"):
+            client(low, Fence(VAR, 5, claim_until=float("inf"))).apply(weight(50))
+        cfg = parse_config({"prometheus": {"url": PROM}, "haproxy": {"endpoints": [low.endpoint, hap.endpoint]},
+                            "pools": [{"name": "chat", "backend": BE}], "state_file": None,
+                            "registry": {"url": "http://127.0.0.1:2379"}})
+        lead = Leadership(Client(FakeEtcd(time.monotonic)), "a", ["chat"], 5, prefix="/gg")
+        ctl = Controller(cfg, FakeProm({}, []), [RuntimeClient(low.endpoint), RuntimeClient(hap.endpoint)],
+                         metrics=ControllerMetrics.create(), leadership=lead)
+        problems = fencing_checks(ctl)
+        assert len(problems) == 1 and low.endpoint in problems[0] and "level admin" in problems[0]
+    finally:
+        low.stop()
