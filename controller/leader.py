@@ -224,6 +224,8 @@ class Leadership:
             if last is not None and last[0] == text and last[1] < REPUBLISH_TICKS:
                 self._published[pool] = (text, last[1] + 1)
                 return None
+            if self._error is not None:  # this tick's renewal did not answer: no second wait on etcd in the tick
+                return f"the states could not be put in etcd (it did not answer: {self._error})"
             try:
                 ok = self.store.put_if_held(leader_key(self.prefix, scope), rev, puts)
             except RegistryError as e:
