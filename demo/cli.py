@@ -38,6 +38,12 @@ quota of 1/k of a core; hang: SIGSTOP of the engine core; engine_death: SIGKILL 
 fake healthy H100 there: no GPU evidence, the detector works from latency alone. The report names the engine and
 its version. About 5 minutes (90 s of it the servers starting).
 
+--trace FILE replays a production trace instead of the Poisson load (sim/traces.py: the Azure LLM inference traces,
+Mooncake's or BurstGPT's; `grayguard loadgen --help` has the formats): --trace-window START:DURATION picks trace
+seconds, compressed to --rate's mean (the fleet's default rate unless given) or played --trace-speedup times
+faster; prompt + output are clipped to the model's context (8192: the simulator's max_model_len, or the real
+vLLM servers' --max-model-len). The report says it ran on the trace: file, window, pace and its attribution.
+
 examples:
   grayguard demo                         # the default scenario (about 2.5 minutes)
   grayguard demo --fault pcie --fault-node node5
@@ -45,6 +51,7 @@ examples:
   grayguard demo --compare               # with, without, and a fault-free run side by side (~8 minutes)
   grayguard demo --scenario membership   # etcd registry: a node joins at 30 s, another crashes at 90 s
   grayguard demo --fleet vllm            # the gray failure on 4 real vLLM servers (make demo-vllm)
+  grayguard demo --trace bench/suites/traces/azure-llm-inference-2023-conv.csv --trace-window 60:
 """
 log = logging.getLogger("grayguard.demo")
 
@@ -68,6 +75,7 @@ class DemoOptions:
     overrides: dict = field(default_factory=dict)
     keep_workdir: bool = False
     fleet: str = "sim"  # sim: the simulated fleet; vllm: real vLLM servers (localstack/vllmfleet.py)
+    trace: Any = None  # a sim.traces.TracePlan (--trace): its arrivals and lengths replace the Poisson load
 
 
 # --fleet vllm: 4 real vLLM servers on 2 cores run a third of the simulated fleet's pace, start in about 90 s, and
@@ -213,8 +221,10 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
         phases = (Phase("baseline", 0, opts.fault_start_s), Phase("fault", opts.fault_start_s, end_fault),
                   *((Phase("recovery", end_fault, math.inf),) if math.isfinite(end_fault) else ()))
         cfg = LoadConfig(url=stack.gateway_url, rate=opts.rate, duration_s=opts.duration_s, seed=opts.seed,
-                         timeout_s=opts.timeout_s, phases=phases)
-        print(f"[run] {opts.duration_s:.0f} s of load at {opts.rate:g} req/s through HAProxy "
+                         timeout_s=opts.timeout_s, phases=phases, trace=opts.trace)
+        load = (f"the trace {Path(opts.trace.meta['file']).name} (mean {opts.trace.meta['mean_rate']:g} req/s)"
+                if opts.trace is not None else f"{opts.rate:g} req/s")
+        print(f"[run] {opts.duration_s:.0f} s of load at {load} through HAProxy "
               f"({'controller ON' if opts.controller else 'controller OFF'})", file=out, flush=True)
         t0 = time.time()
         fut = stack.fleet.submit(run_load(cfg, sink=records))
@@ -305,7 +315,8 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
               "balance": opts.balance, "control_window": opts.control_window,
               "nodes": opts.nodes, "rate": opts.rate, "duration_s": opts.duration_s, "seed": opts.seed,
               "interrupted": interrupted, "phases": phases, "events": sampler.events,
-              "marks": list(marks), **(engine or {"fleet": opts.fleet})}
+              "t0_unix": sampler.t0,  # the events' t = 0, on the clock of the controller's recorded ticks
+              "marks": list(marks), **(engine or {"fleet": opts.fleet}), "trace": trace_report(opts)}
     report["verdict"] = verdict(report)
     print(summary_text(report), file=out, flush=True)
     if report_dir is not None:
@@ -314,6 +325,11 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
             result.write_records(str(report_dir / "requests.csv"))  # every request: start, backend, TTFT, e2e, status
         print(f"[report] {report_dir / 'report.json'}  {report_dir / 'report.html'}", file=out, flush=True)
     return report
+
+
+def trace_report(opts: DemoOptions) -> dict | None:
+    """What the report says of a trace run: file, format, window, pace, requests, clipping, attribution (or None)."""
+    return dict(opts.trace.meta) if opts.trace is not None else None
 
 
 def engine_of(stack: Any) -> dict:
@@ -356,6 +372,7 @@ def summary_text(r: dict) -> str:
               if r.get("fleet") == "vllm" else "the simulated fleet")
     lines = ["", f"=== {r['fault']} on {r['faulty_node']} ({'controller ON' if r['controller'] else 'controller OFF'}) "
              f"on {served}",
+             *([trace_text(r["trace"])] if r.get("trace") else []),
              f"fault injected      {fs:.1f}s   cleared {r['fault_end_s']}",
              f"first weight cut    {_rel(r['first_weight_cut_s'], fs)}",
              f"quarantined         {_rel(r['quarantine_s'], fs)}",
@@ -369,6 +386,14 @@ def summary_text(r: dict) -> str:
                      f"{_f(tt.get('p99.9'))} |  {_f(ee.get('p50'))} {_f(ee.get('p99'))}")
     lines.append(r["verdict"])
     return "\n".join(lines)
+
+
+def trace_text(m: dict) -> str:
+    """The summary's line for a trace run, with the trace's attribution."""
+    w = m["window_s"]
+    return (f"load                trace {Path(m['file']).name} ({m['format']}), window {w[0]:g}-{w[1]:g} s x"
+            f"{m['speedup']:g}: {m['requests']} requests, {m['mean_rate']:g} req/s, {m['clipped']} clipped to "
+            f"{m['max_model_len']} tokens\n                    source: {m['attribution']}")
 
 
 def _f(x: float | None) -> str:
@@ -441,6 +466,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=["fault", "membership"], default="fault",
                    help="fault: a gray failure on one node (the default); membership: the pool follows an etcd "
                    "registry, a node joins and another crashes mid-run (demo/membership.py)")
+    t = p.add_argument_group("production trace (instead of the Poisson load)")
+    t.add_argument("--trace", metavar="FILE", help="replay this trace (Azure CSV, Mooncake JSON lines, BurstGPT CSV)")
+    t.add_argument("--trace-format", choices=["azure", "mooncake", "burstgpt"], default=None,
+                   help="override the format read from the header")
+    t.add_argument("--trace-window", default="0:", metavar="START:DURATION",
+                   help="trace seconds to replay (default 0: from the start, as long as the run needs)")
+    t.add_argument("--trace-speedup", type=float, default=None, metavar="X",
+                   help="play the trace X times faster instead of compressing it to --rate's mean")
     from demo import membership
     membership.add_arguments(p)
 
@@ -471,6 +504,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
                     fault_params=params, controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout,
                     live=args.live, balance=args.balance, control_window=given(args.control_window, d.control_window),
                     keep_workdir=args.keep_workdir, fleet=args.fleet)
+    o.trace = trace_from_args(args, o)
     if o.nodes < 3:
         raise ValueError("--nodes must be at least 3 (no peer comparison below)")
     if not 0 <= o.fault_start_s < o.duration_s:
@@ -492,8 +526,33 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     return o
 
 
+def trace_from_args(args: argparse.Namespace, o: DemoOptions):
+    """The --trace plan for the run (None without one); ValueError (a TraceError) on a bad file or option.
+
+    The model's context clips the lengths: the simulator's max_model_len, or the real servers' --max-model-len."""
+    from sim.traces import TraceError, TraceLoad, parse_window, plan_trace
+    if not getattr(args, "trace", None):
+        if getattr(args, "trace_speedup", None) is not None:
+            raise TraceError("--trace-speedup needs --trace")
+        return None
+    if args.trace_speedup is not None and args.rate is not None:
+        raise TraceError("--trace-speedup or --rate: each sets the trace's pace")
+    if o.fleet == "vllm":
+        from localstack.vllmserver import MAX_MODEL_LEN as context
+    else:
+        from sim.model import ModelParams
+        context = ModelParams().max_model_len
+    start, dur = parse_window(args.trace_window)
+    load = TraceLoad(args.trace, args.trace_format, start, dur, speedup=args.trace_speedup,
+                     rate=None if args.trace_speedup is not None else o.rate, max_model_len=context)
+    return plan_trace(load, o.duration_s)
+
+
 def run(args: argparse.Namespace) -> int:
     from grayguard.binaries import BinaryMissing
+    if args.scenario == "membership" and getattr(args, "trace", None):
+        print("grayguard demo: --trace: the membership scenario runs its own Poisson load", file=sys.stderr)
+        return 2
     if args.scenario == "membership":
         from demo import membership
         return membership.run(args)
