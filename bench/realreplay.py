@@ -1,6 +1,7 @@
 """Real-fleet evidence, decided again: demo runs on real vLLM, replayed through today's decision code.
 
     python -m bench.realreplay [--config FILE] [RUN_DIR ...]
+    python -m bench.realreplay --save REPORT_DIR --name NAME   # keep a demo run as a committed run
 
 A run directory is what `grayguard demo --fleet vllm --report-dir DIR` writes: recording.jsonl.gz (every tick the
 controller saw, controller/recorder.py), grayguard.yaml (the config it ran with) and report.json (the fault, its node
@@ -101,13 +102,34 @@ def replay_run(run: Path, config: str | None) -> dict:
     return j
 
 
+def save_run(src: Path, name: str, dest_root: Path = RUNS) -> Path:
+    """Copy a demo report directory's recording and config into dest_root/name, and its report.json without the
+    per-second samples (the figures, events and phases stay)."""
+    import shutil
+    dest = dest_root / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("recording.jsonl.gz", "grayguard.yaml"):
+        shutil.copyfile(src / f, dest / f)
+    report = json.loads((src / "report.json").read_text())
+    report.pop("samples", None)
+    (dest / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.realreplay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", type=Path, help=f"run directories (default: every one under {RUNS})")
     p.add_argument("--config", help="replay with this config instead of each run's own grayguard.yaml")
     p.add_argument("--json", action="store_true", help="one JSON object per run instead of the table")
+    p.add_argument("--save", type=Path, metavar="REPORT_DIR", help="keep this demo report directory as a run")
+    p.add_argument("--name", help="with --save: the run's name (a directory under the runs)")
     args = p.parse_args(argv)
+    if args.save:
+        if not args.name:
+            p.error("--save needs --name")
+        print(save_run(args.save, args.name))
+        return 0
     runs = args.runs or sorted(d for d in (RUNS.iterdir() if RUNS.is_dir() else ())
                                if (d / "recording.jsonl.gz").exists())
     if not runs:
