@@ -4,6 +4,8 @@ Pure and clock-free. A server with weight 0 or in drain gets no new requests (as
 persistence is modelled by the engine's pinned requests, which bypass the balancer). `pick()` returns
 the chosen index, or None when no server is eligible (HAProxy answers 503). Each balancer also keeps what
 HAProxy's `show stat` shows per server: `active` (scur) and `stot` (requests sent, failed attempts included).
+`make_balancer` also builds the peers' balancers (bench.peers), which read the engine's feedback hooks (_Stat);
+HAProxy's ignore them.
 """
 
 from __future__ import annotations
