@@ -8,21 +8,28 @@ docs/benchmarks.md for the format. Errors name the suite file and the offending 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario, TracePin, trace_plan
 from sim.faults import FaultError, nominal_slowdown
 from sim.loadgen import LengthDist
 from sim.model import ModelParams
+from sim.traces import FORMATS, TraceError, TraceLoad, parse_window
 
 SCENARIO_DIR = Path(__file__).parent / "suites"
 _SCENARIO_FIELDS = {f.name for f in fields(Scenario)} - {"name", "nodes", "load", "faults", "policies", "tags", "group"}
 MAX_MODEL_LEN = ModelParams().max_model_len  # vLLM rejects prompt + completion above it: a spec must fit
-_LOAD_FIELDS = {f.name for f in fields(LoadSpec)}
+_LOAD_FIELDS = {f.name for f in fields(LoadSpec)} - {"trace", "trace_pin"}
+# a trace load's keys (docs/benchmarks.md): trace: FILE (relative to the suite's folder), window: START:DURATION (trace
+# seconds), speedup, format, pin_hottest: {node, start_s, end_s}; with utilization, rate, rate_per_node, timeout_s
+_TRACE_KEYS = {"trace", "window", "speedup", "format", "pin_hottest"}
+_NOT_WITH_TRACE = {"prompt", "completion", "shape", "surges", "burst_period_s", "burst_s", "burst_factor",
+                   "lull_factor"}
 MATRIX_KEYS = ("fault", "benign", "size", "mix", "load")
 
 
@@ -85,9 +92,58 @@ def _slowdown_all(entries: Any, where: str) -> tuple[tuple[float, float, float],
     return tuple(out)
 
 
-def _load(d: dict, nodes: tuple[NodeSpec, ...], where: str) -> LoadSpec:
+def _trace(d: dict, nodes: tuple[NodeSpec, ...], where: str, base_dir: Path | None) -> dict[str, Any]:
+    """The trace keys of a load (popped from d) as LoadSpec fields; errors name the key."""
+    kw: dict[str, Any] = {}
+    path = Path(str(d.pop("trace")))
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise SuiteError(f"{where}.trace: no trace file {str(path)!r}")
+    bad = sorted(set(d) & _NOT_WITH_TRACE)
+    if bad:
+        raise SuiteError(f"{where}.{bad[0]}: not with a trace (its arrivals and lengths are the trace's)")
+    fmt = d.pop("format", None)
+    if fmt is not None and fmt not in FORMATS:
+        raise SuiteError(f"{where}.format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    window = d.pop("window", "0:")
+    try:
+        start, dur = (parse_window(window) if isinstance(window, str) else
+                      (float(window[0]), None if len(window) < 2 or window[1] is None else float(window[1])))
+    except (TraceError, TypeError, ValueError, IndexError) as e:
+        raise SuiteError(f"{where}.window: {window!r}: want 'START:DURATION' or [start, duration] ({e})") from None
+    speedup = d.pop("speedup", None)
+    if speedup is not None:
+        if "utilization" in d or "rate" in d or "rate_per_node" in d:
+            raise SuiteError(f"{where}.speedup: give speedup or a utilization/rate, not both (each sets the pace)")
+        kw["utilization"] = None
+    try:
+        kw["trace"] = TraceLoad(str(path.resolve()), fmt, start, dur, None if speedup is None else float(speedup),
+                                max_model_len=MAX_MODEL_LEN)
+    except (TraceError, TypeError, ValueError) as e:
+        raise SuiteError(f"{where}.{'speedup' if speedup is not None else 'window'}: {e}") from None
+    pin = d.pop("pin_hottest", None)
+    if pin is not None:
+        w = f"{where}.pin_hottest"
+        unknown = set(pin) - {"node", "start_s", "end_s", "max_rate"} if isinstance(pin, dict) else {"(not a mapping)"}
+        if unknown or "node" not in pin:
+            raise SuiteError(f"{w}: want {{node, start_s?, end_s?, max_rate?}}, got {pin!r}")
+        kw["trace_pin"] = TracePin(_node_name(pin["node"], nodes, w), float(pin.get("start_s", 0.0)),
+                                   float(pin.get("end_s", math.inf)),
+                                   None if pin.get("max_rate") is None else float(pin["max_rate"]))
+        tp = kw["trace_pin"]
+        if not tp.start_s < tp.end_s or (tp.max_rate is not None and tp.max_rate <= 0):
+            raise SuiteError(f"{w}: need start_s < end_s and max_rate > 0")
+    return kw
+
+
+def _load(d: dict, nodes: tuple[NodeSpec, ...], where: str, base_dir: Path | None = None) -> LoadSpec:
     d = dict(d)
     kw: dict[str, Any] = {}
+    if "trace" in d:
+        kw.update(_trace(d, nodes, where, base_dir))
+    elif set(d) & (_TRACE_KEYS - {"trace"}):
+        raise SuiteError(f"{where}.{sorted(set(d) & _TRACE_KEYS)[0]}: only with a trace (load key `trace: FILE`)")
     per_node = d.pop("rate_per_node", None)
     if per_node is not None:
         kw["rate"], kw["utilization"] = float(per_node) * len(nodes), None
@@ -158,15 +214,15 @@ def load_suite(name_or_path: str) -> tuple[list[Scenario], dict]:
         raise SuiteError(f"no suite {name_or_path!r} (known: {', '.join(suites())})")
     spec = yaml.safe_load(path.read_text()) or {}
     try:
-        return expand(spec, path.name), spec
+        return expand(spec, path.name, path.parent), spec
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, SuiteError):
             raise
         raise SuiteError(f"{path.name}: {type(e).__name__}: {e}") from None
 
 
-def expand(spec: dict, where: str = "suite") -> list[Scenario]:
-    """Scenarios of a parsed suite spec, in a stable order."""
+def expand(spec: dict, where: str = "suite", base_dir: Path | None = None) -> list[Scenario]:
+    """Scenarios of a parsed suite spec, in a stable order; a trace's relative path is read from base_dir."""
     base = dict(spec.get("base") or {})
     fault_at = float(base.pop("fault_at_s", 40.0))
     node_spec = dict(base.pop("node", {}) or {})
@@ -185,7 +241,7 @@ def expand(spec: dict, where: str = "suite") -> list[Scenario]:
         keys = [k for k in MATRIX_KEYS if k in matrix]
         for combo in itertools.product(*(matrix[k] for k in keys)):
             c = dict(zip(keys, combo, strict=True))
-            out.append(_one(spec, g, c, base, node_spec, fault_at, policies, gw))
+            out.append(_one(spec, g, c, base, node_spec, fault_at, policies, gw, base_dir))
             if out[-1].name in seen:
                 raise SuiteError(f"{gw}: duplicate scenario name {out[-1].name}")
             seen.add(out[-1].name)
@@ -193,7 +249,7 @@ def expand(spec: dict, where: str = "suite") -> list[Scenario]:
 
 
 def _one(spec: dict, g: dict, c: dict, base: dict, node_spec: dict, fault_at: float, policies: tuple,
-         where: str) -> Scenario:
+         where: str, base_dir: Path | None = None) -> Scenario:
     overrides: dict[str, Any] = dict(g.get("set") or {})
     benign = c.get("benign")
     if benign is not None:
@@ -211,7 +267,7 @@ def _one(spec: dict, g: dict, c: dict, base: dict, node_spec: dict, fault_at: fl
     if load_def is None:
         raise SuiteError(f"{where}: load {load_name!r} is not declared under loads")
     load_def = {**load_def, **(overrides.pop("load_overrides", None) or {})}
-    load = _load(load_def, nodes, f"{where}.load")
+    load = _load(load_def, nodes, f"{where}.load", base_dir)
     faults, slowdown = (), None
     if "fault" in c:
         faults, slowdown = _faults(c["fault"], spec.get("faults") or {}, nodes, fault_at, where)
@@ -231,7 +287,13 @@ def _one(spec: dict, g: dict, c: dict, base: dict, node_spec: dict, fault_at: fl
             "slowdown": slowdown}
     scn = Scenario(name="/".join(parts), nodes=nodes, load=load, faults=faults, group=g["group"],
                    policies=tuple(g.get("policies") or policies), tags=tuple(tags.items()))
-    return replace(scn, **kw)
+    scn = replace(scn, **kw)
+    if scn.load.trace is not None:  # read it now: a bad file or an empty window fails the suite, not a run
+        try:
+            trace_plan(scn)
+        except TraceError as e:
+            raise SuiteError(f"{where}.load.trace: {e}") from None
+    return scn
 
 
 def group_name(g: dict) -> str:

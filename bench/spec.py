@@ -11,10 +11,12 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 
 from sim.faults import ScheduledFault
 from sim.loadgen import LengthDist
 from sim.model import SPEED_CLASSES
+from sim.traces import TraceLoad, TracePlan, plan_trace
 
 # Requests per second one h100-class node serves at saturation with the default request mix
 # (docs/simulator.md, measured in virtual time); slower classes scale by their speed multiplier.
@@ -59,6 +61,21 @@ class PinnedLoad:
 
 
 @dataclass(frozen=True)
+class TracePin:
+    """A trace's hottest tenant (sim.traces.TracePlan.hottest) pinned to one node over [start_s, end_s).
+
+    Unlike PinnedLoad it adds no traffic: the tenant's own requests, drawn from the trace, bypass the balancer.
+    max_rate caps the tenant's size (every k-th of its requests is pinned, the rest stay balanced): a decile of a
+    32-node pool's traffic is more than one node serves, and the same tenant should not grow with the pool.
+    """
+
+    node: str
+    start_s: float = 0.0
+    end_s: float = math.inf
+    max_rate: float | None = None  # req/s
+
+
+@dataclass(frozen=True)
 class Absence:
     """A node out of the pool (not in HAProxy's backend) over [from_s, until_s); it joins (again) at until_s.
 
@@ -83,7 +100,13 @@ class Absence:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Open-loop Poisson arrivals; the mean rate is `rate`, or `utilization` of the pool's capacity."""
+    """Open-loop Poisson arrivals; the mean rate is `rate`, or `utilization` of the pool's capacity.
+
+    With `trace`, a production trace's window replaces the Poisson stream and its lengths (shape, surges, prompt
+    and completion are then unused): compressed to `rate` req/s, or to `utilization` of the pool's capacity in
+    tokens/s (Scenario.capacity_tps: prompt + output tokens, the trace's requests being larger than the default
+    mix's), or played at trace.speedup when that is set (utilization and rate None).
+    """
 
     utilization: float | None = 0.4
     rate: float | None = None  # total req/s; wins over utilization
@@ -97,6 +120,8 @@ class LoadSpec:
     completion: LengthDist = field(default_factory=lambda: LengthDist(100, 1.0, 4, 1024))
     pinned: tuple[PinnedLoad, ...] = ()
     timeout_s: float = 30.0  # client deadline per request, from its arrival
+    trace: TraceLoad | None = None  # sim.traces: the file, window, format, speed-up and the model's context
+    trace_pin: TracePin | None = None  # the trace's hottest tenant on one node
 
     def factor(self, t: float) -> float:
         """Rate multiplier at time t."""
@@ -157,9 +182,16 @@ class Scenario:
     @property
     def rate(self) -> float:
         """Mean total arrival rate (req/s) of the balanced traffic."""
+        if self.load.trace is not None:
+            return trace_plan(self).meta["mean_rate"] or 0.0
         if self.load.rate is not None:
             return self.load.rate
         return (self.load.utilization or 0.0) * sum(n.capacity_rps for n in self.nodes)
+
+    @property
+    def capacity_tps(self) -> float:
+        """The pool's nominal capacity in tokens/s: capacity_rps x the mean prompt + completion of the default mix."""
+        return sum(n.capacity_rps for n in self.nodes) * DEFAULT_MIX_TOKENS
 
     @property
     def window(self) -> tuple[float, float]:
@@ -223,15 +255,59 @@ def _poisson(rate_at, max_rate: float, start: float, end: float, seed: int):
             yield t
 
 
-def make_arrivals(s: Scenario) -> Arrivals:
-    """The scenario's arrivals: the balanced stream plus any pinned streams, merged by time."""
+def _mean(d: LengthDist) -> float:
+    return d.median * math.sqrt(1.0 + d.cv**2)  # a lognormal's mean (the clip is far out in the tail)
+
+
+# Tokens per request of the mix H100_CAPACITY_RPS was measured with (prompt 200, completion 100, both CV 1): ~424.
+DEFAULT_MIX_TOKENS = _mean(LoadSpec().prompt) + _mean(LoadSpec().completion)
+
+
+@lru_cache(maxsize=32)
+def _plan(load: TraceLoad, run_s: float, capacity_tps: float) -> TracePlan:
+    return plan_trace(load, run_s, capacity_tps=capacity_tps)
+
+
+def trace_plan(s: Scenario) -> TracePlan:
+    """The scenario's trace arrivals (cached: every policy's run replays the same plan)."""
     load = s.load
-    base = s.rate
+    tl = load.trace
+    if tl.speedup is None:
+        tl = replace(tl, rate=load.rate, utilization=None if load.rate is not None else load.utilization)
+    return _plan(tl, s.duration_s, s.capacity_tps)
+
+
+def _pinned(plan: TracePlan, pin: TracePin, run_s: float) -> list[bool]:
+    """Which of the plan's requests go to the pinned node: the hottest tenant's in the pin window, thinned evenly
+    to pin.max_rate."""
+    hot = [h and pin.start_s <= t < pin.end_s for h, t in zip(plan.hottest(), plan.t, strict=True)]
+    n = sum(hot)
+    if pin.max_rate is None or n == 0:
+        return hot
+    keep = min(n, pin.max_rate * (min(pin.end_s, run_s) - pin.start_s))
+    out, j = [], 0
+    for h in hot:
+        out.append(h and math.floor((j + 1) * keep / n) > math.floor(j * keep / n))
+        j += h
+    return out
+
+
+def make_arrivals(s: Scenario) -> Arrivals:
+    """The scenario's arrivals: the balanced stream (Poisson, or a trace) plus any pinned streams, merged by time."""
+    load = s.load
     rows: list[tuple[float, int, int, int]] = []
-    sizes = random.Random(s.seed + 1)  # own stream: sizes do not shift when the rate changes
-    for t in _poisson(lambda t: base * load.factor(t), base * load.max_factor(), 0.0, s.duration_s, s.seed):
-        rows.append((t, load.prompt.sample(sizes), load.completion.sample(sizes), -1))
     index = {n.name: i for i, n in enumerate(s.nodes)}
+    if load.trace is not None:
+        plan = trace_plan(s)
+        pin = load.trace_pin
+        pinned = _pinned(plan, pin, s.duration_s) if pin is not None else [False] * len(plan)
+        for t, p, o, h in zip(plan.t, plan.prompt, plan.output, pinned, strict=True):
+            rows.append((t, p, o, index[pin.node] if h else -1))
+    else:
+        base = s.rate
+        sizes = random.Random(s.seed + 1)  # own stream: sizes do not shift when the rate changes
+        for t in _poisson(lambda t: base * load.factor(t), base * load.max_factor(), 0.0, s.duration_s, s.seed):
+            rows.append((t, load.prompt.sample(sizes), load.completion.sample(sizes), -1))
     for j, p in enumerate(load.pinned):
         rng = random.Random(s.seed * 1000 + 17 * (j + 1))
         for t in _poisson(lambda _t, r=p.rate: r, p.rate, p.start_s, min(p.end_s, s.duration_s), s.seed + 31 * (j + 1)):

@@ -82,8 +82,8 @@ def test_smoke_measures_what_the_policies_are_known_to_do(smoke):
 def test_default_suite_is_the_full_cross_product():
     scenarios, spec = load_suite("default")
     groups = Counter(s.group for s in scenarios)
-    assert groups["fault"] == 8 * 3 * 2 * 2
-    assert groups["benign"] == 11 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3
+    assert groups["fault"] == 8 * 3 * 2 * 2 + 8  # and every fault type under the production trace (8 nodes)
+    assert groups["benign"] == 11 * 3 + 3 * 3 and groups["linkerd"] == 1 and groups["pool"] == 3  # 3 trace cases
     assert all(len(s.faults) == len(s.nodes) for s in scenarios if s.group == "pool")
     faults = [s for s in scenarios if s.group == "fault"]
     assert {s.tag["fault"] for s in faults} == {"thermal", "pcie", "kv_thrash", "hang", "cuda_error", "garbage",
@@ -93,8 +93,8 @@ def test_default_suite_is_the_full_cross_product():
         mixed = s.tag["mix"] == "mixed"
         assert (len({n.speed_class for n in s.nodes}) > 1) == mixed
         assert all((n.peer_group == n.speed_class) if mixed else n.peer_group is None for n in s.nodes)
-    # same pool, load and seed: one shared healthy baseline per (size, mix, load)
-    assert len({s.traffic_key() for s in faults}) == 3 * 2 * 2
+    # same pool, load and seed: one shared healthy baseline per (size, mix, load); the trace's faults share one
+    assert len({s.traffic_key() for s in faults}) == 3 * 2 * 2 + 1
     assert "smoke" in suites() and "default" in suites()
 
 
