@@ -13,6 +13,11 @@ Prometheus is a fake HTTP server whose per-node latencies the test sets (node0 1
    until it is continued), the standby takes over and claims HAProxy's epoch, then dies too; the old leader is
    continued and its batch, arriving after the takeover, is never applied (HAProxy closed the connection, idle
    past its `set timeout cli`), and it writes nothing until it is elected again and has claimed a new epoch.
+4. A partition (the leader cut off from etcd, the standby not): the leader steers on until the standby, elected
+   once the old lease expired in etcd, claims HAProxy; the old leader stops at its first sight of the new epoch and
+   writes nothing after; healed, it stands by.
+5. The leader killed during the outage: the standby, which can neither reach etcd nor lead, restores a restarted
+   HAProxy's membership alone.
 """
 
 from __future__ import annotations
@@ -143,6 +148,77 @@ class Relay:
         self.closed = True
         self.release.set()
         self.srv.close()
+
+
+class TcpRelay:
+    """A TCP relay to etcd for one replica: cut() drops its connections and refuses new ones (a partition between
+    that replica and etcd, the others still reach it); heal() lets it through again on the same port."""
+
+    def __init__(self, upstream_url: str):
+        u = urllib.parse.urlparse(upstream_url)
+        self.upstream = (u.hostname, u.port)
+        self.port = free_port()
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.srv: socket.socket | None = None
+        self.heal()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def heal(self) -> None:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", self.port))
+        srv.listen(64)
+        self.srv = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def cut(self) -> None:
+        with self.lock:
+            if self.srv is not None:
+                with contextlib.suppress(OSError):
+                    self.srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it (close alone does not)
+                self.srv.close()
+                self.srv = None
+            for c in self.conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            self.conns.clear()
+
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                down, _ = srv.accept()
+            except OSError:
+                return
+            with self.lock:
+                if srv is not self.srv:  # cut meanwhile
+                    down.close()
+                    return
+            try:
+                up = socket.create_connection(self.upstream, timeout=2)
+                up.settimeout(None)
+            except OSError:
+                down.close()
+                continue
+            with self.lock:
+                self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_RDWR)
 
 
 class Replica:
@@ -342,6 +418,82 @@ def test_a_leader_stopped_mid_write_never_writes_after_the_standby_took_over(sta
         perturber.close()
         watcher.close()
         relay.close()
+
+
+def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_haproxy_then_writes_nothing(
+        static_stack, tmp_path, replicas):
+    hap, etcd, prom, lat = static_stack
+    rc = RuntimeClient(hap.endpoint)
+    path = TcpRelay(etcd.url)  # a's only way to etcd
+    perturb = RuntimeClient(hap.endpoint)
+    perturber = Sampler(lambda: perturb.execute(["set server vllm_chat/node5 weight 77"]), 0.2)
+    try:
+        pools = [{"name": "chat", "backend": "vllm_chat"}]
+        a = Replica(tmp_path, "a", config(prom, hap.endpoint, path.url, pools))
+        replicas.append(a)
+        wait_until(a.leads, 15, what="a leads")
+        first = wait_until(lambda: (e := a.epoch()) and gateway_epoch(rc) == e and e, 10, what="a's epoch in HAProxy")
+        b = Replica(tmp_path, "b", config(prom, hap.endpoint, etcd.url, pools))
+        replicas.append(b)
+        wait_until(lambda: b.status()["leadership"]["leaders"].get(SCOPE_ALL) == "a", 10, what="b sees a lead")
+
+        path.cut()
+        cut = time.monotonic()
+        wait_until(lambda: a.status()["leadership"]["steering_without_registry"], TTL + TICK + SLACK,
+                   what="a's lease unconfirmed")
+        steered = a.metric("grayguard_haproxy_writes_total")
+        wait_until(b.leads, TTL + TICK + SLACK + 5, what="b elected after a's lease expired in etcd")
+        assert a.metric("grayguard_haproxy_writes_total") > steered, "a stopped steering before anyone else could"
+        wait_until(lambda: gateway_epoch(rc) == b.epoch(), 5, interval_s=0.02, what="b claims HAProxy")
+        claimed = time.monotonic()
+        assert claimed - cut >= TTL * 0.9  # not before a's lease could have ended
+        wait_until(lambda: not a.leads(), CLAIM_WAIT_S + 2 * TICK + SLACK, what="a stops at the sight of b's epoch")
+        done = a.metric("grayguard_haproxy_writes_total")
+        wait_until(lambda: b.metric("grayguard_haproxy_writes_total") >= 3, 10, what="b steers")
+        time.sleep(3 * TICK)
+        assert a.metric("grayguard_haproxy_writes_total") == done, "a wrote after b had claimed HAProxy"
+        assert gateway_epoch(rc) == b.epoch() != first
+        assert "another replica was elected and claimed it" in a.log.read_text()
+
+        path.heal()  # a reaches etcd again: its lease is gone there, it stands by
+        wait_until(lambda: a.status()["leadership"]["leaders"].get(SCOPE_ALL) == "b", 15, what="a sees b lead")
+        assert b.leads() and not a.leads() and a.metric("grayguard_haproxy_writes_total") == done
+    finally:
+        perturber.close()
+        path.cut()
+
+
+def test_a_standby_alone_restores_a_restarted_haproxy_when_the_leader_died_during_the_outage(tmp_path, replicas):
+    require("etcd", "haproxy")
+    rig = Rig(tmp_path / "rig", 3)
+    try:
+        for i in range(3):
+            rig.register(i, ttl=3)
+        prom = FakePrometheus({n.address: 0.02 for n in rig.nodes})
+        doc = config(prom, rig.hap.endpoint, rig.etcd.url, [{"name": "chat", "backend": BACKEND,
+                                                             "discovery": "registry"}])
+        a = Replica(tmp_path, "a", doc)
+        replicas.append(a)
+        wait_until(a.leads, 15, what="a leads")
+        b = Replica(tmp_path, "b", doc)
+        replicas.append(b)
+        names = {n.name for n in rig.nodes}
+        wait_until(lambda: {n for n, s in rig.servers().items() if s.admin == 0} == names, 15, what="three nodes")
+        wait_until(lambda: (tmp_path / "b-members.json").exists(), 10, what="b's snapshot written")
+        rig.etcd.kill()
+        a.signal(signal.SIGKILL)  # the leader dies during the outage: nobody can be elected
+        time.sleep(TTL + TICK)
+        rig.hap.restart()
+        back = time.monotonic()
+        wait_until(lambda: {n for n, s in rig.servers().items() if s.admin == 0} == names, 2 * TICK + SLACK,
+                   interval_s=0.05, what="b puts the snapshot's members back")
+        assert time.monotonic() - back <= 2 * TICK + 1.0
+        assert not b.leads()
+    finally:
+        for r in replicas:
+            r.close()
+        replicas.clear()
+        rig.close()
 
 
 def etcd_leader(etcd: EtcdProc) -> str | None:
