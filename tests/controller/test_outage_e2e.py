@@ -4,9 +4,10 @@ Prometheus is a fake HTTP server whose per-node latencies the test sets (node0 1
 
 1. HAProxy restarted during an etcd outage longer than the lease is back to full membership from the snapshot
    within 2 ticks: the leader cannot renew and the standby cannot lead, and both may put members into a HAProxy
-   with no fencing epoch (it restarted). The outage is 3 x lease_ttl_s, not 60 s: past the lease nothing in the
-   mechanism counts time (the leader's lease has ended by its own clock, the standby cannot be elected), so a
-   longer outage runs the same code with the same state.
+   with no fencing epoch (it restarted). HAProxy restarts about 2 x lease_ttl_s into the outage, not 60 s: past
+   the lease nothing in the mechanism counts time (the leader's lease has ended by its own clock and in etcd's
+   terms, the standby cannot be elected, the snapshot does not age out), so a longer outage runs the same code
+   with the same state.
 2. A node that turns slow during the outage is cut and drained within the usual targets: the leader that held a
    valid lease when etcd went steers on while HAProxy's epoch is its own.
 3. No two replicas write in one tick: the leader is SIGSTOPped with its batch in flight (a relay holds the bytes
