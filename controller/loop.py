@@ -93,6 +93,7 @@ class Controller:
         self._restoring: set[tuple[str, str]] = set()  # (endpoint, backend): a registry pool's servers all gone
         self._reseed: set[str] = set()  # pools just taken over: drains HAProxy has and their states do not, kept
         self._said_unpublished: set[str] = set()
+        self._said_lost: set[str] = set()  # the backends a standby last said HAProxy lost every server of
         if leadership is not None:  # every HAProxy batch is fenced by the scope's epoch in HAProxy (leader.py)
             for hc in haproxies:
                 hc.fence_for = self._fence_for
@@ -419,10 +420,13 @@ class Controller:
         of its data); the HAProxy view the tick goes on with, without the servers leaving or not yet UP."""
         if self.membership is None:
             return hap
-        self._restoring = self._lost_members(hap)
-        return self.membership.step(self.haproxies, hap, self.clock(), result, self._leads,
-                                    lambda pool: self._may_write(pool, result), self.dry_run,
-                                    lambda: self.read_haproxy(result), states=self.states)
+        self._restoring = self._lost_members(hap)  # membership batches only: weights never pass without an epoch
+        try:
+            return self.membership.step(self.haproxies, hap, self.clock(), result, self._leads,
+                                        lambda pool: self._may_write(pool, result), self.dry_run,
+                                        lambda: self.read_haproxy(result), states=self.states)
+        finally:
+            self._restoring = set()
 
     def _lost_members(self, hap: dict, pools: list[PoolConfig] | None = None) -> set[tuple[str, str]]:
         """(endpoint, backend) of the registry pools whose HAProxy has none of the registry's (or the snapshot's)
@@ -455,16 +459,24 @@ class Controller:
             for srv in servers:
                 by_backend.setdefault(srv.backend, {})[srv.name] = srv
             hap[hc.endpoint] = by_backend
-        self._restoring = self._lost_members(hap, pools)
-        lost = {b for _, b in self._restoring}
+        restoring = self._lost_members(hap, pools)
+        lost = {b for _, b in restoring}
+        if lost != self._said_lost:  # said once per set of backends
+            self._said_lost = lost
+            if lost:
+                log.warning("HAProxy lost every server of %s: the membership goes back from the %s (where HAProxy has "
+                            "no fencing epoch)", ", ".join(sorted(lost)), "registry" if all(
+                                self.membership.discovery.view(p.name).fresh  # type: ignore[union-attr]
+                                for p in pools if p.backend in lost) else "snapshot")
         if not lost:
             return
-        log.warning("HAProxy lost every server of %s: the membership goes back from the %s", ", ".join(sorted(lost)),
-                    "registry" if all(self.membership.discovery.view(p.name).fresh  # type: ignore[union-attr]
-                                      for p in pools if p.backend in lost) else "snapshot")
-        self.membership.step(self.haproxies, hap, self.clock(), result,  # type: ignore[union-attr]
-                             lambda name: any(p.name == name and p.backend in lost for p in pools),
-                             lambda pool: True, self.dry_run, lambda: {}, states=self.states)
+        self._restoring = restoring
+        try:
+            self.membership.step(self.haproxies, hap, self.clock(), result,  # type: ignore[union-attr]
+                                 lambda name: any(p.name == name and p.backend in lost for p in pools),
+                                 lambda pool: True, self.dry_run, lambda: {}, states=self.states)
+        finally:
+            self._restoring = set()
 
     def _fence_for(self, endpoint: str, lines: list[str]) -> Fence | None:
         """The fence of a batch (RuntimeClient.fence_for): its backend's pool's epoch (controller/leader.py);
