@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import IO
 
 from controller.decide import Observation, PoolOutcome, decide_tick
+from controller.haproxy import ADMF_FDRAIN, DRAIN_MASK, ServerState
 from controller.policy import NodeInput, NodeState, Policy, canary_due, config_policy, decide_pool, pool_policies
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
@@ -173,12 +174,35 @@ def replay_recording(ticks: Iterable[Observation], cfg: Config
     their own. Everything the shell did (canary rounds, HAProxy's view) is as recorded."""
     policies = pool_policies(cfg)
     states: dict[str, dict[str, NodeState]] = {}
+    written: dict[str, dict[str, tuple[int | None, bool]]] = {}  # the replay's last weight and drain of each node
     for obs in ticks:
-        pools = {p: replace(po, prev=states.get(p, po.prev)) for p, po in obs.pools.items()}
+        pools = {p: replace(po, prev=states.get(p, po.prev),
+                            servers=_as_written(po.servers, po.prev, states.get(p), written.get(p, {})))
+                 for p, po in obs.pools.items()}
         outcomes = decide_tick(replace(obs, pools=pools), cfg.pools, policies)
         for p, o in outcomes.items():
             states[p] = o.states
+            written.setdefault(p, {}).update({n: (nd.weight, nd.drain) for n, nd in o.decision.nodes.items()})
         yield obs, outcomes
+
+
+def _as_written(servers: Mapping[str, ServerState], live: Mapping[str, NodeState],
+                replayed: Mapping[str, NodeState] | None, written: Mapping[str, tuple[int | None, bool]]
+                ) -> Mapping[str, ServerState]:
+    """HAProxy's servers as the replay's own writes would have left them: a node the replay holds in another state
+    than the live controller did gets the weight and drain the replay last decided (what HAProxy's checks and
+    agents did stays as recorded). Where the two agree, the recorded servers are the truth."""
+    if not replayed or not written:
+        return servers
+    out = dict(servers)
+    for n, s in servers.items():
+        mine, theirs = replayed.get(n), live.get(n)
+        if mine is None or theirs is None or mine.state == theirs.state or n not in written:
+            continue
+        weight, drain = written[n]
+        admin = (s.admin_state & ~DRAIN_MASK) | (ADMF_FDRAIN if drain else 0)
+        out[n] = replace(s, weight=s.weight if weight is None else weight, admin_state=admin)
+    return out
 
 
 def recording_decisions(ticks: Iterable[Observation], cfg: Config) -> Iterator[dict]:

@@ -119,3 +119,18 @@ def test_the_demo_s_recording_replays_to_the_live_controller_s_decisions_tick_fo
     assert s["chat/node3"]["differ"] > 0  # it would have decided otherwise than the live run did
     assert s["chat/node3"]["quarantines"] == 0 and "quarantined" not in s["chat/node3"]["ticks"]
     assert len({d["t"] for d in again}) == len(ticks)
+
+
+def test_a_counterfactual_replay_sees_its_own_writes_where_it_parted_from_the_live_controller():
+    from controller.haproxy import ADMF_FDRAIN
+    from controller.replay import _as_written
+
+    drained = ServerState("chat", "node1", "127.0.0.1:8001", 0, 100, ADMF_FDRAIN, 2, status="DRAIN")
+    up = ServerState("chat", "node2", "127.0.0.1:8002", 100, 100, 0, 2, status="UP")
+    live = {"node1": NodeState(state="quarantined", since=0.0), "node2": NodeState(state="healthy", since=0.0)}
+    replayed = {"node1": NodeState(state="healthy", since=0.0), "node2": NodeState(state="healthy", since=0.0)}
+    out = _as_written({"node1": drained, "node2": up}, live, replayed, {"node1": (100, False), "node2": (100, False)})
+    assert not out["node1"].drain and out["node1"].weight == 100  # the replay never drained it
+    assert out["node1"].op_state == drained.op_state  # what HAProxy's checks said stays
+    assert out["node2"] is up  # where both agree, the recording is the truth
+    assert _as_written({"node1": drained}, live, None, {}) == {"node1": drained}  # the first tick: as recorded
