@@ -2,7 +2,15 @@ from pathlib import Path
 
 import pytest
 
+from grayguard import terminate
 from localstack.haproxy import HaproxyProc, haproxy_config
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI runner's timeout, `kill`) unwinds like Ctrl-C: pytest then tears the fixtures down, so the
+    servers they started (HAProxy, Prometheus, etcd, real vLLM servers of 3 GB each) stop with it
+    (tests/demo/test_sigterm.py)."""
+    terminate.install()
 
 
 @pytest.fixture
@@ -89,5 +97,8 @@ PARALLEL_SAFE = frozenset({
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
     for item in items:
+        if not item.path.is_relative_to(root):  # a module outside the suite (test_sigterm's pytest run): one group
+            item.add_marker(pytest.mark.xdist_group("realtime"))
+            continue
         module = item.path.relative_to(root).as_posix()
         item.add_marker(pytest.mark.xdist_group(module if module in PARALLEL_SAFE else "realtime"))

@@ -70,3 +70,32 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
     assert "interrupted: stopping everything" in out
     assert "interrupted: the run did not finish" in out  # the verdict judges no targets on a cut-short run
     assert "Task was destroyed" not in out  # the load's requests were cancelled with it, not dropped
+
+
+def test_sigterm_to_pytest_tears_its_fixtures_down(tmp_path):
+    """The suite's own conftest: a test holding a real HAProxy in a fixture, pytest SIGTERMed mid-test."""
+    mod = tmp_path / "test_held.py"
+    mod.write_text(
+        "import time\n"
+        "def test_holds(haproxy_factory):\n"
+        "    p = haproxy_factory({'be': [('s1', '127.0.0.1:9', 100)]})\n"
+        "    print('HAPROXY', p.proc.pid, flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                             "-p", "tests.conftest", "--rootdir", str(tmp_path), str(mod)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pid = None
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("HAPROXY"):
+            pid = int(line.split()[1])
+            break
+    assert pid is not None and _alive(pid), "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), "HAProxy outlived a SIGTERMed pytest"
