@@ -22,7 +22,7 @@ from bench.engine import run_family
 from bench.metrics import summarize
 from bench.report import add_baselines, markdown, targets
 from bench.scenarios import SuiteError, load_suite, suites
-from bench.spec import Scenario
+from bench.spec import Scenario, trace_sources
 
 HELP = "benchmark grayguard against round robin, least-connections, the seeds' Z-score and Envoy on fault scenarios"
 DESCRIPTION = """\
@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
             "cpu_s": round(sum(r["wall_s"] for r in rows), 1),
             "commit": _git("rev-parse", "--short", "HEAD"),
             "controller_dirty": bool(_git("status", "--porcelain", "--", "controller")),
-            "python": sys.version.split()[0], "cpus": os.cpu_count()}
+            "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "traces": trace_sources(scenarios)}  # production traces replayed, with the attribution they require
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, tgt, meta)

@@ -16,7 +16,7 @@ from functools import lru_cache
 from sim.faults import ScheduledFault
 from sim.loadgen import LengthDist
 from sim.model import SPEED_CLASSES
-from sim.traces import TraceLoad, TracePlan, plan_trace
+from sim.traces import TraceLoad, TracePlan, mix_tokens, plan_trace
 
 # Requests per second one h100-class node serves at saturation with the default request mix
 # (docs/simulator.md, measured in virtual time); slower classes scale by their speed multiplier.
@@ -255,12 +255,8 @@ def _poisson(rate_at, max_rate: float, start: float, end: float, seed: int):
             yield t
 
 
-def _mean(d: LengthDist) -> float:
-    return d.median * math.sqrt(1.0 + d.cv**2)  # a lognormal's mean (the clip is far out in the tail)
-
-
 # Tokens per request of the mix H100_CAPACITY_RPS was measured with (prompt 200, completion 100, both CV 1): ~424.
-DEFAULT_MIX_TOKENS = _mean(LoadSpec().prompt) + _mean(LoadSpec().completion)
+DEFAULT_MIX_TOKENS = mix_tokens(LoadSpec().prompt, LoadSpec().completion)
 
 
 @lru_cache(maxsize=32)
@@ -275,6 +271,17 @@ def trace_plan(s: Scenario) -> TracePlan:
     if tl.speedup is None:
         tl = replace(tl, rate=load.rate, utilization=None if load.rate is not None else load.utilization)
     return _plan(tl, s.duration_s, s.capacity_tps)
+
+
+def trace_sources(scenarios: list[Scenario]) -> list[dict]:
+    """The traces the scenarios replay, for a report's metadata: file, format, attribution, which scenarios."""
+    out: dict[str, dict] = {}
+    for s in scenarios:
+        if s.load.trace is not None:
+            m = trace_plan(s).meta
+            out.setdefault(m["file"], {"file": m["file"], "format": m["format"], "attribution": m["attribution"],
+                                       "scenarios": []})["scenarios"].append(s.name)
+    return list(out.values())
 
 
 def _pinned(plan: TracePlan, pin: TracePin, run_s: float) -> list[bool]:

@@ -40,9 +40,10 @@ its version. About 5 minutes (90 s of it the servers starting).
 
 --trace FILE replays a production trace instead of the Poisson load (sim/traces.py: the Azure LLM inference traces,
 Mooncake's or BurstGPT's; `grayguard loadgen --help` has the formats): --trace-window START:DURATION picks trace
-seconds, compressed to --rate's mean (the fleet's default rate unless given) or played --trace-speedup times
-faster; prompt + output are clipped to the model's context (8192: the simulator's max_model_len, or the real
-vLLM servers' --max-model-len). The report says it ran on the trace: file, window, pace and its attribution.
+seconds, compressed to --rate's mean in requests/s, by default to the tokens/s of the fleet's default Poisson load
+(a trace request is larger than the default mix's), or played --trace-speedup times faster; prompt + output are
+clipped to the model's context (8192: the simulator's max_model_len, or the real vLLM servers' --max-model-len).
+The report says it ran on the trace: file, window, pace and its attribution.
 
 examples:
   grayguard demo                         # the default scenario (about 2.5 minutes)
@@ -473,7 +474,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--trace-window", default="0:", metavar="START:DURATION",
                    help="trace seconds to replay (default 0: from the start, as long as the run needs)")
     t.add_argument("--trace-speedup", type=float, default=None, metavar="X",
-                   help="play the trace X times faster instead of compressing it to --rate's mean")
+                   help="play the trace X times faster instead of compressing it to a mean (--rate, or by default "
+                   "the default load's tokens per second)")
     from demo import membership
     membership.add_arguments(p)
 
@@ -543,9 +545,16 @@ def trace_from_args(args: argparse.Namespace, o: DemoOptions):
         from sim.model import ModelParams
         context = ModelParams().max_model_len
     start, dur = parse_window(args.trace_window)
-    load = TraceLoad(args.trace, args.trace_format, start, dur, speedup=args.trace_speedup,
-                     rate=None if args.trace_speedup is not None else o.rate, max_model_len=context)
-    return plan_trace(load, o.duration_s)
+    load = TraceLoad(args.trace, args.trace_format, start, dur, speedup=args.trace_speedup, rate=args.rate,
+                     utilization=1.0 if args.trace_speedup is None and args.rate is None else None,
+                     max_model_len=context)
+    # by default the tokens per second of the fleet's default Poisson load: a trace request is about three times
+    # the default mix's (the Azure conversation trace: 1,365 tokens against 424), so its request rate would overload
+    # the fleet the default rate was chosen for; an explicit --rate is requests per second
+    from sim.loadgen import LoadConfig
+    from sim.traces import mix_tokens
+    mix = LoadConfig(url="-")
+    return plan_trace(load, o.duration_s, capacity_tps=o.rate * mix_tokens(mix.prompt_tokens, mix.completion_tokens))
 
 
 def run(args: argparse.Namespace) -> int:

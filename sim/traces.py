@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sim.loadgen import PROMPT_WORDS, make_prompt
+from sim.loadgen import PROMPT_WORDS, LengthDist, make_prompt
 
 FORMATS = ("azure", "mooncake", "burstgpt")
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake's traces: one hash id is a block of 512 prompt tokens
@@ -239,6 +239,12 @@ class TracePlan:
 def _block(hash_id: int) -> tuple[str, ...]:
     rng = random.Random(hash_id * 2_654_435_761 + 97)
     return tuple(rng.choices(PROMPT_WORDS, k=MOONCAKE_BLOCK_TOKENS))
+
+
+def mix_tokens(prompt: LengthDist, completion: LengthDist) -> float:
+    """Mean prompt + completion tokens per request of a synthetic mix (lognormal means; the clip is far out in the
+    tail): what a token-rate target matches a Poisson load's request rate with."""
+    return sum(d.median * math.sqrt(1.0 + d.cv**2) for d in (prompt, completion))
 
 
 def clip(prompt: int, output: int, max_model_len: int) -> tuple[int, int]:

@@ -23,10 +23,13 @@ def test_without_a_trace_the_demo_runs_its_poisson_load():
     assert parse().trace is None and cli.trace_report(parse()) is None
 
 
-def test_a_trace_is_compressed_to_the_fleets_rate_over_the_run():
+def test_a_trace_is_compressed_to_the_default_loads_tokens_per_second_or_to_a_rate_given():
     o = parse("--trace", str(AZURE), "--trace-window", "60:")
     m = o.trace.meta
-    assert m["mean_rate"] == pytest.approx(o.rate) and m["run_s"] == o.duration_s == 150.0
+    # 20 req/s of the default mix (~424 tokens each): the same tokens/s in larger trace requests, fewer of them
+    assert m["mean_tokens_per_s"] == pytest.approx(20 * 424.26, rel=0.01) and m["mean_rate"] < 10
+    assert m["run_s"] == o.duration_s == 150.0
+    assert parse("--trace", str(AZURE), "--rate", "12").trace.meta["mean_rate"] == pytest.approx(12.0)
     assert m["window_s"][0] == 60.0 and m["max_model_len"] == 8192  # the simulator's max_model_len
     fixed = parse("--trace", str(FIX / "azure.csv"), "--trace-speedup", "2", "--duration", "60",
                   "--fault-until", "50")
