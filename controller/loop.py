@@ -94,7 +94,10 @@ class Controller:
         self._reseed: set[str] = set()  # pools just taken over: drains HAProxy has and their states do not, kept
         self._said_unpublished: set[str] = set()
         self._said_lost: set[str] = set()  # the backends a standby last said HAProxy lost every server of
-        if leadership is not None:  # every HAProxy batch is fenced by the scope's epoch in HAProxy (leader.py)
+        # every HAProxy batch is fenced by the scope's epoch in HAProxy (leader.py); a leadership seam without
+        # fencing (bench/ticklocal.py's, which leads for good) writes unfenced
+        self._fencing = leadership is not None and hasattr(leadership, "fence")
+        if self._fencing:
             for hc in haproxies:
                 hc.fence_for = self._fence_for
 
@@ -315,7 +318,7 @@ class Controller:
             result.held = "no HAProxy endpoint answered"
             return None
         hap = self.sync_membership(hap, result)  # first: a restore into a restarted HAProxy goes in before a claim
-        if self.leadership is not None and self._led:
+        if self._fencing and self._led:
             self._hold_epochs(self._led)
         samples, why = self.read_prometheus()
         if why:
@@ -507,7 +510,8 @@ class Controller:
             result.standby = result.held = turn.why
             if turn.ready:  # a standby's liveness: it reaches the registry and could lead at once
                 self.metrics.last_success.set(self.clock())
-            if self.membership is not None:  # with etcd or without: a restarted HAProxy gets its members back
+            if self.membership is not None and self._fencing:  # with etcd or without: a restarted HAProxy gets
+                # its members back (only where HAProxy has no epoch: without fencing a standby writes nothing)
                 self._restore_membership(result)
             return False
         return True
@@ -582,7 +586,7 @@ class Controller:
         if self.leadership is None:
             return True
         why = self.leadership.may_write(pool.name, self.cfg.haproxy.timeout_s)
-        if why is None:
+        if why is None and self._fencing:
             var = self.leadership.fence(pool.name).var
             if any(getattr(hc, "claim_pending", lambda _: 0.0)(var) > 0 for hc in self.haproxies):
                 log.debug("pool=%s: HAProxy not written this tick: its fencing epoch was just claimed", pool.name)
