@@ -79,12 +79,14 @@ class DemoOptions:
     trace: Any = None  # a sim.traces.TracePlan (--trace): its arrivals and lengths replace the Poisson load
 
 
-# --fleet vllm: 4 real vLLM servers on 2 cores run a third of the simulated fleet's pace, start in about 90 s, and
-# run at the shipped timing (Prometheus as rules/prometheus.example.yml, the controller as grayguard.example.yaml:
-# 30 s windows), so the fault starts once a window is full and lasts two of them.
+# --fleet vllm: 4 real vLLM servers on 2 cores start in about 90 s and run at the shipped timing (Prometheus as
+# rules/prometheus.example.yml, the controller as grayguard.example.yaml: 30 s windows), so the fault starts once a
+# window is full and lasts two of them. 1.5 requests a second keep the servers at about half of a 2-core machine
+# (measured: 0.70 cores at 1 req/s, 1.18 at 2); at 3 the machine saturates before the harness gets its share
+# (docs/realfleet.md, "The machine's share").
 FLEET_DEFAULTS = {
     "sim": DemoOptions(),
-    "vllm": DemoOptions(nodes=4, rate=3.0, duration_s=180.0, fault_start_s=60.0, fault_end_s=120.0,
+    "vllm": DemoOptions(nodes=4, rate=1.5, duration_s=180.0, fault_start_s=60.0, fault_end_s=120.0,
                         control_window="30s", fleet="vllm"),
 }
 # The targets a run is judged by: issue 13's for the simulated fleet in demo time; the real-vLLM issue's at the

@@ -19,7 +19,7 @@ def test_the_real_fleet_has_its_own_defaults_and_a_flag_given_wins():
     sim, real = parse(), parse("--fleet", "vllm")
     assert (sim.fleet, sim.nodes, sim.rate, sim.fault_start_s, sim.control_window) == ("sim", 8, 20.0, 30.0, "10s")
     assert (real.fleet, real.nodes, real.rate, real.fault_start_s, real.fault_end_s, real.duration_s) == (
-        "vllm", 4, 3.0, 60.0, 120.0, 180.0)
+        "vllm", 4, 1.5, 60.0, 120.0, 180.0)
     assert real.control_window == "30s" and real.fault_params == {"k": 10}  # the shipped window; 10 % of a core
     assert parse("--fleet", "vllm", "--nodes", "8", "--fault-until", "-1").nodes == 8
     assert parse("--fleet", "vllm", "--fault-until", "-1").fault_end_s is None
