@@ -21,6 +21,7 @@ from pathlib import Path
 from controller.recorder import read
 from controller.replay import recording_decisions
 from grayguard.config import ConfigError, load_config
+from grayguard.vocab import State
 
 RUNS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm" / "runs"
 CUT_S, QUARANTINE_S = 5.0, 10.0  # the real-vLLM issue's targets
@@ -52,20 +53,20 @@ def judge(decisions: list[dict], node: str | None, start: float | None) -> dict:
                      1 for d in decisions if d["live"] is not None and d["live"] != d["state"])}
     for n, ds in sorted(by_node.items()):
         faulty = n == node
-        prev, run = "healthy", 0
+        prev, run = State.HEALTHY, 0
         for d in ds:
             before_fault = start is None or d["t"] < start
             if faulty and not before_fault:
-                if d["state"] in ("degraded", "quarantined") and "cut_s" not in out:
+                if d["state"] in (State.DEGRADED, State.QUARANTINED) and "cut_s" not in out:
                     out["cut_s"] = round(d["t"] - start, 1)
-                if d["state"] == "quarantined" and "quarantine_s" not in out:
+                if d["state"] == State.QUARANTINED and "quarantine_s" not in out:
                     out["quarantine_s"] = round(d["t"] - start, 1)
             elif not faulty or before_fault:
-                if d["state"] == "quarantined" and prev != "quarantined":
+                if d["state"] == State.QUARANTINED and prev != State.QUARANTINED:
                     out["false_quarantines"][n] = out["false_quarantines"].get(n, 0) + 1
-                if d["state"] == "degraded":
+                if d["state"] == State.DEGRADED:
                     run += 1
-                    if prev != "degraded":
+                    if prev != State.DEGRADED:
                         out["false_cuts"][n] = out["false_cuts"].get(n, 0) + 1
                     if run == 2:
                         out["false_cuts_over_one_tick"] += 1

@@ -25,7 +25,7 @@ from controller.decide import Observation, PoolOutcome, decide_tick
 from controller.haproxy import ADMF_FDRAIN, DRAIN_MASK, ServerState
 from controller.policy import NodeInput, NodeState, Policy, canary_due, config_policy, decide_pool, pool_policies
 from grayguard.config import Config, ConfigError, load_config
-from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS
+from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
 DESCRIPTION = """\
@@ -239,10 +239,10 @@ def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
         s = out.setdefault(key, {"ticks": {}, "quarantines": 0, "cuts": 0, "longest_cut_ticks": 0, "differ": 0})
         s["ticks"][d["state"]] = s["ticks"].get(d["state"], 0) + 1
         before = last.get(key)
-        if d["state"] == "quarantined" and before != "quarantined":
+        if d["state"] == State.QUARANTINED and before != State.QUARANTINED:
             s["quarantines"] += 1
-        if d["state"] == "degraded":
-            if before != "degraded":
+        if d["state"] == State.DEGRADED:
+            if before != State.DEGRADED:
                 s["cuts"] += 1
             run[key] = run.get(key, 0) + 1
             s["longest_cut_ticks"] = max(s["longest_cut_ticks"], run[key])

@@ -318,7 +318,7 @@ def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=
               "balance": opts.balance, "control_window": opts.control_window,
               "nodes": opts.nodes, "rate": opts.rate, "duration_s": opts.duration_s, "seed": opts.seed,
               "interrupted": interrupted, "phases": phases, "events": sampler.events,
-              "t0_unix": sampler.t0,  # the events' t = 0, on the clock of the controller's recorded ticks
+              "t0_unix": getattr(sampler, "t0", None),  # events t=0, on the recorded ticks clock
               "marks": list(marks), **(engine or {"fleet": opts.fleet}), "trace": trace_report(opts)}
     report["verdict"] = verdict(report)
     print(summary_text(report), file=out, flush=True)

@@ -10,6 +10,7 @@ for its node (gone, out of its canary stage, another replica's pool) is dropped.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -198,13 +199,17 @@ def test_stop_does_not_wait_for_a_hung_canary_and_starts_no_other(fleet):
     f = fleet(hung=True)
     _tick_within(f.ctl)
     assert f.entered.wait(5.0)
+    deadline = time.monotonic() + 5.0  # the round's three requests (node0, two peers) go out on the workers
+    while len(f.sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(f.sent) == 3
     done = threading.Event()
     threading.Thread(target=lambda: (f.ctl.close(0.2), done.set()), daemon=True).start()
     assert done.wait(5.0), "close() waited on a hung canary"
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("canary-"))  # never hold the exit
     f.t[0] = T0 + 20
     _tick_within(f.ctl)
-    assert len(f.sent) == 3  # node0 and two peers, before close(); nothing since
+    assert len(f.sent) == 3  # nothing sent since close()
 
 
 def test_the_workers_are_bounded_and_a_queued_canary_is_not_sent_yet_so_not_timed_out():
