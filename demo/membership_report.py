@@ -13,6 +13,7 @@ from controller.haproxy import DRAIN_MASK, MAINT_MASK
 from demo.report import rolling_percentile
 from demo.report_html import phases_table, timeline, verdict_class
 from grayguard.htmlpage import e, kv_table, page
+from grayguard.reflexes import DEFAULT
 from grayguard.svgplot import line_chart
 
 SRV_RUNNING = 2  # srv_op_state of a server that is UP (0: stopped, DOWN; 1: starting; 3: stopping)
@@ -54,11 +55,19 @@ def join_milestones(haproxy: Sequence[dict], registry: Sequence[dict], node: str
 
 
 def crash_milestones(haproxy: Sequence[dict], registry: Sequence[dict], node: str, killed: float | None,
-                     ttl_s: int | None, tick_s: float) -> dict[str, Any]:
+                     ttl_s: int | None, tick_s: float, check_down_s: float | None = None) -> dict[str, Any]:
     """When the killed node's lease expired, HAProxy stopped sending it requests (whatever took it out: its health
-    check, the controller's drain, the deletion), the controller drained it and deleted it."""
+    check, the controller's drain, the deletion), the controller drained it and deleted it.
+
+    The contract: out of rotation within the later of its lease's TTL and HAProxy's health checks' fall
+    (check_down_s: inter x fall of the shipped reflexes by default), plus a tick. An expiry alone removes no node
+    HAProxy still has UP (controller/membership.py: the gateway's agreement), so a crash the checks have not seen yet
+    waits for them."""
+    if check_down_s is None:
+        check_down_s = DEFAULT.check_inter_s * DEFAULT.check_fall
     out: dict[str, Any] = {"node": node, "killed_s": killed, "ttl_s": ttl_s, "tick_s": tick_s,
-                           "contract_s": ttl_s + tick_s if ttl_s is not None else None}
+                           "check_down_s": check_down_s,
+                           "contract_s": max(ttl_s, check_down_s) + tick_s if ttl_s is not None else None}
     if killed is None:
         return out
     gone = next((e for e in registry if e["node"] == node and e["kind"] == "delete" and e["t"] >= killed), None)
@@ -106,8 +115,9 @@ def verdict(r: dict) -> tuple[str, dict[str, bool]]:
         "join in HAProxy within 2 s of registering": j["join_latency_s"] is not None and j["join_latency_s"] <= 2.0,
         "at the warm-up weight": j["entry_weight"] is not None and j["entry_weight"] == j["warm_weight"],
         "then slow start": j["slow_start_s"] is not None,
-        "crashed node out of rotation within TTL + a tick": c.get("out_of_rotation_after_s") is not None
-        and c["contract_s"] is not None and c["out_of_rotation_after_s"] <= c["contract_s"],
+        "crashed node out of rotation within max(TTL, the checks' fall) + a tick":
+        c.get("out_of_rotation_after_s") is not None and c["contract_s"] is not None
+        and c["out_of_rotation_after_s"] <= c["contract_s"],
         "crashed node deleted": c.get("deleted_s") is not None,
         "no request failed but the streams in flight on the crashed node (and client deadlines)":
         f["other_failures"] == 0,

@@ -32,11 +32,12 @@ def test_a_node_joins_at_the_warm_up_weight_and_a_crashed_node_leaves_rotation_w
     assert j["entry_weight"] == j["warm_weight"] == 10, j
     assert j["up_s"] is not None and j["slow_start_s"] is not None and j["slow_start_s"] > j["in_haproxy_s"], j
 
-    # the crash: out of rotation within its lease's TTL + one tick of the kill, whatever came first (HAProxy's own
-    # health check, the controller's drain); the lease expired with its last value "serving" (no goodbye), and the
-    # server was deleted after that: the registry's expiry, not HAProxy, removed it
+    # the crash: out of rotation within the later of its lease's TTL and HAProxy's checks' fall, + one tick of the
+    # kill (an expiry removes no node HAProxy still has UP); the lease expired with its last value "serving" (no
+    # goodbye), and the server was deleted after that: the registry's expiry, not HAProxy, removed it
     assert c["node"] == "node4" and c["killed_s"] is not None and c["ttl_s"] is not None, c
-    assert c["out_of_rotation_after_s"] is not None and c["out_of_rotation_after_s"] <= c["ttl_s"] + c["tick_s"], c
+    assert c["out_of_rotation_after_s"] is not None and c["out_of_rotation_after_s"] <= c["contract_s"], c
+    assert c["contract_s"] == max(c["ttl_s"], c["check_down_s"]) + c["tick_s"], c
     assert c["lease_expired_s"] is not None and c["last_value"] == "serving", c
     assert c["deleted_s"] is not None and c["deleted_s"] >= c["lease_expired_s"], c
 

@@ -20,7 +20,7 @@ from rules.rerender import RuleRerenderer
 
 
 class FakeController:
-    """What run_loop needs of a Controller: tick(), metrics, cfg, dry_run, leadership."""
+    """What run_loop needs of a Controller: tick(), close(), metrics, cfg, dry_run, leadership."""
 
     def __init__(self, rerender_interval_s: float, fail: bool = False):
         self.cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
@@ -30,6 +30,9 @@ class FakeController:
         self.leadership = None  # alone: no registry, no election
         self.ticks = 0
         self.fail = fail
+
+    def close(self):  # run_loop closes the controller's canary workers at its end; this one has none
+        pass
 
     def tick(self):
         self.ticks += 1
