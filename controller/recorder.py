@@ -30,8 +30,7 @@ from typing import IO, Any
 
 from controller.decide import CanaryRound, Observation, PoolObservation
 from controller.haproxy import ServerState
-from controller.statefile import VERSION as STATE_VERSION
-from controller.statefile import StateError, load_states
+from controller.statefile import StateError, node_state
 from grayguard.promclient import Sample
 
 log = logging.getLogger("grayguard.recorder")
@@ -94,17 +93,17 @@ def decode(doc: object) -> Observation:
         for name, p in pools_doc.items():
             servers = {n: ServerState(**{k: v for k, v in s.items() if k in _SERVER_FIELDS})
                        for n, s in p["servers"].items()}
-            try:
-                prev = load_states(json.dumps({"version": STATE_VERSION, "pools": {name: p["prev"]}})).get(name, {})
+            try:  # each state checked as the state file checks it, field by field
+                prev = {n: node_state(d, f"pools.{name}.prev.{n}") for n, d in p["prev"].items()}
             except StateError as e:
-                raise RecordingError(f"pools.{name}.prev: {e}") from None
+                raise RecordingError(str(e)) from None
             canaries = tuple(CanaryRound(c["node"], tuple(c["peers"]), dict(c["ttft"]), c.get("at"), c.get("emas"))
                              for c in p.get("canaries", ()))
             pools[name] = PoolObservation(servers, prev, canaries)
         return Observation(now, _decode_samples(doc["samples"], "samples"),
                            _decode_samples(doc.get("optional", {}), "optional"), pools,
                            math.inf if max_age is None else float(max_age))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, RecordingError):
             raise
         raise RecordingError(f"{type(e).__name__}: {e}") from None

@@ -64,7 +64,7 @@ def load_states(text: str) -> dict[str, dict[str, NodeState]]:
     for p, nodes in pools.items():
         if not isinstance(nodes, dict):
             raise StateError(f"pools.{p}: expected an object, got {_kind(nodes)}")
-        out[p] = {n: _node_state(s, f"pools.{p}.{n}") for n, s in nodes.items()}
+        out[p] = {n: node_state(s, f"pools.{p}.{n}") for n, s in nodes.items()}
     return out
 
 
@@ -120,7 +120,7 @@ def _factor(f: object, where: str) -> tuple:
     return (f[0], factor, f[2])
 
 
-def _node_state(d: object, where: str) -> NodeState:
+def node_state(d: object, where: str) -> NodeState:
     if not isinstance(d, dict):
         raise StateError(f"{where}: expected an object, got {_kind(d)}")
     raw = d.get("factors")
