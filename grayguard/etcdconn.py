@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +25,7 @@ import requests
 import urllib3
 
 from grayguard.config import ConfigError, RegistryConfig
+from grayguard.promclient import read_token_file
 
 API_PATH = "/v3/"  # etcd >= 3.4's gateway (see etcdgw.API_PATH)
 AUTH_PATH = "auth/authenticate"
@@ -77,15 +77,8 @@ def settings(cfg: RegistryConfig, environ: Mapping[str, str] | None = None, wher
 
 
 def _read_password(path: str) -> str:
-    try:
-        text = Path(path).read_text().strip("\r\n")
-    except UnicodeDecodeError:
-        raise ValueError(f"cannot read {path}: not UTF-8 text") from None
-    except OSError as e:
-        raise OSError(e.errno, f"cannot read {path}: {e.strerror or e}") from None
-    if not text:
-        raise ValueError(f"{path} is empty")
-    return text
+    """The password in path: only line ends are taken off (a password may begin or end with a blank)."""
+    return read_token_file(path, strip="\r\n")
 
 
 def _load_tls(cfg: RegistryConfig, where: str) -> None:

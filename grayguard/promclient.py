@@ -156,10 +156,11 @@ def build_session_headers(cfg: PrometheusConfig, environ: Mapping[str, str]) -> 
     return headers, auth
 
 
-def read_token_file(path: str) -> str:
-    """The bearer token in path (surrounding whitespace stripped); OSError or ValueError (empty) otherwise."""
+def read_token_file(path: str, strip: str | None = None) -> str:
+    """The secret in path (a bearer token, an etcd password) with the characters in strip (default: whitespace)
+    taken off both ends; OSError or ValueError (not UTF-8, empty) otherwise."""
     try:
-        token = Path(path).read_text().strip()
+        token = Path(path).read_text().strip(strip)
     except UnicodeDecodeError:
         raise ValueError(f"cannot read {path}: not UTF-8 text") from None
     except OSError as e:
