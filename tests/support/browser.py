@@ -134,38 +134,55 @@ async def _inspect(ws_url: str, pages: list[Path]) -> dict[Path, dict[str, Any]]
         return out
 
 
-def inspect_pages(pages: list[Path], timeout_s: float = 60) -> dict[Path, dict[str, Any]]:
-    """Open each page in one headless Chromium; what it saw of each (text, plots, errors)."""
-    profile = tempfile.mkdtemp(prefix="gg-chromium-")
+def _start_chromium(profile: str, wait_s: float) -> tuple[subprocess.Popen, str | None]:
+    """A headless Chromium and where its DevTools listen (None: it never said so within wait_s)."""
     proc = subprocess.Popen([chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
                              "--no-default-browser-check", "--remote-debugging-port=0", f"--user-data-dir={profile}",
                              "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watchdog = threading.Timer(30, proc.kill)  # a Chromium that never says where it listens
+    watchdog = threading.Timer(wait_s, proc.kill)  # a Chromium that never says where it listens
     watchdog.start()
-    drain = threading.Thread(target=proc.stderr.read, daemon=True)  # once listening: a full pipe would stall it
     try:
-        ws_url = None
         for line in proc.stderr:  # Chromium says where its DevTools listen; the rest is dbus noise
             if m := re.search(r"DevTools listening on (ws://\S+)", line):
-                ws_url = m[1]
-                break
-        watchdog.cancel()
-        if ws_url is None:
-            raise RuntimeError(f"chromium exited ({proc.wait()}) without a DevTools endpoint")
-        drain.start()
-        return asyncio.run(asyncio.wait_for(_inspect(ws_url, pages), timeout_s))
+                return proc, m[1]
+        return proc, None
     finally:
         watchdog.cancel()
-        proc.terminate()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def inspect_pages(pages: list[Path], timeout_s: float = 60, starts: int = 2) -> dict[Path, dict[str, Any]]:
+    """Open each page in one headless Chromium; what it saw of each (text, plots, errors).
+
+    A Chromium that does not come up within 45 s is killed and started once more with a fresh profile:
+    on a loaded 2-core CI machine one start in a thousand stalled (killed at 30 s, CI of 2026-12-01).
+    """
+    failures = []
+    for _attempt in range(starts):
+        profile = tempfile.mkdtemp(prefix="gg-chromium-")
+        proc, ws_url = _start_chromium(profile, 45)
+        drain = threading.Thread(target=proc.stderr.read, daemon=True)  # once listening: a full pipe would stall it
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if drain.is_alive():
-            drain.join(5)  # EOF now that Chromium is gone
-        proc.stderr.close()
-        shutil.rmtree(profile, ignore_errors=True)
+            if ws_url is None:
+                failures.append(f"chromium exited ({proc.wait()}) without a DevTools endpoint")
+                continue
+            drain.start()
+            return asyncio.run(asyncio.wait_for(_inspect(ws_url, pages), timeout_s))
+        finally:
+            _stop(proc)
+            if drain.is_alive():
+                drain.join(5)  # EOF now that Chromium is gone
+            proc.stderr.close()
+            shutil.rmtree(profile, ignore_errors=True)
+    raise RuntimeError("; ".join(failures))
 
 
 def check_pages(pages: list[Path]) -> dict[Path, list[str]]:
