@@ -73,9 +73,16 @@ def verdict(state: ProbeState, last_at: float | None, now: float, *, interval: f
     progress = state.last_progress
     if result == ProbeResult.TIMEOUT and progress is not None and progress.hung:
         others = f"{progress.running:g} other requests in the engine"
-        return Verdict(True, clean(f"hang: no token in {progress.window:.1f}s ({others})"), "hang")
+        silent = progress.window if progress.silent_for is None else max(progress.window, progress.silent_for)
+        return Verdict(True, clean(f"hang: no token in {silent:.1f}s ({others})"), "hang")
     if result == ProbeResult.TIMEOUT:
-        why = "no hang evidence" if progress is None else f"{progress.tokens:g} tokens in {progress.window:.1f}s"
+        if progress is None:
+            why = "no hang evidence"
+        elif progress.tokens == 0:  # silent, but not yet for longer than this engine's own stalls last
+            why = (f"no token in {progress.silent_for or progress.window:.1f}s, within this engine's stalls: a hang "
+                   f"after {progress.hang_after or 0:.1f}s")
+        else:
+            why = f"{progress.tokens:g} tokens in {progress.window:.1f}s"
         return Verdict(False, f"probe timeout ({why})")
     return Verdict(False, f"probe {result}")
 

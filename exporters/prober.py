@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from exporters.engineload import EngineLoad
 from exporters.fastpath import LiveCollector
-from exporters.hang import Progress, token_progress
+from exporters.hang import Progress, Stalls, judged, token_progress
 from exporters.live import LIVE_WINDOW_S, Answer, LiveSignals, Reading, add_answer, add_reading, live_signals
 from exporters.probe import (
     ANSWERED,
@@ -83,6 +83,7 @@ class Prober:
         self._inflight_since: float | None = None  # clock() when the probe now waiting for its first token was sent
         self._started = clock()
         self._readings: tuple[Reading, ...] = ()  # vLLM's /metrics over the live window (exporters/live.py)
+        self._stalls = Stalls()  # the engine's own silences, learned (exporters/hang.py: a long step is no hang)
         self._answers: tuple[Answer, ...] = ()  # the last answered probes, for the probe TTFT median
         self._probes: Tally = NONE  # every probe vLLM finished with a token so far: what they added to its counters
         self._traffic = Traffic()  # vLLM's finished requests less those probes (exporters/synthetic.py)
@@ -259,6 +260,7 @@ class Prober:
         with self._cond:  # every read, failed ones too (no series: no live values), feeds the live window
             reading = Reading(at, load or EngineLoad(), self._probes)
             self._readings = add_reading(self._readings, reading, self.config.live_window)
+            self._stalls = self._stalls.observe(load, at)  # the engine's own silences (exporters/hang.py)
             self._traffic = account(self._traffic, reading.load, self._probes, at)
         return load, at
 
@@ -269,7 +271,9 @@ class Prober:
         if first is None:
             return None
         second, second_at = await self._engine_load(session, headers)
-        return token_progress(first, second, second_at - first_at)
+        with self._cond:
+            stalls = self._stalls
+        return judged(token_progress(first, second, second_at - first_at), stalls, second_at)
 
     def _record(self, obs: Observation, raw: str, since: float, not_ready: str | None, *, ready: bool,
                 progress: Progress | None = None) -> str:

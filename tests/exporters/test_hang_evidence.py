@@ -10,7 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from exporters.hang import Progress
 from exporters.prober import ProbeConfig, Prober
 from exporters.server import Exporter
 
@@ -132,7 +131,8 @@ def test_the_agent_answers_at_once_while_a_probe_hangs(backend):
     slow = ProbeConfig(**{**CFG.__dict__, "deadline": 3.0, "metrics_timeout": 1.0})
     with Exporter(backend.url, port=0, nvml=None, probe=slow, agent=("127.0.0.1", 0)) as exporter:
         assert exporter.prober.wait_for_probes(1, 10)  # the first hung probe has ended: a hang
-        assert exporter.prober.state.last_progress == Progress(0, 2, exporter.prober.state.last_progress.window)
+        got = exporter.prober.state.last_progress
+        assert got is not None and (got.tokens, got.running) == (0, 2) and got.hung
         for _ in range(10):  # a second probe is hanging now
             t0 = time.monotonic()
             with socket.create_connection(exporter.agent.address, timeout=5) as s:
