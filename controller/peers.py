@@ -11,12 +11,21 @@ hardware: it is not scored.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import NamedTuple
 
-from controller.scoring import Baseline, baseline, leave_one_out, leave_one_out_logs, median, median_without
+from controller.scoring import (
+    Baseline,
+    baseline,
+    leave_one_out,
+    leave_one_out_logs,
+    median,
+    median_without,
+    spread_of,
+)
 
 Group = str | None
 
@@ -89,6 +98,29 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
                 z, ratio = loo[n].score(norm[n])
                 out[n] = Score(z, ratio, loo[n].median * coef[g])
     return out
+
+
+def spread(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
+           speed: Mapping[str, float]) -> float | None:
+    """The pool's spread this tick (scoring.spread_of) of the values as scores() compares them: each within its peer
+    group when the group has min_peers, the others speed-normalized against the pool; None below min_peers values."""
+    by = _groups(values, groups)
+    devs: list[float] = []
+    small: list[str] = []
+    for members in by.values():
+        if len(members) >= min_peers:
+            logs = sorted(math.log(v) for v in members.values())
+            m = median(logs)
+            devs.extend(x - m for x in logs)
+        else:
+            small.extend(members)
+    if small:
+        coef = coefficients(values, groups, min_peers, speed)
+        norm = sorted(math.log(values[n] / coef[groups.get(n)]) for n in small if groups.get(n) in coef)
+        if len(norm) >= min_peers:
+            m = median(norm)
+            devs.extend(x - m for x in norm)
+    return spread_of(devs) if len(devs) >= min_peers else None
 
 
 def _score_against_peers(members: Mapping[str, float], min_spread: float, out: dict[str, Score]) -> None:

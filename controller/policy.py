@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from controller import live, peers, signals
 from controller.live import LiveMemory
-from controller.scoring import ema, usable, weight_factor, with_sampling_noise
+from controller.scoring import Noise, against_noise, ema, pool_noise, usable, weight_factor, with_sampling_noise
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
@@ -124,6 +124,7 @@ class NodeState:
     latency_seen_at: float | None = None  # latency_at of the last latency sample counted
     was_down: bool = False  # DOWN in HAProxy (its health check) at the last tick: back UP, it warms up
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
+    lat_noise: Noise = field(default_factory=Noise)  # the 30 s window's learned comparison noise (scoring.Noise)
 
 
 @dict_init  # one per node per tick
@@ -173,14 +174,14 @@ GATED_ITL = "live_itl_gated"
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
                  groups: Mapping[str, str | None], policy: Policy
-                 ) -> tuple[dict[str, dict[str, peers.Score]], set[str]]:
+                 ) -> tuple[dict[str, dict[str, peers.Score]], set[str], float | None]:
     """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation.
 
     A node prefilling far more prompt tokens than its peers (live_prefill_gate) has its live ITL left out this
     tick: long prompts share its steps and inflate the ITL of its decodes (a tenant pinned to it, a burst of long
     prompts), which is load, not sickness; its slow probes (queued behind those prompts) are not counted either.
-    A slow node under leastconn gets fewer requests, so it is never gated for having more. Returns the scores and
-    the gated (prefill-heavy) nodes.
+    A slow node under leastconn gets fewer requests, so it is never gated for having more. Returns the scores, the
+    gated (prefill-heavy) nodes and the live ITLs' spread this tick (peers.spread, at equal batch).
     """
     t = policy.thresholds
     live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
@@ -192,16 +193,19 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     medians = peers.peer_medians(prefill, full, groups)
     gated = {n for n, p in prefill.items() if (m := medians[n]) is not None and p > t.live_prefill_gate * m}
     out = {}
+    itl_spread = None
     for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
         vals = {n: v for n in live if usable(v := getattr(inputs[n], name))}
         vals = at_equal_batch(vals, inputs, t.live_batch_slope)  # the first token, too, comes out of a shared step
         sc = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+        if name == LIVE_ITL:
+            itl_spread = peers.spread(vals, groups, t.min_peers, policy.group_speed)
         # a gated node gets no live score, but stays one of its peers' references: its inflated latency only
         # makes them look faster (taking it out can leave a node without a peer of its group to be scored against)
         out[name] = sc if name == PROBE_MEDIAN else {n: x for n, x in sc.items() if n not in gated}
         if name == LIVE_ITL:
             out[GATED_ITL] = {n: x for n, x in sc.items() if n in gated}
-    return out, gated
+    return out, gated, itl_spread
 
 
 def at_equal_batch(vals: Mapping[str, float], inputs: Mapping[str, NodeInput], slope: float) -> dict[str, float]:
@@ -304,7 +308,8 @@ def warm_up(s: NodeState, now: float, t: ThresholdsConfig, r: RecoveryConfig, wh
     own `slowstart` does the same after a server comes back UP). Its signals start over."""
     return evolve(_move(s, SLOW_START, now, f"{why}: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then "
                         "slow start"), ramp_start=now + t.new_node_warmup_s, gone_since=None, was_down=False,
-                  lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(), live_itl=LiveMemory())
+                  lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(),
+                  live_itl=s.live_itl.restarted())
 
 
 def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
@@ -362,13 +367,19 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         else:
             fresh[n] = s.ema
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
-    if t.window_noise_cv > 0:  # a thin window (few requests) is a noisy mean: its score says so
-        for n, sc in scored.items():
+    # the window's noise, learned from its spread on each new sample (scoring.Noise)
+    window_spread = peers.spread(fresh, groups, t.min_peers, policy.group_speed)
+    for n in renewed:
+        renewed[n]["lat_noise"] = st[n].lat_noise.learn(window_spread, now)
+    lat_noise = pool_noise([st[n].lat_noise for n in scored])
+    for n, sc in scored.items():
+        # against the comparison's learned noise, and a thin window (few requests) is a noisy mean besides
+        z = against_noise(sc.z, sc.ratio, lat_noise, t.min_spread)
+        if t.window_noise_cv > 0:
             rate = inputs[n].request_rate
-            z = with_sampling_noise(sc.z, sc.ratio, None if rate is None else rate * policy.window_s,
-                                    t.window_noise_cv)
-            if z != sc.z:
-                scored[n] = peers.score_of(z, sc.ratio, sc.peer_median)
+            z = with_sampling_noise(z, sc.ratio, None if rate is None else rate * policy.window_s, t.window_noise_cv)
+        if z != sc.z:
+            scored[n] = peers.score_of(z, sc.ratio, sc.peer_median)
     rotating: list[str] = []  # the nodes in rotation, and their probe TTFT and KV-cache usage where known
     probe_ttfts: dict[str, float] = {}
     kv_used: dict[str, float] = {}
@@ -382,7 +393,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                 kv_used[n] = i.kv_cache_usage
     peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
-    live_scores, prefill_heavy = _live_scores(inputs, st, names, groups, policy)
+    live_scores, prefill_heavy, live_spread = _live_scores(inputs, st, names, groups, policy)
+    noise = pool_noise([st[n].live_itl.noise for n in names])
     live_of: dict[str, dict[str, peers.Score]] = {}  # each node's live scores; one it lacks is absent (get: None)
     for what, sc_of in live_scores.items():
         for n, x in sc_of.items():
@@ -414,7 +426,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                    t, r, now, calm_gap, live_of.get(n),
-                                   renewed=renewed.get(n), prefill_heavy=n in prefill_heavy, pool_queued=queued)
+                                   renewed=renewed.get(n), prefill_heavy=n in prefill_heavy, pool_queued=queued,
+                                   noise=noise, live_spread=live_spread)
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
@@ -447,8 +460,21 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     out_now = len(away) + sum(1 for n in names if n not in away and st[n].state in EJECTED)
     gone = f" ({len(away)} in MAINT or DOWN)" if away else ""
     safeguard = False
+    # drained nodes whose last canaries were good; the closest to recovery (most good canaries, drained first) last
+    passing_canaries = sorted((n for n in names if n not in away and st[n].state == CANARY and st[n].canary_ok >= 1),
+                              key=lambda n: (-st[n].canary_ok, st[n].since, n), reverse=True) if candidates else []
     for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
-        if (out_now <= cap) if n in away else (out_now < cap):
+        fits = (out_now <= cap) if n in away else (out_now < cap)
+        if not fits and passing_canaries:
+            passing = passing_canaries.pop()
+            # the cap is full, and a drained node's canaries pass: it is not sick now, this one is. The budget goes
+            # to the node with evidence now (a node drained for a blip must not keep a throttled one in rotation)
+            st[passing] = evolve(_move(st[passing], SLOW_START, now, f"released for {n} (the safeguard cap of {cap} "
+                                       f"node(s) out of rotation was full): {st[passing].canary_ok} good canaries"),
+                                 canary_ok=0, cause="")
+            out_now -= 1
+            fits = True
+        if fits:
             st[n] = evolve(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
             out_now += n not in away
         else:
@@ -571,7 +597,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
                  renewed: dict[str, float | None] | None = None, prefill_heavy: bool = False,
-                 pool_queued: bool = False) -> tuple[NodeState, tuple | None]:
+                 pool_queued: bool = False, noise: float | None = None, live_spread: float | None = None
+                 ) -> tuple[NodeState, tuple | None]:
     """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
 
     renewed: its latency sample is new since the last tick: the EMA and sample time it gives the state (written in
@@ -580,9 +607,11 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     """
     if live_sc:
         li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
-        veto = like_peers_now(live_sc, t.live_veto_ratio)  # the live signals say it is like its peers now (live_veto)
+        # the live signals say it is like its peers now (live_veto), within the live comparison's noise
+        veto_ratio = live.in_noise(t.live_veto_ratio, noise, t.min_spread)
+        veto = like_peers_now(live_sc, veto_ratio)
     else:  # no live score: no veto (like_peers_now of nothing)
-        live_sc, li, pm, veto = _NO_SCORES, None, None, False
+        live_sc, li, pm, veto, veto_ratio = _NO_SCORES, None, None, False, t.live_veto_ratio
     lat_reason = ""  # written only while the latency signal holds the node degraded: the only time it is shown
     prev_factors, prev_lat = s.factors, s.lat_degraded
     # the latency signal's changes to the state, written with the other signals' memories in one copy below
@@ -603,7 +632,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         # on, nor is a cut it made held (live_veto).
         if (outlier or hot or s.lat_degraded) and veto:
             outlier = hot = False
-            lat_vetoed = f"; {live_veto(live_sc, t.live_veto_ratio)}: not acted on"
+            lat_vetoed = f"; {live_veto(live_sc, veto_ratio)}: not acted on"
         else:
             lat_vetoed = ""
         calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
@@ -630,7 +659,11 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     # GPU evidence shortens the live signal's sustain as it does the window's, and is the second witness
     lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",
-                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks)
+                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks, noise,
+                                      pm.ratio if pm is not None else None,
+                                      live_spread if renewed else None, now)  # learned with the window: see Noise
+    if li is not None:
+        li = peers.score_of(against_noise(li.z, li.ratio, noise, t.min_spread), li.ratio, li.peer_median)
     l_reasons, l_quarantine = [l_reason] if l_reason else [], None
     if q:
         if evidence:
@@ -709,5 +742,5 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     if ok >= r.canary_successes:
         s = evolve(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
                    ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
-                   signals=SignalMemory(), ramp_start=None, live_itl=LiveMemory())
+                   signals=SignalMemory(), ramp_start=None, live_itl=s.live_itl.restarted())
     return s

@@ -151,6 +151,75 @@ def leave_one_out_logs(values: Mapping[str, float], min_spread: float
     return logs, out
 
 
+NOISE_S = 60.0  # a learned noise's memory: a minute
+NOISE_CLIP = 3.0  # a sample's spread counted at most this (log units): one wild sample does not set the pool's noise
+FIRST_DT_S = 1.0  # what a node's first sample is worth, in seconds (one tick at the shipped 1 s)
+# What a controller assumes before it has seen its fleet: a spread of 0.375 (healthy nodes 1.45x apart), worth three
+# seconds of its own. Its first ticks are careful, its own samples take over within seconds (a quiet simulated fleet
+# is at min_spread within fifteen); the state file keeps what it learned across restarts. Chosen on the four
+# committed real-vLLM runs (tests/fixtures/vllm/runs): without a prior each run's first 20 s cut healthy nodes (2-5
+# cuts over one tick); with it, none. Worth one second only, a calm first window (tests/controller/test_noise.py's
+# noisy pool) taught a noise 2.4x too low and a healthy node was cut.
+PRIOR_SPREAD = 0.375
+PRIOR_S = 3.0
+
+
+@dataclass(frozen=True)
+class Noise:
+    """How far a pool's healthy nodes stray from each other on one signal: its spread (spread_of: a robust sigma of
+    the log values, which a minority of sick nodes does not move) averaged over time (a running mean over the first
+    NOISE_S seconds from the prior, then an EWMA of that span; each sample weighs the seconds since the last). A real
+    fleet's healthy nodes differ by 1.5-2x from window to window (CPU contention, decode steps shared with prefills,
+    a few requests of mixed lengths), a simulated one's by a few per cent: one tick of three peers cannot tell which,
+    and one fixed spread cannot serve both. Each node keeps the pool's (pool_noise takes the median of those that
+    learned), learned when its 30 s window's sample is new (every rule evaluation, 5 s shipped: about one live
+    window, so a sample is new evidence, and the node's state is written then anyway)."""
+
+    dev: float = PRIOR_SPREAD
+    seconds: float = 0.0  # seconds learned (at most NOISE_S); 0: nothing learned yet
+    at: float | None = None  # when it last learned
+
+    def learn(self, spread: float | None, now: float) -> Noise:
+        """The noise once this sample's spread is counted (None: none this time)."""
+        if spread is None or not spread >= 0:
+            return self
+        dt = FIRST_DT_S if self.at is None else min(now - self.at, NOISE_S)
+        if not dt > 0:
+            return self
+        seconds = min(self.seconds + dt, NOISE_S)
+        weight = min(1.0, dt / min(seconds + PRIOR_S, NOISE_S))
+        return Noise(self.dev + (min(spread, NOISE_CLIP) - self.dev) * weight, seconds, now)
+
+
+def spread_of(devs: list[float]) -> float | None:
+    """The noise of one value against the median of the others, from the values' log deviations from their median
+    (or their groups'): MAD_SCALE x their median absolute deviation, a robust sigma that a minority of outliers
+    does not move, corrected for a small sample (x n / (n - 0.8): four values' MAD is 0.74 of their sigma), times
+    sqrt(1 + pi / (2 (n - 1))) for the noise of the peers' own median (three peers: 1.2x). Measured on normal
+    samples: within 6 % of the leave-one-out comparison's spread from 3 values to 32. None for fewer than three."""
+    n = len(devs)
+    if n < 3:
+        return None
+    m = median(sorted(devs))
+    sigma = MAD_SCALE * median(sorted(abs(v - m) for v in devs)) * n / (n - 0.8)
+    return sigma * math.sqrt(1.0 + math.pi / (2.0 * (n - 1)))
+
+
+def pool_noise(noises: list[Noise]) -> float:
+    """The pool's noise on a signal: the median of what its nodes learned (the prior while none has)."""
+    devs = sorted(n.dev for n in noises if n.seconds > 0)
+    return median(devs) if devs else PRIOR_SPREAD
+
+
+def against_noise(z: float, ratio: float, noise: float | None, min_spread: float) -> float:
+    """The score of a node `ratio` times its peer median, against the comparison's learned noise (floored at
+    min_spread) instead of the tick's own peer spread (z as it is while the noise is not known): judged by how far
+    its healthy peers stray, not by how close three of them happen to be this tick."""
+    if noise is None or not (ratio > 0 and math.isfinite(ratio)):
+        return z
+    return math.log(ratio) / max(noise, min_spread)
+
+
 def with_sampling_noise(z: float, ratio: float, samples: float | None, cv: float) -> float:
     """The score z of a value that is a mean over `samples` observations of per-observation variability cv, once
     that mean's own noise (about cv / sqrt(samples), in log units) joins the peers' spread: z shrinks by

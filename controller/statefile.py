@@ -21,6 +21,7 @@ from pathlib import Path
 
 from controller.live import LiveMemory
 from controller.policy import NodeState
+from controller.scoring import Noise
 from controller.signals import SignalMemory
 from grayguard.atomicfile import write_atomic
 from grayguard.vocab import DrainCause, State
@@ -89,7 +90,7 @@ def _value(tp: object, v: object, where: str) -> object:
         if v is None and type(None) in args:
             return None
         return _value(next(a for a in args if a is not type(None)), v, where)
-    if tp in (SignalMemory, LiveMemory):
+    if tp in (SignalMemory, LiveMemory, Noise):
         return tp(**_fields(tp, v, where))  # type: ignore[operator]
     if tp is bool:
         if not isinstance(v, bool):

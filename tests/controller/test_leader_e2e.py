@@ -126,10 +126,19 @@ def stack(tmp_path, haproxy_factory):
     etcd.stop()
 
 
-def settled(watcher: Sampler) -> dict:
-    """node0 drained and node1's weight cut, as HAProxy has them now."""
-    t = watcher.rows[-1][1] if watcher.rows else {}
-    return t if t.get("node0", (0, False))[1] and 0 < t.get("node1", (100, False))[0] < 100 else {}
+def settled(watcher: Sampler, for_s: float = 3.0) -> dict:
+    """node0 drained and node1's weight cut, as HAProxy has them now, and node1..node4 as they were for the last
+    for_s seconds (a cut node's weight follows its score, which moves while the controller learns the pool's noise:
+    controller/scoring.py Noise)."""
+    rows = list(watcher.rows)
+    t = rows[-1][1] if rows else {}
+    if not (t.get("node0", (0, False))[1] and 0 < t.get("node1", (100, False))[0] < 100):
+        return {}
+    now, keys = rows[-1][0], ("node1", "node2", "node3", "node4")
+    recent = [r for at, r in rows if at >= now - for_s]
+    if rows[0][0] > now - for_s or any({n: r.get(n) for n in keys} != {n: t.get(n) for n in keys} for r in recent):
+        return {}
+    return t
 
 
 def assert_no_flap(watcher: Sampler, since: float, expect: dict) -> None:
@@ -146,7 +155,7 @@ def test_the_standby_takes_over_a_dead_leader_within_the_lease_and_keeps_the_dra
     a = start("a")
     wait_until(a.leads, 10, what="a leads")
     b = start("b")
-    before = wait_until(lambda: settled(watcher), 20, what="node0 drained and node1 cut by a")
+    before = wait_until(lambda: settled(watcher), 40, what="node0 drained and node1 cut by a, steady")
     settled_at = time.monotonic()
     expect = {n: before[n] for n in ("node1", "node2", "node3", "node4")}
     wait_until(lambda: b.ctl.leadership.status()["leaders"].get("all") == "a", 5, what="b sees a lead")
@@ -174,7 +183,7 @@ def test_etcd_down_the_leader_steers_on_under_its_epoch_nobody_else_writes_and_b
     a = start("a")
     wait_until(a.leads, 10, what="a leads")
     b = start("b")
-    before = wait_until(lambda: settled(watcher), 20, what="node0 drained and node1 cut by a")
+    before = wait_until(lambda: settled(watcher), 40, what="node0 drained and node1 cut by a, steady")
     settled_at = time.monotonic()
     expect = {n: before[n] for n in ("node1", "node2", "node3", "node4")}
     wait_until(lambda: len(writes.by("a")) >= 3, 10, what="a repairs node5")

@@ -22,6 +22,7 @@ from controller.policy import (
 )
 from grayguard.config import ThresholdsConfig
 from grayguard.vocab import DrainCause
+from tests.support.ctl_helpers import seasoned
 
 T = ThresholdsConfig()
 
@@ -80,7 +81,7 @@ def _inputs(live: dict[str, float], probes: dict[str, float] | None = None,
 
 def test_decide_pool_cuts_and_quarantines_on_the_live_itl_before_the_30s_window_moves():
     pol = Policy()
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}  # n0 3x slower per token, now
     seen = []
     for tick in range(pol.thresholds.live_sustain_ticks):
@@ -96,7 +97,7 @@ def test_decide_pool_cuts_and_quarantines_on_the_live_itl_before_the_30s_window_
 
 def test_a_whole_pool_slowing_together_is_no_outlier():
     pol = Policy()
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     for tick in range(30):
         slow = 2.0 if tick >= 5 else 1.0
         d = decide_pool(states, _inputs({f"n{i}": 0.02 * slow * (1 + 0.05 * ((i + tick) % 3)) for i in range(4)}),
@@ -119,7 +120,7 @@ def test_a_latency_sample_seen_again_is_not_counted_twice():
     slow = {"n0": 0.08, "n1": 0.02, "n2": 0.021, "n3": 0.019}
 
     def run(stamps):
-        states = {f"n{i}": NodeState(since=0.0, ema=v) for i, v in enumerate(slow.values())}
+        states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate(slow.values())}
         for k, at in enumerate(stamps):
             inputs = {n: NodeInput(base_weight=100, latency=v, latency_at=at, request_rate=5.0)
                       for n, v in slow.items()}
@@ -137,7 +138,7 @@ def test_a_latency_sample_seen_again_is_not_counted_twice():
 
 def _ticks(live, n, **kw):
     pol = Policy()
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     out = []
     for tick in range(n):
         d = decide_pool(states, _inputs(live, **kw), pol, 100.0 + tick)
@@ -170,7 +171,7 @@ def test_a_past_outlier_is_not_acted_on_while_the_live_signals_say_the_node_is_l
     pol = Policy()
 
     def tick(live_itl, live_ttft):
-        states = {f"n{i}": NodeState(since=0.0, ema=v) for i, v in enumerate((0.03, 0.02, 0.021, 0.019))}
+        states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate((0.03, 0.02, 0.021, 0.019))}
         inputs = {n: NodeInput(base_weight=100, latency=states[n].ema, request_rate=5.0, live_itl=live_itl,
                                live_ttft=live_ttft) for n in states}
         return decide_pool(states, inputs, pol, 100.0).nodes["n0"]
@@ -187,7 +188,7 @@ def test_a_thin_window_is_a_noisy_mean_and_needs_a_wider_gap():
 
     def n0(ratio, rate, cv=pol.thresholds.window_noise_cv):
         p = Policy(replace(pol.thresholds, window_noise_cv=cv))
-        states = {f"n{i}": NodeState(since=0.0, ema=v) for i, v in enumerate((0.02 * ratio, 0.02, 0.021, 0.019))}
+        states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate((0.02 * ratio, 0.02, 0.021, 0.019))}
         inputs = {n: NodeInput(base_weight=100, latency=states[n].ema, request_rate=rate) for n in states}
         return decide_pool(states, inputs, p, 100.0).nodes["n0"].state.state
     assert n0(1.45, 1.0) == HEALTHY  # 30 requests: within their noise
@@ -206,7 +207,7 @@ def _pool(**kw) -> dict[str, NodeInput]:
 def test_a_node_back_from_a_restart_warms_up_like_a_new_one():
     pol = Policy()
     t, r = pol.thresholds, pol.recovery
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     d = decide_pool(states, _pool(n1={"down": True}), pol, 100.0)  # its health check: DOWN (vLLM restarting)
     assert d.nodes["n1"].state.was_down and d.nodes["n1"].state.state == HEALTHY
     d = decide_pool({n: x.state for n, x in d.nodes.items()}, _pool(), pol, 110.0)  # UP again, cold
@@ -214,7 +215,7 @@ def test_a_node_back_from_a_restart_warms_up_like_a_new_one():
     assert nd.state.state == SLOW_START and nd.weight == round(100 * r.slow_start_initial)
     assert "back UP" in nd.state.reason and nd.state.ramp_start == 110.0 + t.new_node_warmup_s
     # gone from HAProxy for a while (redeployed), then back: the same
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     d = decide_pool(states, {n: i for n, i in _pool().items() if n != "n2"}, pol, 100.0)
     assert "n2" in d.retained
     d = decide_pool({**d.retained, **{n: x.state for n, x in d.nodes.items()}}, _pool(), pol, 112.0)
@@ -223,13 +224,13 @@ def test_a_node_back_from_a_restart_warms_up_like_a_new_one():
 
 def test_a_reflex_mark_down_is_no_restart_and_a_flag_never_raises_a_warming_nodes_weight():
     pol = Policy()
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(6)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(6)}
     everyone = {f"n{i}": {"down": True, "gateway_marked_down": True} for i in range(6)}
     d = decide_pool(states, {**_pool(), **{n: NodeInput(base_weight=100, **f) for n, f in everyone.items()}}, pol,
                     100.0)
     assert not any(nd.state.was_down for nd in d.nodes.values())
     warming = replace(NodeState(since=90.0, ema=0.02), state=SLOW_START, ramp_start=120.0)
-    states = {**{f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}, "n0": warming}
+    states = {**{f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}, "n0": warming}
     slow = {"n0": {"live_itl": 0.06, "probe_ttft_median": 0.15}, **{f"n{i}": {"live_itl": 0.02,
                                                                               "probe_ttft_median": 0.05}
                                                                     for i in (1, 2, 3)}}
@@ -272,7 +273,7 @@ def test_a_slow_probe_behind_a_passing_backlog_is_noise_when_the_probe_median_is
 
     def run(median0):
         pol = Policy()
-        states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+        states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
         out = []
         for tick in range(4):
             inputs = _inputs(live, probes={"n0": median0, "n1": 0.05, "n2": 0.05, "n3": 0.05})
@@ -297,7 +298,7 @@ def test_a_slow_probe_on_a_gpu_reporting_trouble_drains_at_once_though_the_probe
     live = {"n0": 0.026, "n1": 0.020, "n2": 0.021, "n3": 0.019}
 
     def first_tick(evidence: bool):
-        states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+        states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
         inputs = _inputs(live, probes={"n0": 0.055, "n1": 0.05, "n2": 0.05, "n3": 0.05})
         inputs["n0"] = replace(inputs["n0"], probe_result="slow", probe_ttft=0.5, gpu_throttled=evidence)
         for n in ("n1", "n2", "n3"):
@@ -331,7 +332,7 @@ def test_in_a_saturated_pool_a_probe_timeout_is_load_while_the_node_decodes_at_i
 
     def run(n0_itl, results, medians=None):
         pol = Policy()
-        states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+        states = {n: seasoned(since=0.0, ema=0.02) for n in live}
         for tick in range(6):
             inputs = _inputs(dict(live, n0=n0_itl) if n0_itl else live,
                              probes=medians or {n: 1.5 for n in live})
@@ -361,7 +362,7 @@ def test_in_a_saturated_pool_a_prefill_heavy_node_whose_probes_time_out_is_loade
 
     def run(n0_itl, results):
         pol = Policy()
-        states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+        states = {n: seasoned(since=0.0, ema=0.02) for n in live}
         for tick in range(6):
             inputs = _inputs(dict(live, n0=n0_itl) if n0_itl else live, probes={}, prefill=prefill)
             for n in live:
@@ -373,7 +374,7 @@ def test_in_a_saturated_pool_a_prefill_heavy_node_whose_probes_time_out_is_loade
             states = {n: nd.state for n, nd in d.nodes.items()}
         return states, inputs
     states, inputs = run(0.050, {})
-    _, gated = _live_scores(inputs, states, list(live), {n: None for n in live}, Policy())
+    _, gated, _ = _live_scores(inputs, states, list(live), {n: None for n in live}, Policy())
     assert gated == {"n0"}  # the gate holds: its ITL is not scored, only read as evidence that it decodes
     assert all(s.state == HEALTHY for s in states.values()), {n: s.reason for n, s in states.items()}
     hung, _ = run(None, {})  # decodes nothing: its timeouts count, gated or not
@@ -387,7 +388,7 @@ def test_with_gpu_evidence_a_live_outlier_at_the_quarantine_ratio_drains_at_once
     live = {"n0": 0.060, "n1": 0.020, "n2": 0.021, "n3": 0.019}
     even = {n: 0.05 for n in live}  # the probes see nothing yet
     pol = Policy()
-    states = {f"n{i}": NodeState(since=0.0, ema=0.02) for i in range(4)}
+    states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
     inputs = _inputs(live, probes=even)
     inputs["n0"] = replace(inputs["n0"], pcie_degraded=True)
     d = decide_pool(states, inputs, pol, 100.0)
@@ -405,15 +406,15 @@ def test_a_gated_node_stays_a_reference_and_a_cut_node_is_no_reference_for_the_g
     live = {"n0": 0.060, "n1": 0.020, "n2": 0.032, "n3": 0.031}
     prefill = {"n0": 300.0, "n1": 1600.0, "n2": 700.0, "n3": 900.0}  # n0 gets fewer prompts: it is slow
     pol = Policy()
-    states = {n: NodeState(since=0.0, ema=0.02) for n in live}
+    states = {n: seasoned(since=0.0, ema=0.02) for n in live}
     inputs = {n: replace(i, peer_group=groups[n]) for n, i in _inputs(live, prefill=prefill).items()}
     d = decide_pool(states, inputs, pol, 100.0)
     assert d.nodes["n0"].state.state == DEGRADED and "live ITL" in d.nodes["n0"].state.reason
     assert d.nodes["n1"].state.state == HEALTHY
     # n0 now cut: its low prefill rate is no reference, so n1 (1600 vs the a100s' 800) is not even gated
     st = {n: nd.state for n, nd in d.nodes.items()}
-    _, gated = _live_scores(inputs, st, list(live), groups, pol)
+    _, gated, _ = _live_scores(inputs, st, list(live), groups, pol)
     assert gated == {"n1"}  # 1600 > 1.5 x median(700, 900)? yes: 1600 > 1200
     inputs["n1"] = replace(inputs["n1"], live_prefill_rate=1100.0)
-    _, gated = _live_scores(inputs, st, list(live), groups, pol)
+    _, gated, _ = _live_scores(inputs, st, list(live), groups, pol)
     assert gated == set()  # 1100 < 1.5 x 800; with n0's 300 counted, the median would be 700 and 1100 > 1050

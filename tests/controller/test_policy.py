@@ -21,6 +21,8 @@ from controller.policy import (
     target_weight,
 )
 from grayguard.config import RecoveryConfig, ThresholdsConfig
+from grayguard.vocab import DrainCause
+from tests.support.ctl_helpers import seasoned
 
 P = Policy()
 STATES = [HEALTHY, DEGRADED, QUARANTINED, CANARY, SLOW_START]
@@ -149,6 +151,26 @@ def test_safeguard_caps_quarantine_and_says_so():
     assert "safeguard" in d.nodes["e"].state.reason
 
 
+def test_a_full_cap_goes_to_the_node_sick_now_not_to_a_drained_one_whose_canaries_pass():
+    """Found on the real fleet (tests/fixtures/vllm/runs/thermal-1.5rps-quiet-b): a healthy node drained for an
+    agent's 2 s hang verdict held the 4-node pool's cap of one in canary, passing, while the throttled node waited
+    at weight 1 until it left: quarantined 14.1 s after the fault instead of 7.2 s."""
+    t = ThresholdsConfig(sustain_ticks=1)
+    pol = Policy(t, RecoveryConfig())
+    lat = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1, "e": 0.1, "f": 0.6}
+    drained = {"a": seasoned(state=CANARY, since=50.0, canary_ok=1, cause=DrainCause.GATEWAY)}
+    prev = {**{n: seasoned(since=0.0) for n in "bcdef"}, **drained}
+    d = decide_pool(prev, {**{n: NodeInput(100, v) for n, v in lat.items() if n != "a"}, "a": NodeInput(100)},
+                    pol, 100.0)
+    assert d.nodes["f"].state.state == QUARANTINED and not d.safeguard
+    assert d.nodes["a"].state.state == SLOW_START and "released for f" in d.nodes["a"].state.reason
+    # a drained node whose canaries have not passed yet is no sicker a candidate's to take: the cap holds
+    held = {"a": seasoned(state=CANARY, since=50.0, canary_ok=0, cause=DrainCause.GATEWAY)}
+    d = decide_pool({**prev, **held}, {**{n: NodeInput(100, v) for n, v in lat.items() if n != "a"},
+                                       "a": NodeInput(100)}, pol, 100.0)
+    assert d.nodes["a"].state.state == CANARY and d.nodes["f"].state.state != QUARANTINED and d.safeguard
+
+
 def test_small_pools_never_eject():
     assert max_ejected(2, 1.0) == 0 and max_ejected(3, 0.3) == 1 and max_ejected(10, 0.3) == 3
     d = fleet({"a": 0.1, "b": 1.0})
@@ -159,7 +181,7 @@ def test_hysteresis_a_node_at_the_edge_does_not_flap():
     t = ThresholdsConfig(ema_alpha=1.0)
     pol = Policy(t, RecoveryConfig())
     peers = {"a": 0.1, "b": 0.1, "c": 0.1}
-    prev: dict = {}
+    prev: dict = {n: seasoned(since=0.0) for n in ("a", "b", "c", "x")}  # a controller that knows its quiet fleet
     states = []
     for i in range(20):  # alternates just above and just below the entry gap
         x = 0.13 if i % 2 == 0 else 0.12

@@ -200,12 +200,18 @@ def stack(tmp_path, haproxy_factory):
     etcd.stop()
 
 
-def settled(table: Sampler) -> dict:
-    """Every pool's node0 drained and node1's weight cut, as HAProxy has them now."""
-    t = table.rows[-1][1] if table.rows else {}
+def settled(table: Sampler, for_s: float = 3.0) -> dict:
+    """Every pool's node0 drained and node1's weight cut, as HAProxy has them now, and the kept nodes as they were
+    for the last for_s seconds (a cut node's weight follows its score, which moves while the controller learns the
+    pool's noise: controller/scoring.py Noise)."""
+    rows = list(table.rows)
+    t = rows[-1][1] if rows else {}
     for be in BACKEND.values():
         if not (t.get((be, "node0"), (0, False))[1] and 0 < t.get((be, "node1"), (100, False))[0] < 100):
             return {}
+    now = rows[-1][0]
+    if rows[0][0] > now - for_s or any(kept(r) != kept(t) for at, r in rows if at >= now - for_s):
+        return {}
     return t
 
 
@@ -260,7 +266,7 @@ def test_two_replicas_split_the_pools_and_the_survivor_takes_over_a_dead_ones_po
     a, b = stack.start("a"), stack.start("b")
     owners = wait_until(lambda: split(a, b, even=True), 20, what="the pools split 3/3")
     split_at = time.monotonic()
-    before = wait_until(lambda: settled(stack.table), 20, what="every node0 drained and every node1 cut")
+    before = wait_until(lambda: settled(stack.table), 40, what="every node0 drained and every node1 cut, steady")
     settled_at = time.monotonic()
     expect = kept(before)
     for r in (a, b):  # each replica repairs node4 in each of its pools, and writes no other backend
@@ -301,7 +307,7 @@ def test_two_replicas_split_the_pools_and_the_survivor_takes_over_a_dead_ones_po
 def test_a_replica_that_joins_later_gets_its_share_by_handover_without_a_pool_unled_or_two_writers(stack):
     a = stack.start("a")
     wait_until(lambda: a.leads() == set(POOLS), 10, what="a leads every pool")
-    before = wait_until(lambda: settled(stack.table), 20, what="every node0 drained and every node1 cut by a")
+    before = wait_until(lambda: settled(stack.table), 40, what="every node0 drained and every node1 cut by a, steady")
     settled_at = time.monotonic()
     expect = kept(before)
     drained = drained_states(a, POOLS)

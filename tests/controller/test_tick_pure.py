@@ -12,7 +12,16 @@ from controller.haproxy import ServerState
 from controller.policy import NodeState, Policy
 from grayguard.config import PoolConfig, RecoveryConfig, ServerConfig
 from grayguard.promclient import Sample
-from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeHaproxy, FakeProm, fake_controller, samples, tick_settled
+from tests.support.ctl_helpers import (
+    LAT_Q,
+    RATE_Q,
+    FakeHaproxy,
+    FakeProm,
+    fake_controller,
+    samples,
+    seasoned,
+    tick_settled,
+)
 
 POOL = PoolConfig(name="chat", backend="vllm_chat")
 ADDR = {f"node{i}": f"10.0.0.{i}:8000" for i in range(4)}
@@ -33,8 +42,9 @@ def observe(now, prev, lat, ttft=None, optional=None, pool=POOL, servers=SERVERS
 
 
 def run(ticks, t0=1000.0, step=5.0, **kw):
-    """Feed the decide step its own states forward; -> [(state, weight, drain, canary outcomes) of node0]."""
-    prev: dict[str, NodeState] = {}
+    """Feed the decide step its own states forward, from a controller that knows its quiet fleet (its learned
+    noise: scoring.Noise); -> [(state, weight, drain, canary outcomes) of node0]."""
+    prev: dict[str, NodeState] = {n: seasoned(since=t0 - step) for n in kw.get("servers", SERVERS)}
     seen = []
     for k, (lat, ttft) in enumerate(ticks):
         out = decide.decide_tick(observe(t0 + k * step, prev, lat, ttft, **kw), [POOL], POLICIES)["chat"]

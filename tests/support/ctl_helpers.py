@@ -8,8 +8,11 @@ from dataclasses import replace
 
 from controller import decide, readscope
 from controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
+from controller.live import LiveMemory
 from controller.loop import Controller
 from controller.metrics import ControllerMetrics
+from controller.policy import NodeState
+from controller.scoring import NOISE_S, Noise
 from grayguard.config import parse_config
 from grayguard.promclient import PrometheusClient, Sample
 
@@ -156,3 +159,11 @@ class Sampler:
     def close(self):
         self.done.set()
         self.thread.join(5)
+
+
+def seasoned(**kw) -> NodeState:
+    """A NodeState of a controller that has seen its fleet for a minute: a quiet one, whose healthy nodes stray by
+    less than min_spread (scoring.Noise: a fresh controller starts from PRIOR_SPREAD and is careful at first)."""
+    quiet = Noise(0.02, NOISE_S)
+    live_itl = kw.pop("live_itl", LiveMemory())
+    return NodeState(lat_noise=quiet, live_itl=replace(live_itl, noise=quiet), **kw)
