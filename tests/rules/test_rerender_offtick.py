@@ -55,7 +55,7 @@ def wait_for(cond, timeout_s=10.0):
 
 
 def test_slow_rerender_does_not_hold_the_ticks_and_never_overlaps_itself():
-    ctl = FakeController(rerender_interval_s=0.05)
+    ctl = FakeController(rerender_interval_s=0.01)
     release = threading.Event()
     running, peak, calls = [0], [0], [0]
     lock = threading.Lock()
@@ -69,6 +69,7 @@ def test_slow_rerender_does_not_hold_the_ticks_and_never_overlaps_itself():
         with lock:
             running[0] -= 1
 
+    began = time.monotonic()
     stop, t = run_in_thread(ctl, 0.05, slow_rerender)
     try:
         assert wait_for(lambda: calls[0] == 1)
@@ -83,10 +84,13 @@ def test_slow_rerender_does_not_hold_the_ticks_and_never_overlaps_itself():
         release.set()
         stop.set()
         t.join(15)
+    slots = (time.monotonic() - began) / 0.05
     assert peak[0] == 1
-    # a re-render skipped because the previous one still ran is not a skipped tick
+    # A re-render skipped because the previous one still ran is not a skipped tick. On a loaded machine ticks
+    # wake late and some are skipped for real, but every slot is either run or skipped once: had the busy
+    # re-render's passed-over slots (one every 10 ms here) been counted too, they would outnumber the tick slots.
     skipped = ctl.metrics.registry.get_sample_value("grayguard_ticks_total", {"result": "skipped"}) or 0
-    assert skipped <= 2
+    assert ctl.ticks + skipped <= slots + 2, (ctl.ticks, skipped, slots)
 
 
 def test_rerender_continues_when_the_tick_fails():
