@@ -261,6 +261,9 @@ def test_a_canary_that_raises_or_answers_after_its_timeout_is_a_failure():
 def test_every_canary_sent_is_counted_under_its_targets_instance_for_the_rules_to_take_out(fleet):
     f = fleet()
     _tick_within(f.ctl)  # node0's round: node0 and its reference peers, one request each
+    deadline = time.monotonic() + 5.0  # the round's requests go out on the workers, off the tick
+    while len(f.sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     targets = {u.removeprefix("http://") for _, u in f.sent}
     assert ADDR["node0"] in targets and len(targets) >= 2
     node_of = {a: n for n, a in ADDR.items()}
