@@ -331,10 +331,19 @@ def run(params: TraceParams, profile: cProfile.Profile | None = None, pools: Ite
         yield Tick(k, now, inputs, servers, decisions, plans, states, t0, seconds, cpu)
 
 
+# fields added to the decision after the digests were recorded, left out while empty: a decision that has nothing in
+# them is written as before, so the recorded digests still say whether the decisions are the same
+LATER_FIELDS = frozenset({("NodeDecision", "shadow")})
+
+
+def _written(o, name: str) -> bool:
+    return (type(o).__name__, name) not in LATER_FIELDS or bool(getattr(o, name))
+
+
 def _plain(x):
     """A decision as plain JSON values (dataclasses by field, sets sorted, dict keys as they are)."""
     if dataclasses.is_dataclass(x):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x) if _written(x, f.name)}
     if isinstance(x, dict):
         return {str(k): _plain(v) for k, v in x.items()}
     if isinstance(x, frozenset | set):
@@ -365,7 +374,7 @@ def _fields(o):
     """json's fallback, one level at a time (the encoder recurses): a dataclass as its fields, a set sorted."""
     names = _field_names(type(o))
     if names is not None:
-        return {n: getattr(o, n) for n in names}
+        return {n: getattr(o, n) for n in names if _written(o, n)}
     if isinstance(o, frozenset | set):
         return sorted(o)
     raise TypeError(f"{type(o).__name__} is not JSON")

@@ -19,7 +19,8 @@ from controller.metrics import ControllerMetrics
 from controller.policy import NodeDecision, NodeState
 from grayguard.vocab import EJECTED, STATES, Signal, State
 
-FACTOR_SIGNALS = (Signal.LATENCY, Signal.PROBE, Signal.ERRORS, Signal.KV_CACHE)  # node_factor's `signal` values
+# node_factor's `signal` values (KV saturation last: it is the decision's weight 0, not a factor of the state)
+FACTOR_SIGNALS = (Signal.LATENCY, Signal.PROBE, Signal.ERRORS, Signal.LIVE, Signal.KV_CACHE)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class NodeRow:
     ema: float | None
     peer_median: float | None
     reason: tuple[str, str]  # node_reason_info's state and reason code
+    # what the detectors in shadow mode ask for: (detector, weight factor or None for no cut, asks a quarantine)
+    shadow: tuple[tuple[str, float | None, bool], ...] = ()
 
 
 def node_row(d: NodeDecision, base_weight: int, backend: str, series_key: str) -> NodeRow:
@@ -43,8 +46,9 @@ def node_row(d: NodeDecision, base_weight: int, backend: str, series_key: str) -
     active = {k: f for k, f, _ in s.factors}
     kv_zero = d.weight == 0 and not d.drain and base_weight > 0
     factors = tuple(active.get(k, 1.0) for k in FACTOR_SIGNALS[:-1]) + (0.0 if kv_zero else 1.0,)
+    shadow = tuple((f.detector, f.factor if f.factor < 1.0 else None, f.quarantine is not None) for f in d.shadow)
     return NodeRow(s.state, base_weight, (backend, series_key), factors, d.weight, s.score, s.ema, d.peer_median,
-                   (s.state, reason_code(s, kv_zero)))
+                   (s.state, reason_code(s, kv_zero)), shadow)
 
 
 def reason_code(s: NodeState, kv_zero: bool) -> str:
@@ -57,6 +61,19 @@ def reason_code(s: NodeState, kv_zero: bool) -> str:
     if s.state == State.SLOW_START:
         parts.insert(0, "recovery")
     return ",".join(parts) or "none"
+
+
+def write_shadow(m: ControllerMetrics, p: str, n: str, old: tuple, new: tuple) -> None:
+    """Show what the shadowed detectors ask for now: a series for each cut and quarantine asked, none for the rest
+    (absent: it asks nothing)."""
+    for gauge, now in ((m.node_shadow_factor, {d: f for d, f, _ in new if f is not None}),
+                       (m.node_shadow_quarantine, {d: 1 for d, _, q in new if q})):
+        before = {d for d, f, q in old if (f is not None if gauge is m.node_shadow_factor else q)}
+        for d in before - set(now):
+            with contextlib.suppress(KeyError):
+                gauge.remove(p, n, d)
+        for d, v in now.items():
+            gauge.labels(p, n, d).set(v)
 
 
 class NodeSeries:
@@ -124,3 +141,5 @@ class NodeSeries:
             if old is not None:
                 m.node_reason.remove(p, n, *old.reason)
             m.node_reason.labels(p, n, *new.reason).set(1)
+        if (old.shadow if old is not None else ()) != new.shadow:
+            write_shadow(m, p, n, old.shadow if old is not None else (), new.shadow)

@@ -371,11 +371,15 @@ class Controller:
             decision = o.decision
             result.decisions[pool.name] = decision
             self.states[pool.name] = o.states
+            before = self.last_decisions.get(pool.name)
             for n, d in decision.nodes.items():
                 if d.changed:
                     self.metrics.transitions.labels(pool.name, n, d.previous, d.state.state).inc()
                     log.info("pool=%s node=%s %s -> %s: %s", pool.name, n, d.previous, d.state.state,
                              d.state.reason)
+                was = before.nodes.get(n) if before is not None else None
+                if d.shadow or (was is not None and was.shadow):
+                    self._shadow_changes(pool.name, n, was.shadow if was is not None else (), d.shadow)
             if self._handed_over(pool, o.states, result, decision):
                 self._write(pool, decision, hap, result)
             self._export(pool, decision, obs.pools[pool.name].servers)
@@ -385,6 +389,24 @@ class Controller:
         if not result.errors:
             self.metrics.last_success.set(obs.now)
         self.last_tick = obs.now
+
+    def _shadow_changes(self, pool: str, n: str, old: tuple, new: tuple) -> None:
+        """Log and count what a shadowed detector begins or stops asking for (a cut, a quarantine): each finding
+        once, when it begins, as the state changes are, not every tick it lasts."""
+        def asks(fs: tuple) -> dict[tuple[str, str], str]:
+            out = {}
+            for f in fs:
+                if f.factor < 1.0:
+                    out[(f.detector, "cut")] = f"would cut its weight x{f.factor:.2g}: {f.reason}"
+                if f.quarantine is not None:
+                    out[(f.detector, "quarantine")] = f"would quarantine it: {f.quarantine}"
+            return out
+        a, b = asks(old), asks(new)
+        for key in sorted(set(b) - set(a)):
+            self.metrics.shadow_findings.labels(pool, key[0], key[1]).inc()
+            log.info("pool=%s node=%s shadow: detector %s %s", pool, n, key[0], b[key])
+        for key in sorted(set(a) - set(b)):
+            log.info("pool=%s node=%s shadow: detector %s no longer asks for a %s", pool, n, key[0], key[1])
 
     def _write(self, pool: PoolConfig, decision: PoolDecision, hap: dict, result: TickResult) -> None:
         """Plan and apply one pool's writes on every HAProxy endpoint that answered this tick."""
@@ -624,7 +646,9 @@ class Controller:
                               "score": s.score, "ratio_to_peers": s.ratio, "latency_ema": s.ema,
                               "peer_median": nd.peer_median if nd else None, "reason": s.reason,
                               "factors": {k: f for k, f, _ in s.factors}, "drain_cause": s.cause or None,
-                              "gone_since": s.gone_since})
+                              "gone_since": s.gone_since,
+                              "shadow": [{"detector": f.detector, "factor": f.factor, "quarantine": f.quarantine,
+                                          "reason": f.reason} for f in (nd.shadow if nd else ())]})
             pools.append({"pool": pool.name, "backend": pool.backend,
                           "ejected": d.ejected if d else None, "max_ejected": d.max_ejected if d else None,
                           "safeguard_engaged": d.safeguard if d else None, "nodes": nodes})

@@ -25,7 +25,10 @@ class ControllerMetrics:
     node_factor: Gauge
     node_reason: Gauge
     node_info: Gauge
+    node_shadow_factor: Gauge
+    node_shadow_quarantine: Gauge
     transitions: Counter
+    shadow_findings: Counter
     pool_nodes: Gauge
     pool_ejected: Gauge
     pool_max_ejected: Gauge
@@ -80,10 +83,21 @@ class ControllerMetrics:
                               "The signals that put the node in its state, a stable set such as latency,probe "
                               "(value 1; the full text is in /status and the logs)",
                               node + ["state", "reason"], registry=r),
+            node_shadow_factor=Gauge("grayguard_node_shadow_weight_factor",
+                                     "The weight factor (0-1) a detector in shadow mode asks for the node (absent: it "
+                                     "asks for no cut); nothing applies it (config detectors.<name>.enforce: false)",
+                                     node + ["detector"], registry=r),
+            node_shadow_quarantine=Gauge("grayguard_node_shadow_quarantine",
+                                         "1 while a detector in shadow mode asks for the node's quarantine (absent: it "
+                                         "does not); nothing drains it", node + ["detector"], registry=r),
             node_info=Gauge("grayguard_node_info", "Links a node (HAProxy server) to its Prometheus series (value 1)",
                             node + ["backend", "instance"], registry=r),
             transitions=Counter("grayguard_node_transitions", "State transitions",
                                 node + ["from_state", "to_state"], registry=r),
+            shadow_findings=Counter("grayguard_shadow_findings",
+                                    "Findings a detector in shadow mode began (a cut or a quarantine it asked for a "
+                                    "node, counted when it begins), by detector and what it asked (cut, quarantine)",
+                                    ["pool", "detector", "asks"], registry=r),
             pool_nodes=Gauge("grayguard_pool_nodes", "Servers in the pool's backend", ["pool"], registry=r),
             pool_ejected=Gauge("grayguard_pool_ejected_nodes", "Nodes drained (quarantined or canary)",
                                ["pool"], registry=r),

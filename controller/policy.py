@@ -25,7 +25,7 @@ from controller.scoring import Noise, against_noise, ema, pool_noise, usable, we
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
-from grayguard.vocab import EJECTED, IN_ROTATION, DrainCause, ProbeResult, Signal, State
+from grayguard.vocab import EJECTED, IN_ROTATION, Detector, DrainCause, ProbeResult, Signal, State
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
 HEALTHY, DEGRADED, QUARANTINED, CANARY = State.HEALTHY, State.DEGRADED, State.QUARANTINED, State.CANARY
@@ -40,11 +40,15 @@ class Policy:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     group_speed: Mapping[str, float] = field(default_factory=dict)  # pools[].group_speed
     window_s: float = 30.0  # rules.control_window in seconds: the 30 s window's requests = request rate x this
+    # the detectors in shadow mode (grayguard.vocab.Detector values; config `detectors.<name>.enforce: false`): they
+    # run, and what they ask for is each node's NodeDecision.shadow, not its weight or state
+    shadow: frozenset[str] = frozenset()
 
 
 def config_policy(cfg: Config, group_speed: Mapping[str, float] | None = None) -> Policy:
-    """The Policy of the config's thresholds, recovery and control window (and a pool's group_speed)."""
-    return Policy(cfg.thresholds, cfg.recovery, dict(group_speed or {}), duration_seconds(cfg.rules.control_window))
+    """The Policy of the config's thresholds, recovery, control window and detectors (and a pool's group_speed)."""
+    return Policy(cfg.thresholds, cfg.recovery, dict(group_speed or {}), duration_seconds(cfg.rules.control_window),
+                  cfg.detectors.shadow())
 
 
 def pool_policies(cfg: Config) -> dict[str, Policy]:
@@ -129,12 +133,24 @@ class NodeState:
 
 @dict_init  # one per node per tick
 @dataclass(frozen=True)
+class Finding:
+    """What one detector asks for one node this tick: a weight factor (1.0: no cut) and a quarantine (its reason;
+    None: none). A shadowed detector's findings are reported (NodeDecision.shadow) and acted on by nobody."""
+
+    detector: str  # grayguard.vocab.Detector
+    factor: float
+    quarantine: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class NodeDecision:
     state: NodeState
     previous: str
     weight: int | None  # None: leave HAProxy as it is
     drain: bool
     peer_median: float | None = None
+    shadow: tuple[Finding, ...] = ()  # what the detectors in shadow mode ask for this node, by detector; none: ()
 
     @property
     def changed(self) -> bool:
@@ -418,21 +434,27 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
 
     # 2. Per-node transitions.
     candidates: list[tuple[float, str, str, str]] = []  # (priority, node, cause, reason)
+    shadow_of: dict[str, tuple[Finding, ...]] = {}  # what the shadowed detectors ask for, by node
     kv_full: list[tuple[float, str]] = []
     for n in names:
         s, i = st[n], inputs[n]
         if i.hold:
             continue
         if s.state in IN_ROTATION:
-            s, cand = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
-                                   t, r, now, calm_gap, live_of.get(n),
-                                   renewed=renewed.get(n), prefill_heavy=n in prefill_heavy, pool_queued=queued,
-                                   noise=noise, live_spread=live_spread)
+            s, cand, found = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
+                                          t, r, now, calm_gap, live_of.get(n),
+                                          renewed=renewed.get(n), prefill_heavy=n in prefill_heavy,
+                                          pool_queued=queued, noise=noise, live_spread=live_spread,
+                                          shadow=policy.shadow)
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
-            if kv_why and not cand:  # ranked by how many times its peers' usage it holds (both known: kv_why says so)
+            if kv_why and Detector.KV_OUTLIER in policy.shadow:
+                found += (Finding(Detector.KV_OUTLIER, 1.0, kv_why, kv_why),)
+            elif kv_why and not cand:  # ranked by how many times its peers' usage it holds (both known: kv_why says)
                 cand = (i.kv_cache_usage / max(peer_kv[n], 1e-3), DrainCause.KV_CACHE, kv_why)
+            if found:
+                shadow_of[n] = found
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
                 cand = (math.inf, DrainCause.GATEWAY, gateway[n] + (f"; {cand[2]}" if cand else ""))
             if cand:
@@ -513,7 +535,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         w = target_weight(s, i.base_weight, now, policy, kv_zero=n in kv_zero)
         sc = scored.get(n)
         out[n] = NodeDecision(s if s.weight == w else evolve(s, weight=w), prev_state, w, s.state in EJECTED,
-                              sc.peer_median if sc else None)
+                              sc.peer_median if sc else None, shadow_of.get(n, ()))
     ejected = sum(1 for n in names if st[n].state in EJECTED)
     return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off)
 
@@ -597,9 +619,11 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
                  renewed: dict[str, float | None] | None = None, prefill_heavy: bool = False,
-                 pool_queued: bool = False, noise: float | None = None, live_spread: float | None = None
-                 ) -> tuple[NodeState, tuple | None]:
-    """One tick of a node that carries traffic; returns its state and a quarantine candidacy, if any.
+                 pool_queued: bool = False, noise: float | None = None, live_spread: float | None = None,
+                 shadow: frozenset[str] = frozenset()) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
+    """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
+    detectors in `shadow` ask for (their findings: each runs and keeps its memory, and its weight factor and
+    quarantine are reported instead of applied).
 
     renewed: its latency sample is new since the last tick: the EMA and sample time it gives the state (written in
     the node's one copy of the tick); None: a sample seen before (or none), which moves nothing (its score, counters
@@ -673,15 +697,28 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         else:
             why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
             l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
-    degraded = lat_deg or pf < 1.0 or ef < 1.0 or lf < 1.0
+    asked: dict[str, list] = {}  # a shadowed detector -> [its factor, its quarantine reason or None, its reason]
+    lat_on, pf_on, ef_on, lf_on = lat_deg, pf, ef, lf  # the cuts in force: a shadowed detector's are reported
+    if shadow:
+        l_text = "; ".join(l_reasons)
+        for det, cut, text in ((Detector.LATENCY, lat_factor if lat_deg else 1.0, lat_reason or "latency (held)"),
+                               (Detector.PROBE, pf, p_reason), (Detector.ERRORS, ef, e_reason),
+                               (Detector.LIVE, lf, l_text)):
+            if det in shadow and cut < 1.0:
+                asked[det] = [cut, None, text]
+        lat_on = lat_deg and Detector.LATENCY not in shadow
+        pf_on = 1.0 if Detector.PROBE in shadow else pf
+        ef_on = 1.0 if Detector.ERRORS in shadow else ef
+        lf_on = 1.0 if Detector.LIVE in shadow else lf
+    degraded = lat_on or pf_on < 1.0 or ef_on < 1.0 or lf_on < 1.0
     factors: tuple = ()  # the factors in force and their reasons: none while no signal cuts the weight
     why = ""
     if degraded:
         factors = tuple(f for f in ((Signal.LATENCY, lat_factor, lat_reason or "latency (held)"),
-                                    (Signal.PROBE, pf, p_reason), (Signal.ERRORS, ef, e_reason),
-                                    (Signal.LIVE, lf, "; ".join(l_reasons)))
-                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or lat_deg))
-        why = "; ".join(x for x in [lat_reason if lat_deg else ""]
+                                    (Signal.PROBE, pf_on, p_reason), (Signal.ERRORS, ef_on, e_reason),
+                                    (Signal.LIVE, lf_on, "; ".join(l_reasons)))
+                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or lat_on))
+        why = "; ".join(x for x in [lat_reason if lat_on else ""]
                         + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
     if renewed or lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
@@ -697,7 +734,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif s.state == HEALTHY and degraded:
         s = evolve(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
     elif s.state == DEGRADED and not degraded:
-        was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat else set())
+        was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat and Detector.LATENCY not in shadow
+                                                 else set())
         cleared = [text for key, text in (
             (Signal.LATENCY, f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
             (Signal.PROBE, f"{t.probe_ok_to_clear} good probes"), (Signal.ERRORS, "errors below the threshold"),
@@ -706,20 +744,43 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif (s.state == DEGRADED or s.state == HEALTHY) and s.reason != why:  # _with_reason, most nodes keep theirs
         s = evolve(s, reason=why)
+    cand = None  # most nodes, every tick: nothing could ask for a quarantine
+    if p_quarantine or e_quarantine or l_quarantine is not None or evidence or (sc is not None and s.hot_ticks):
+        cand = _candidacy(s, i, sc, pf, p_quarantine, e_quarantine, l_quarantine, p_reason, peer_probe, evidence, t,
+                          shadow, asked)
+    found = tuple(Finding(d, f, q, text) for d, (f, q, text) in asked.items()) if asked else ()
+    return s, cand, found
+
+
+def _candidacy(s: NodeState, i: NodeInput, sc: peers.Score | None, pf: float, p_quarantine: str | None,
+               e_quarantine: str | None, l_quarantine: tuple[float, str] | None, p_reason: str,
+               peer_probe: float | None, evidence: tuple, t: ThresholdsConfig, shadow: frozenset[str],
+               asked: dict[str, list]) -> tuple | None:
+    """The node's quarantine candidacy this tick, (priority, cause, reason), the first by precedence of an enforced
+    detector; a shadowed detector's request goes into `asked` (detector -> [factor, quarantine, reason])."""
+    tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
+    asks: list[tuple[str, tuple]] = []  # (detector, candidacy), by precedence
     if p_quarantine or e_quarantine:
-        return s, (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)
+        asks.append((Detector.PROBE if p_quarantine else Detector.ERRORS,
+                     (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)))
+        if p_quarantine and e_quarantine:  # both ask: the errors' comes next, should the probe's be shadowed
+            asks.append((Detector.ERRORS, (math.inf, DrainCause.ERRORS, e_quarantine)))
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
         ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.probe_slow_ratio
-        return s, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")
+        asks.append((Detector.PROBE, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")))
     if l_quarantine is not None:
-        tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
-        return s, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)
+        asks.append((Detector.LIVE, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)))
     sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
     if sc is not None and s.hot_ticks >= sustain:
-        tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
-        return s, (sc.z, DrainCause.LATENCY, f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f} for "
-                   f"{s.hot_ticks} tick(s){tail}")
-    return s, None
+        asks.append((Detector.LATENCY, (sc.z, DrainCause.LATENCY, f"latency {sc.ratio:.2f}x peer median, score "
+                                        f"{sc.z:.1f} for {s.hot_ticks} tick(s){tail}")))
+    for det, cand in asks:
+        if det not in shadow:
+            return cand
+        ask = asked.setdefault(det, [1.0, None, cand[2]])
+        if ask[1] is None:
+            ask[1] = cand[2]
+    return None
 
 
 def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,

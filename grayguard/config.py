@@ -386,6 +386,37 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class DetectorConfig:
+    """One detector's mode (detectors.<name>)."""
+
+    enforce: bool = True  # false: shadow mode: its findings are logged and exported, and move no weight or state
+
+
+@dataclass(frozen=True)
+class DetectorsConfig:
+    """The detectors whose findings the decision acts on, each by name (grayguard.vocab.Detector).
+
+    A detector in shadow mode (`enforce: false`) runs as it would, its memory (counters, CUSUM) included, and what it
+    asks for (a weight factor, a quarantine) is logged and exported (`grayguard_node_shadow_*`); no weight, state or
+    drain follows from it. A new detector, or a changed one, is tried on production traffic before it acts (Envoy's
+    outlier detection has `enforcing_*` percentages for the same). HAProxy's own reflexes (the error limit, the agent
+    check) act in HAProxy, and KV saturation is load, not a finding: neither is a detector here."""
+
+    latency: DetectorConfig = field(default_factory=DetectorConfig)  # the 30 s window's outlier
+    live: DetectorConfig = field(default_factory=DetectorConfig)  # the live ITL (fast test and CUSUM)
+    probe: DetectorConfig = field(default_factory=DetectorConfig)  # slow and failed probes (a CUDA error included)
+    errors: DetectorConfig = field(default_factory=DetectorConfig)  # the error share and the error circuit
+    kv_outlier: DetectorConfig = field(default_factory=DetectorConfig)  # a KV cache far fuller than its peers'
+
+    def shadow(self) -> frozenset[str]:
+        """The names of the detectors in shadow mode."""
+        return frozenset(f.name for f in dataclasses.fields(self) if not getattr(self, f.name).enforce)
+
+    def validate(self, path: str) -> None:
+        """Nothing beyond the types: every detector may be enforced or shadowed."""
+
+
+@dataclass(frozen=True)
 class RulesConfig:
     omega: float = 0.25  # prompt-token weight in normalized latency: T / (omega*prompt + completion)
     control_window: str = "30s"  # rate window for the controller's signals
@@ -562,6 +593,7 @@ class Config:
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     thresholds: ThresholdsConfig = field(default_factory=ThresholdsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     tick_interval_s: float = 1.0  # the live signals move every second; the 30 s window once per rule evaluation
@@ -584,6 +616,7 @@ class Config:
         self.signals.validate("signals")
         self.thresholds.validate("thresholds")
         self.recovery.validate("recovery")
+        self.detectors.validate("detectors")
         self.rules.validate("rules")
         self.registry.validate("registry")
         _check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")

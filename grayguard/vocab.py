@@ -63,6 +63,17 @@ class Signal(StrEnum):
     LIVE = "live"  # the live ITL or probe TTFT median against the peers' (controller/live.py)
 
 
+class Detector(StrEnum):
+    """A detector of the decision, by its name in the config's `detectors` section (shadow mode) and in
+    `grayguard_node_shadow_*{detector}`."""
+
+    LATENCY = "latency"  # the 30 s window's outlier
+    LIVE = "live"  # the live ITL against its peers' (controller/live.py)
+    PROBE = "probe"  # slow and failed probes
+    ERRORS = "errors"  # the error share and the error circuit
+    KV_OUTLIER = "kv_outlier"  # a KV cache far fuller than its peers'
+
+
 class DrainCause(StrEnum):
     """Why a node was drained (the `drain_cause` of /status, the reason code of quarantined nodes)."""
 
