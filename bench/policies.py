@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -24,8 +25,10 @@ from bench.spec import NodeSpec, Scenario
 from controller import canary
 from controller.policy import EJECTED, NodeState, Policy, decide_pool
 from controller.scoring import ema
+from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes
+from grayguard.vocab import Detector as DetectorName
 
 
 @dataclass(frozen=True)
@@ -257,9 +260,46 @@ PEERS = frozenset({"linkerd", "envoy-lr", "epp"})
 WITH_REFLEXES = frozenset({"haproxy", "grayguard", "oracle"})
 
 
+def grayguard_variant(spec: str, scn: Scenario) -> Policy:
+    """grayguard's Policy with the overrides a policy name carries after `~`: `grayguard~live_prefill_gate=1e9`
+    (a numeric thresholds field: an ablation, or a knob tried on some seeds) and `grayguard~shadow=live+probe`
+    (detectors in shadow mode). ValueError names what is wrong."""
+    types = typing.get_type_hints(ThresholdsConfig)
+    over: dict[str, float | int] = {}
+    shadow: set[str] = set()
+    for part in spec.split("~"):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"grayguard variant {part!r}: expected name=value")
+        if key == "shadow":
+            names = set(value.split("+"))
+            unknown = names - {d.value for d in DetectorName}
+            if unknown:
+                raise ValueError(f"grayguard variant shadow: unknown detector(s) {', '.join(sorted(unknown))} "
+                                 f"(known: {', '.join(d.value for d in DetectorName)})")
+            shadow |= names
+        elif types.get(key) in (int, float):
+            try:
+                over[key] = types[key](value)
+            except ValueError:
+                raise ValueError(f"grayguard variant {part!r}: not a number for {key}") from None
+        else:
+            raise ValueError(f"grayguard variant: {key!r} is no numeric thresholds field")
+    t = replace(ThresholdsConfig(), **over)
+    try:
+        t.validate("thresholds")
+    except ConfigError as e:
+        raise ValueError(f"grayguard variant: {e}") from None
+    return Policy(t, window_s=scn.window_s, shadow=frozenset(shadow))
+
+
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:
-    """(detector, balancer name) for a policy name like `grayguard` or `envoy@roundrobin`."""
+    """(detector, balancer name) for a policy name like `grayguard`, `envoy@roundrobin` or a grayguard variant
+    `grayguard~knob=value` (grayguard_variant)."""
     base, _, balancer = name.partition("@")
+    base, tilde, variant = base.partition("~")
+    if tilde and base != "grayguard":
+        raise ValueError(f"policy {name!r}: only grayguard takes ~overrides")
     if base not in DETECTORS:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(DETECTORS)} (optionally @roundrobin)")
     cls, default_lb, kw = DETECTORS[base]
@@ -267,6 +307,8 @@ def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[De
         raise ValueError(f"policy {name!r}: {base} is itself a balancer")
     if balancer not in ("", "roundrobin", "leastconn"):
         raise ValueError(f"policy {name!r}: unknown balancer {balancer!r}")
+    if tilde:
+        kw = {**kw, "policy": grayguard_variant(variant, scn)}
     det = cls(nodes, scn, **kw)
     if base in WITH_REFLEXES:
         det.reflexes = REFLEXES

@@ -24,8 +24,9 @@ def _ratio(a, b):
 
 
 def is_peer(policy: str) -> bool:
-    """A policy users could run instead of grayguard: not grayguard (on any balancer), not a reference (oracle)."""
-    return policy.partition("@")[0] != GG and policy not in REFERENCES
+    """A policy users could run instead of grayguard: not grayguard (on any balancer, or a variant of it:
+    `grayguard~knob=value`), not a reference (oracle)."""
+    return policy.partition("@")[0].partition("~")[0] != GG and policy not in REFERENCES
 
 
 def best_peers(rows: list[dict]) -> dict[str, dict]:
