@@ -225,18 +225,28 @@ def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Obse
             live = nxt.prev.get(n) if nxt is not None else None
             yield {"t": round(obs.now, 3), "pool": pool, "node": n, "state": s.state,
                    "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
-                   "reason": s.reason, "live": None if live is None else live.state}
+                   "reason": s.reason, "live": None if live is None else live.state,
+                   # what detectors in shadow mode asked for: "<detector>:cut" / "<detector>:quarantine"
+                   "shadow": sorted({f"{f.detector}:cut" for f in nd.shadow if f.factor < 1.0}
+                                    | {f"{f.detector}:quarantine" for f in nd.shadow if f.quarantine is not None})}
 
 
 def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
     """Per node: ticks in each state, quarantines begun, weight cuts begun (a healthy node going degraded) and the
-    longest cut in ticks, and the ticks on which the replay's state differs from the live controller's."""
+    longest cut in ticks, the ticks on which the replay's state differs from the live controller's, and the findings
+    the detectors in shadow mode began ("live:cut": times)."""
     out: dict[str, dict] = {}
     last: dict[str, str] = {}
     run: dict[str, int] = {}
+    asked: dict[str, set[str]] = {}
     for d in decisions:
         key = f"{d['pool']}/{d['node']}"
-        s = out.setdefault(key, {"ticks": {}, "quarantines": 0, "cuts": 0, "longest_cut_ticks": 0, "differ": 0})
+        s = out.setdefault(key, {"ticks": {}, "quarantines": 0, "cuts": 0, "longest_cut_ticks": 0, "differ": 0,
+                                 "shadow": {}})
+        now = set(d.get("shadow", ()))
+        for f in now - asked.get(key, set()):
+            s["shadow"][f] = s["shadow"].get(f, 0) + 1
+        asked[key] = now
         s["ticks"][d["state"]] = s["ticks"].get(d["state"], 0) + 1
         before = last.get(key)
         if d["state"] == State.QUARANTINED and before != State.QUARANTINED:
@@ -276,7 +286,8 @@ def run_recording(args: argparse.Namespace, cfg: Config) -> int:
     for node, s in sorted(summarize(decisions).items()):
         states = ", ".join(f"{k}={v}" for k, v in sorted(s["ticks"].items()))
         print(f"  {node}: {states}; quarantines {s['quarantines']}, cuts {s['cuts']} (longest "
-              f"{s['longest_cut_ticks']} ticks); differs from the live controller on {s['differ']} tick(s)",
+              f"{s['longest_cut_ticks']} ticks); differs from the live controller on {s['differ']} tick(s)"
+              + ("; shadow: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["shadow"].items())) if s["shadow"] else ""),
               file=sys.stderr)
     return 0
 

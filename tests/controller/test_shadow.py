@@ -14,6 +14,7 @@ What is checked:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -169,3 +170,34 @@ def test_the_loop_logs_counts_exports_and_shows_a_shadowed_finding_and_drains_no
     assert len(said) == 1 and "node=node1" in said[0] and "would quarantine it" in said[0] and "CUDA" in said[0]
     node1 = next(x for x in ctl.status()["pools"][0]["nodes"] if x["node"] == "node1")
     assert [f["detector"] for f in node1["shadow"]] == ["probe"] and "CUDA" in node1["shadow"][0]["quarantine"]
+
+
+def test_a_replay_of_a_real_run_with_the_live_detector_shadowed_says_what_it_would_have_done(tmp_path):
+    """The committed real-vLLM run replayed with `detectors.live.enforce: false`: the throttled node's live findings
+    are counted in the summary, and the replay no longer cuts it on the live ITL."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from controller.recorder import read
+    from controller.replay import recording_decisions, summarize
+    from grayguard.config import load_config
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = repo / "tests" / "fixtures" / "vllm" / "runs" / "thermal-1.5rps-quiet"
+    cfg = yaml.safe_load((run_dir / "grayguard.yaml").read_text())
+    cfg["detectors"] = {"live": {"enforce": False}}
+    (tmp_path / "shadow.yaml").write_text(yaml.safe_dump(cfg))
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", str(tmp_path / "shadow.yaml"),
+                        "--recording", str(run_dir / "recording.jsonl.gz"), "--out", str(tmp_path / "d.jsonl")],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "shadow: live:cut x" in p.stderr
+    shadowed = summarize(json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines())
+    enforced = summarize(recording_decisions(read(run_dir / "recording.jsonl.gz"),
+                                             load_config(str(run_dir / "grayguard.yaml"))))
+    node3 = "chat/node3"  # the throttled node
+    assert shadowed[node3]["shadow"].get("live:cut", 0) >= 1 and not enforced[node3]["shadow"]
+    for r in (json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()):
+        assert not (r["state"] == State.DEGRADED and r["reason"].startswith("live ITL")), r  # no live cut applied
