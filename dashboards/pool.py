@@ -138,10 +138,17 @@ def build(cfg: DashboardConfig) -> dict:
         "none", lo=0, dashed="^base weight$", step_line=True))
     d = d.with_panel(ts(
         "Weight factor per signal", "What each signal does to a node's weight (1 = nothing): latency (the peer "
-        "score), probe, errors, kv_cache. The weight is the base weight times their product (at least "
-        "min_degraded_weight while one cuts it), or 0 when drained.",
+        "score), probe, errors, live (the live ITL), kv_cache. The weight is the base weight times their product "
+        "(at least min_degraded_weight while one cuts it), or 0 when drained.",
         [Q(s("grayguard_node_weight_factor", C), "{{node}} {{signal}}")], "percentunit", lo=0, hi=1,
         step_line=True))
+    d = d.with_panel(ts(
+        "Detectors in shadow mode: what they ask for", "A detector set to detectors.<name>.enforce: false runs "
+        "and changes nothing: the weight factor it asks for a node (absent: none) and, at 0, a quarantine it asks "
+        "for. Judge it here against what happened before you enforce it (docs/operations.md).",
+        [Q(s("grayguard_node_shadow_weight_factor", C), "{{node}} {{detector}} cut"),
+         Q(f"0 * {s('grayguard_node_shadow_quarantine', C)}", "{{node}} {{detector}} quarantine")],
+        "percentunit", lo=0, hi=1, step_line=True))
     ej = s("grayguard_pool_ejected_nodes", P)
     d = d.with_panel(ts(
         "Drained share of the pool vs cap", "Nodes drained over nodes in the pool, against the safeguard's cap "
