@@ -417,6 +417,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             live_of.setdefault(n, {})[what] = x
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= t.min_peers else {}
     queued = pool_queued(inputs, rotating, t.min_peers)
+    slow_share = peer_slow_shares(inputs, rotating)
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -445,7 +446,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           t, r, now, calm_gap, live_of.get(n),
                                           renewed=renewed.get(n), prefill_heavy=n in prefill_heavy,
                                           pool_queued=queued, noise=noise, live_spread=live_spread,
-                                          shadow=policy.shadow)
+                                          shadow=policy.shadow,
+                                          probe_run=signals.probe_run_needed(slow_share.get(n),
+                                                                             t.probe_slow_consecutive))
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
@@ -567,6 +570,21 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
     return frozenset(off), out_now
 
 
+def peer_slow_shares(inputs: Mapping[str, NodeInput], rotating: list[str]) -> dict[str, float]:
+    """Each node's peers' share of slow or timed-out last probes (the node left out), among the nodes in rotation
+    with a probe result; a node with fewer than two such peers is absent (no share: the shipped run length)."""
+    slow_of = {n: inputs[n].probe_result in (ProbeResult.SLOW, ProbeResult.TIMEOUT) for n in rotating
+               if inputs[n].probe_result is not None}
+    total, slow = len(slow_of), sum(slow_of.values())
+    out = {}
+    for n in rotating:
+        mine = slow_of.get(n)
+        others = total - (mine is not None)
+        if others >= 2:
+            out[n] = (slow - bool(mine)) / others
+    return out
+
+
 def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> bool:
     """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
     timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
@@ -620,7 +638,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
                  renewed: dict[str, float | None] | None = None, prefill_heavy: bool = False,
                  pool_queued: bool = False, noise: float | None = None, live_spread: float | None = None,
-                 shadow: frozenset[str] = frozenset()) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
+                 shadow: frozenset[str] = frozenset(), probe_run: int | None = None
+                 ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
     """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
     detectors in `shadow` ask for (their findings: each runs and keeps its memory, and its weight factor and
     quarantine are reported instead of applied).
@@ -679,7 +698,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                                                     None if prefill_heavy else i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
                                                     median_calm=pm is not None and pm.ratio < t.min_relative_gap,
-                                                    like_peers=decoding_like_peers)
+                                                    like_peers=decoding_like_peers, run_needed=probe_run)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     # GPU evidence shortens the live signal's sustain as it does the window's, and is the second witness
     lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",

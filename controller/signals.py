@@ -7,6 +7,7 @@ docs/architecture.md) and owns the state machine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from grayguard.config import ThresholdsConfig
@@ -36,7 +37,7 @@ class SignalMemory:
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
           corroborated: bool = False, median_calm: bool = False,
-          like_peers: bool = False) -> tuple[SignalMemory, float, str, str | None]:
+          like_peers: bool = False, run_needed: int | None = None) -> tuple[SignalMemory, float, str, str | None]:
     """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
 
     corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
@@ -54,6 +55,8 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count. A slow probe
     on a GPU that reports trouble (corroborated) counts all the same: the live signals are averages over the last
     seconds and lag the fault they would deny.
+    run_needed: slow probes in a row that cut (default probe_slow_consecutive; the policy passes more where the
+    node's peers get slow probes too: probe_run_needed).
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
@@ -82,7 +85,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     elif (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run,
-                   probe_slow=m.probe_slow or run >= (1 if corroborated else t.probe_slow_consecutive))
+                   probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_slow_consecutive))
     elif slower and m.probe_slow:  # still slower than the peers: not a good probe
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     else:
@@ -94,6 +97,24 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
         return m, t.probe_slow_factor, f"probe slow ({what}{peers})", None
     return m, 1.0, "", None
+
+
+# how unlikely a healthy node's run of slow probes must be, given its peers' share of slow probes now, to be taken
+# for evidence (probe_run_needed)
+PROBE_RUN_CHANCE = 0.01
+
+
+def probe_run_needed(slow_share: float | None, least: int) -> int:
+    """Slow probes in a row that cut a node whose peers got slow probes at this share this tick: the run a healthy
+    node would have by chance at most PROBE_RUN_CHANCE of the time, share ** k <= PROBE_RUN_CHANCE, and never fewer
+    than `least` (probe_slow_consecutive). A quiet pool keeps `least` (a share up to 10 %: 2); a loaded one, whose
+    probes queue behind long prompts everywhere, asks more: 3 at 20 %, 4 at 30 %, 7 at half the pool. A pool whose
+    every peer's probe is slow (share 1) tells nothing about this node: no run is evidence then."""
+    if slow_share is None or slow_share <= 0.0:
+        return least
+    if slow_share >= 1.0:
+        return 1 << 30
+    return max(least, math.ceil(math.log(PROBE_RUN_CHANCE) / math.log(slow_share) - 1e-9))
 
 
 def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
