@@ -418,6 +418,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= t.min_peers else {}
     queued = pool_queued(inputs, rotating, t.min_peers)
     slow_share = peer_slow_shares(inputs, rotating)
+    probed = sum(1 for n in rotating if inputs[n].probe_result is not None)  # the nodes a run could come by luck to
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
     # only until the next health check, a tick may fall after it). A first sight or a restarted HAProxy: no event.
@@ -448,7 +449,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           pool_queued=queued, noise=noise, live_spread=live_spread,
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
-                                                                             t.probe_slow_consecutive))
+                                                                             t.probe_slow_consecutive, probed))
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)

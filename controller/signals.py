@@ -99,22 +99,24 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     return m, 1.0, "", None
 
 
-# how unlikely a healthy node's run of slow probes must be, given its peers' share of slow probes now, to be taken
-# for evidence (probe_run_needed)
+# how unlikely a run of slow probes must be for one of a pool's healthy nodes, given their share of slow probes now,
+# to be taken for evidence (probe_run_needed): per pool and tick, so that a large pool is not cut more often by luck
 PROBE_RUN_CHANCE = 0.01
 
 
-def probe_run_needed(slow_share: float | None, least: int) -> int:
-    """Slow probes in a row that cut a node whose peers got slow probes at this share this tick: the run a healthy
-    node would have by chance at most PROBE_RUN_CHANCE of the time, share ** k <= PROBE_RUN_CHANCE, and never fewer
-    than `least` (probe_slow_consecutive). A quiet pool keeps `least` (a share up to 10 %: 2); a loaded one, whose
-    probes queue behind long prompts everywhere, asks more: 3 at 20 %, 4 at 30 %, 7 at half the pool. A pool whose
-    every peer's probe is slow (share 1) tells nothing about this node: no run is evidence then."""
+def probe_run_needed(slow_share: float | None, least: int, nodes: int = 1) -> int:
+    """Slow probes in a row that cut a node whose peers got slow probes at this share this tick: the run one of the
+    pool's `nodes` healthy nodes would have by chance at most PROBE_RUN_CHANCE of the time, share ** k <=
+    PROBE_RUN_CHANCE / nodes, and never fewer than `least` (probe_slow_consecutive). A quiet pool keeps `least` (in a
+    4-node pool a share up to 5 %: 2); a loaded one, whose probes queue behind long prompts everywhere, asks more (4
+    nodes: 3 at 10 %, 5 at 30 %; 32 nodes: 4 at 10 %); a pool whose every peer's probe is slow (share 1) tells
+    nothing about this node: no run is evidence then."""
     if slow_share is None or slow_share <= 0.0:
         return least
     if slow_share >= 1.0:
         return 1 << 30
-    return max(least, math.ceil(math.log(PROBE_RUN_CHANCE) / math.log(slow_share) - 1e-9))
+    chance = PROBE_RUN_CHANCE / max(1, nodes)
+    return max(least, math.ceil(math.log(chance) / math.log(slow_share) - 1e-9))
 
 
 def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:

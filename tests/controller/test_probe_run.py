@@ -16,17 +16,20 @@ from controller.signals import PROBE_RUN_CHANCE, probe_run_needed
 from grayguard.vocab import State
 
 
-@pytest.mark.parametrize("share, needed", [(None, 2), (0.0, 2), (0.1, 2), (0.2, 3), (0.3, 4), (0.5, 7)])
-def test_the_run_needed_grows_with_the_peers_share_of_slow_probes(share, needed):
-    assert probe_run_needed(share, 2) == needed
+@pytest.mark.parametrize("share, nodes, needed", [
+    (None, 4, 2), (0.0, 32, 2), (0.05, 4, 2), (0.1, 4, 3), (1 / 3, 4, 6), (0.5, 4, 9), (0.03, 32, 3), (0.1, 32, 4),
+    (0.1, 1, 2), (0.2, 1, 3)])
+def test_the_run_needed_grows_with_the_peers_share_of_slow_probes_and_the_pools_size(share, nodes, needed):
+    assert probe_run_needed(share, 2, nodes) == needed
 
 
-@given(st.floats(0.001, 0.999), st.integers(1, 5))
-def test_a_healthy_node_has_the_run_needed_by_chance_at_most_rarely(share, least):
-    k = probe_run_needed(share, least)
-    assert k >= least and (share ** k <= PROBE_RUN_CHANCE * (1 + 1e-9) or k == least)
+@given(st.floats(0.001, 0.999), st.integers(1, 5), st.integers(1, 1000))
+def test_one_of_the_pools_healthy_nodes_has_the_run_needed_by_chance_at_most_rarely(share, least, nodes):
+    k = probe_run_needed(share, least, nodes)
+    chance = PROBE_RUN_CHANCE / nodes
+    assert k >= least and (share ** k <= chance * (1 + 1e-9) or k == least)
     if k > least:  # and not one more than needed
-        assert share ** (k - 1) > PROBE_RUN_CHANCE
+        assert share ** (k - 1) > chance
 
 
 def test_a_pool_whose_every_peer_is_slow_gives_no_run_as_evidence():
@@ -45,7 +48,7 @@ def test_each_nodes_share_leaves_the_node_out():
     assert peer_slow_shares(_inputs({"a": "slow", "b": "ok"}), ["a", "b"]) == {}  # one peer: no share
 
 
-def _run(slow_nodes_per_tick, ticks=6, n=10):
+def _run(slow_nodes_per_tick, ticks=10, n=10):
     """A 10-node pool: node n0 slow on every tick, and `slow_nodes_per_tick` other nodes slow on each tick, in turn
     (a loaded pool whose probes queue behind long prompts here and there)."""
     prev, states = {}, []
@@ -63,6 +66,6 @@ def test_a_node_slow_among_quiet_peers_is_cut_on_its_second_slow_probe():
 
 
 def test_a_node_slow_among_peers_slow_a_third_of_the_time_is_cut_later_but_cut():
-    states = _run(3)  # 3 of its 9 peers slow each tick: share 1/3, 5 in a row needed
-    assert probe_run_needed(3 / 9, 2) == 5
-    assert states[:4] == [State.HEALTHY] * 4 and states[4] == State.DEGRADED
+    states = _run(3)  # 3 of its 9 peers slow each tick: share 1/3, in a pool of 10: 7 in a row needed
+    assert probe_run_needed(3 / 9, 2, 10) == 7
+    assert states[:6] == [State.HEALTHY] * 6 and states[6] == State.DEGRADED
