@@ -122,9 +122,9 @@ def value(pair: tuple[float | None, float | None], family: str) -> float | None:
         return itl
     if family == "probe":
         return probe
-    vals = [v for v in pair if v is not None]
     if family == "both":
-        return min(pair) if itl is not None and probe is not None else None  # type: ignore[type-var]
+        return min(itl, probe) if itl is not None and probe is not None else None
+    vals = [v for v in pair if v is not None]
     return max(vals) if vals else None  # either
 
 

@@ -46,7 +46,7 @@ def node_row(d: NodeDecision, base_weight: int, backend: str, series_key: str) -
     active = {k: f for k, f, _ in s.factors}
     kv_zero = d.weight == 0 and not d.drain and base_weight > 0
     factors = tuple(active.get(k, 1.0) for k in FACTOR_SIGNALS[:-1]) + (0.0 if kv_zero else 1.0,)
-    shadow = tuple((f.detector, f.factor if f.factor < 1.0 else None, f.quarantine is not None) for f in d.shadow)
+    shadow = tuple((f.detector, f.factor if "cut" in f.asks() else None, "quarantine" in f.asks()) for f in d.shadow)
     return NodeRow(s.state, base_weight, (backend, series_key), factors, d.weight, s.score, s.ema, d.peer_median,
                    (s.state, reason_code(s, kv_zero)), shadow)
 
@@ -66,10 +66,12 @@ def reason_code(s: NodeState, kv_zero: bool) -> str:
 def write_shadow(m: ControllerMetrics, p: str, n: str, old: tuple, new: tuple) -> None:
     """Show what the shadowed detectors ask for now: a series for each cut and quarantine asked, none for the rest
     (absent: it asks nothing)."""
-    for gauge, now in ((m.node_shadow_factor, {d: f for d, f, _ in new if f is not None}),
-                       (m.node_shadow_quarantine, {d: 1 for d, _, q in new if q})):
-        before = {d for d, f, q in old if (f is not None if gauge is m.node_shadow_factor else q)}
-        for d in before - set(now):
+    def series(rows: tuple) -> tuple[dict[str, float], dict[str, float]]:
+        return {d: f for d, f, _ in rows if f is not None}, {d: 1.0 for d, _, q in rows if q}
+
+    for gauge, before, now in zip((m.node_shadow_factor, m.node_shadow_quarantine), series(old), series(new),
+                                  strict=True):
+        for d in set(before) - set(now):
             with contextlib.suppress(KeyError):
                 gauge.remove(p, n, d)
         for d, v in now.items():

@@ -394,13 +394,8 @@ class Controller:
         """Log and count what a shadowed detector begins or stops asking for (a cut, a quarantine): each finding
         once, when it begins, as the state changes are, not every tick it lasts."""
         def asks(fs: tuple) -> dict[tuple[str, str], str]:
-            out = {}
-            for f in fs:
-                if f.factor < 1.0:
-                    out[(f.detector, "cut")] = f"would cut its weight x{f.factor:.2g}: {f.reason}"
-                if f.quarantine is not None:
-                    out[(f.detector, "quarantine")] = f"would quarantine it: {f.quarantine}"
-            return out
+            return {(f.detector, a): (f"would cut its weight x{f.factor:.2g}: {f.reason}" if a == "cut"
+                                      else f"would quarantine it: {f.quarantine}") for f in fs for a in f.asks()}
         a, b = asks(old), asks(new)
         for key in sorted(set(b) - set(a)):
             self.metrics.shadow_findings.labels(pool, key[0], key[1]).inc()

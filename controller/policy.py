@@ -142,6 +142,10 @@ class Finding:
     quarantine: str | None
     reason: str
 
+    def asks(self) -> tuple[str, ...]:
+        """What it asks for: "cut", "quarantine", both or neither (the logs', the metrics' and replay's word)."""
+        return tuple(a for a, on in (("cut", self.factor < 1.0), ("quarantine", self.quarantine is not None)) if on)
+
 
 @dataclass(frozen=True)
 class NodeDecision:
@@ -571,11 +575,16 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
     return frozenset(off), out_now
 
 
+def _slow_probes(inputs: Mapping[str, NodeInput], rotating: list[str]) -> dict[str, bool]:
+    """Whether each node in rotation with a probe result got a slow or timed-out last probe."""
+    return {n: inputs[n].probe_result in (ProbeResult.SLOW, ProbeResult.TIMEOUT) for n in rotating
+            if inputs[n].probe_result is not None}
+
+
 def peer_slow_shares(inputs: Mapping[str, NodeInput], rotating: list[str]) -> dict[str, float]:
     """Each node's peers' share of slow or timed-out last probes (the node left out), among the nodes in rotation
     with a probe result; a node with fewer than two such peers is absent (no share: the shipped run length)."""
-    slow_of = {n: inputs[n].probe_result in (ProbeResult.SLOW, ProbeResult.TIMEOUT) for n in rotating
-               if inputs[n].probe_result is not None}
+    slow_of = _slow_probes(inputs, rotating)
     total, slow = len(slow_of), sum(slow_of.values())
     out = {}
     for n in rotating:
@@ -590,9 +599,8 @@ def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers:
     """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
     timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
     failure, as long as that node decodes at its peers' pace (a hung node decodes nothing)."""
-    classes = [inputs[n].probe_result for n in rotating if inputs[n].probe_result is not None]
-    queued = sum(1 for c in classes if c in (ProbeResult.SLOW, ProbeResult.TIMEOUT))
-    return len(classes) >= min_peers and 2 * queued >= len(classes)
+    slow_of = _slow_probes(inputs, rotating)
+    return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
 
 
 def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:

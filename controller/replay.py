@@ -227,8 +227,7 @@ def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Obse
                    "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
                    "reason": s.reason, "live": None if live is None else live.state,
                    # what detectors in shadow mode asked for: "<detector>:cut" / "<detector>:quarantine"
-                   "shadow": sorted({f"{f.detector}:cut" for f in nd.shadow if f.factor < 1.0}
-                                    | {f"{f.detector}:quarantine" for f in nd.shadow if f.quarantine is not None})}
+                   "shadow": sorted(f"{f.detector}:{a}" for f in nd.shadow for a in f.asks())}
 
 
 def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
