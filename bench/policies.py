@@ -261,7 +261,7 @@ WITH_REFLEXES = frozenset({"haproxy", "grayguard", "oracle"})
 
 
 def grayguard_variant(spec: str, scn: Scenario) -> Policy:
-    """grayguard's Policy with the overrides a policy name carries after `~`: `grayguard~live_prefill_gate=1e9`
+    """grayguard's Policy with the overrides a policy name carries after `~`: `grayguard~live_batch_slope=0`
     (a numeric thresholds field: an ablation, or a knob tried on some seeds) and `grayguard~shadow=live+probe`
     (detectors in shadow mode). ValueError names what is wrong."""
     types = typing.get_type_hints(ThresholdsConfig)

@@ -7,8 +7,8 @@ within 5 s of the fault, and no healthy node cut for more than one tick. This me
 controller reads allows both, whatever the detector.
 
 For each committed run (tests/fixtures/vllm/runs, the default), every tick: each node's live ITL and probe TTFT
-median at equal decode batch (the controller's own correction, `policy.at_equal_batch`, at the run's
-`live_batch_slope`) as a ratio to the median of the other nodes with a value that tick (leave-one-out), among the
+median at the node's own load (the controller's own model, `controller/loadmodel.py`, at the run's
+`live_batch_slope` prior) as a ratio to the median of the other nodes with a value that tick (leave-one-out), among the
 nodes HAProxy has in rotation as recorded (a drained node cannot be cut, and its held values are no evidence). Four
 families of detectors fire on a tick when a ratio has been at or above r on each of the last d ticks with data:
 
@@ -34,10 +34,9 @@ import sys
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from bench.realreplay import RUNS, fault_window
-from controller.policy import at_equal_batch
+from controller import loadmodel
 from controller.recorder import read
 from grayguard.config import ConfigError, load_config
 
@@ -90,7 +89,7 @@ def in_rotation(sv) -> bool:
 
 def tick_ratios(obs, slope: float) -> tuple[dict[str, tuple[float | None, float | None]], frozenset[str]]:
     """(node -> (live ITL ratio, probe TTFT median ratio), the nodes HAProxy had in rotation) of one recorded tick,
-    at equal decode batch; every node with a value is compared with the peers in rotation."""
+    at each node's load (controller/loadmodel.py); every node with a value is compared with the peers in rotation."""
     names, rotating = {}, set()
     for po in obs.pools.values():
         for name, sv in po.servers.items():
@@ -98,11 +97,14 @@ def tick_ratios(obs, slope: float) -> tuple[dict[str, tuple[float | None, float 
             if in_rotation(sv):
                 rotating.add(name)
     batch = _by_instance(obs.optional.get("live_decode_batch", ()))
+    prefill = _by_instance(obs.optional.get("live_prefill_rate", ()))
+    load = {n: loadmodel.load_of(batch.get(a), prefill.get(a)) for a, n in names.items()}
+    vals = [{names[a]: v for a, v in _by_instance(obs.optional.get(sig, ())).items() if a in names}
+            for sig in ("live_itl", "probe_ttft_median")]
+    g_itl, g_of = loadmodel.at_load(vals[0], {"probe": vals[1]}, load, slope)
     out: dict[str, list[float | None]] = {n: [None, None] for n in names.values()}
-    for i, sig in enumerate(("live_itl", "probe_ttft_median")):
-        vals = {names[a]: v for a, v in _by_instance(obs.optional.get(sig, ())).items() if a in names}
-        inputs = {n: SimpleNamespace(live_decode_batch=batch.get(a)) for a, n in names.items()}
-        for n, r in leave_one_out(at_equal_batch(vals, inputs, slope), rotating).items():
+    for i, (v, g) in enumerate(((vals[0], g_itl), (vals[1], g_of["probe"]))):
+        for n, r in leave_one_out({n: x / g[n] for n, x in v.items()}, rotating).items():
             out[n][i] = r
     return {n: (a, b) for n, (a, b) in out.items()}, frozenset(rotating)
 

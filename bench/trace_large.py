@@ -73,7 +73,9 @@ class TraceParams:
                                    recovery=tuple(sorted(dataclasses.asdict(self.policy().recovery).items())))
 
     def policy(self, group_speed: dict[str, float] | None = None) -> Policy:
-        return Policy(ThresholdsConfig(**dict(self.thresholds)), RecoveryConfig(**dict(self.recovery)),
+        known = {f.name for f in dataclasses.fields(ThresholdsConfig)}  # a field since removed pins nothing
+        return Policy(ThresholdsConfig(**{k: v for k, v in self.thresholds if k in known}),
+                      RecoveryConfig(**dict(self.recovery)),
                       group_speed or {})
 
 

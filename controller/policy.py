@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from controller import live, peers, signals
+from controller import live, loadmodel, peers, signals
 from controller.live import LiveMemory
 from controller.scoring import Noise, against_noise, ema, pool_noise, usable, weight_factor, with_sampling_noise
 from controller.signals import SignalMemory, dict_init, evolve
@@ -187,65 +187,35 @@ AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage t
 # (heavy-tailed prompts queue ahead of a probe): it confirms a live quarantine. The live TTFT joins the live ITL to
 # veto the 30 s window's past. The NodeInput fields scored each tick:
 LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
-# A gated (prefill-heavy) node's live ITL score: never scored (no cut, no quarantine, no veto), only the evidence
-# that it decodes at its peers' pace for a probe that timed out in a saturated pool (load, not a hang)
-GATED_ITL = "live_itl_gated"
 
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
-                 groups: Mapping[str, str | None], policy: Policy
-                 ) -> tuple[dict[str, dict[str, peers.Score]], set[str], float | None]:
-    """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation.
-
-    A node prefilling far more prompt tokens than its peers (live_prefill_gate) has its live ITL left out this
-    tick: long prompts share its steps and inflate the ITL of its decodes (a tenant pinned to it, a burst of long
-    prompts), which is load, not sickness; its slow probes (queued behind those prompts) are not counted either.
-    A slow node under leastconn gets fewer requests, so it is never gated for having more. Returns the scores, the
-    gated (prefill-heavy) nodes and the live ITLs' spread this tick (peers.spread, at equal batch).
-    """
+                 groups: Mapping[str, str | None], policy: Policy, noise: float
+                 ) -> tuple[dict[str, dict[str, peers.Score]], dict[str, float], float | None]:
+    """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation, each
+    at the node's own load (controller/loadmodel.py: each value divided by what its decode batch and the prompt
+    tokens in its steps make it, the slopes fitted on its peers, each node's value worth what the pool's learned noise
+    on the live ITL says, floored at min_spread). Returns the scores, each node's load factor on
+    the probe median (what its load makes a probe's first token: slow probes are judged against it) and the live
+    ITLs' spread this tick (peers.spread, at each node's load)."""
     t = policy.thresholds
     live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
-    prefill = {n: p for n in live if (p := inputs[n].live_prefill_rate) is not None and math.isfinite(p) and p >= 0}
-    # the reference is what the nodes at their full share prefill: a node whose weight is cut (degraded, slow start)
-    # gets fewer new prompts because of the cut, and counting its low rate would make its healthy peers look
-    # prefill-heavy, gate their ITLs and leave the cut node with no peers to be scored against
-    full = {n: p for n, p in prefill.items() if st[n].state == HEALTHY}
-    medians = peers.peer_medians(prefill, full, groups)
-    gated = {n for n, p in prefill.items() if (m := medians[n]) is not None and p > t.live_prefill_gate * m}
+    load = {n: loadmodel.load_of(inputs[n].live_decode_batch, inputs[n].live_prefill_rate) for n in live}
+    raw = {name: {n: v for n in live if usable(v := getattr(inputs[n], name))}
+           for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT)}
+    g_itl, g_of = loadmodel.at_load(raw[LIVE_ITL], {PROBE_MEDIAN: raw[PROBE_MEDIAN], LIVE_TTFT: raw[LIVE_TTFT]}, load,
+                                    t.live_batch_slope, groups=groups, noise=max(noise, t.min_spread))
+    g_of[LIVE_ITL] = g_itl
     out = {}
     itl_spread = None
-    for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT):
-        vals = {n: v for n in live if usable(v := getattr(inputs[n], name))}
-        vals = at_equal_batch(vals, inputs, t.live_batch_slope)  # the first token, too, comes out of a shared step
-        sc = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+    for name, values in raw.items():
+        vals = {n: v / g_of[name][n] for n, v in values.items()}
+        out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
         if name == LIVE_ITL:
             itl_spread = peers.spread(vals, groups, t.min_peers, policy.group_speed)
-        # a gated node gets no live score, but stays one of its peers' references: its inflated latency only
-        # makes them look faster (taking it out can leave a node without a peer of its group to be scored against)
-        out[name] = sc if name == PROBE_MEDIAN else {n: x for n, x in sc.items() if n not in gated}
-        if name == LIVE_ITL:
-            out[GATED_ITL] = {n: x for n, x in sc.items() if n in gated}
-    return out, gated, itl_spread
+    probe_load = g_of[PROBE_MEDIAN]
+    return out, probe_load, itl_spread
 
-
-def at_equal_batch(vals: Mapping[str, float], inputs: Mapping[str, NodeInput], slope: float) -> dict[str, float]:
-    """Each live latency as it would be at a batch of one sequence: value / (1 + slope x (decode batch - 1)).
-
-    A decode step with more sequences takes longer, and so does the step that gives a request (or a probe) its first
-    token, so a node running twice its peers' requests (a tenant with long completions pinned to it) has a higher
-    ITL and TTFT without being slower. A slow node under roundrobin also holds more requests (Little's law), but
-    its latency is higher than its batch explains, and only the batch's share is taken out. When any node lacks its
-    batch (an older exporter), all are compared raw: one unit per comparison.
-    """
-    if slope <= 0:
-        return dict(vals)
-    out = {}
-    for n, v in vals.items():  # one pass: each node's batch read once (three signals a node, every tick)
-        b = inputs[n].live_decode_batch
-        if not usable(b):
-            return dict(vals)
-        out[n] = v / (1.0 + slope * max(0.0, b - 1.0))  # type: ignore[operator]
-    return out
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
 SEEDED = DrainCause.SEEDED
@@ -411,10 +381,18 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                 probe_ttfts[n] = i.probe_ttft
             if i.kv_cache_usage is not None:
                 kv_used[n] = i.kv_cache_usage
-    peer_probe = peers.peer_medians(rotating, probe_ttfts, groups)
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
-    live_scores, prefill_heavy, live_spread = _live_scores(inputs, st, names, groups, policy)
     noise = pool_noise([st[n].live_itl.noise for n in names])
+    live_scores, probe_load, live_spread = _live_scores(inputs, st, names, groups, policy, noise)
+    # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
+    # tenant's long prompts queues its probes behind them)
+    peer_probe = peers.peer_medians(rotating, {n: v / probe_load.get(n, 1.0) for n, v in probe_ttfts.items()}, groups)
+    for n, g in probe_load.items():
+        if peer_probe.get(n) is not None:
+            peer_probe[n] *= g
+    # what each node prefills over its peers (at least 1): its KV cache holds its prompts' tokens
+    prefill = {n: p for n in rotating if usable(p := inputs[n].live_prefill_rate) or p == 0.0}
+    peer_prefill = peers.peer_medians(rotating, prefill, groups) if len(prefill) >= t.min_peers else {}
     live_of: dict[str, dict[str, peers.Score]] = {}  # each node's live scores; one it lacks is absent (get: None)
     for what, sc_of in live_scores.items():
         for n, x in sc_of.items():
@@ -449,12 +427,14 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if s.state in IN_ROTATION:
             s, cand, found = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
                                           t, r, now, calm_gap, live_of.get(n),
-                                          renewed=renewed.get(n), prefill_heavy=n in prefill_heavy,
-                                          pool_queued=queued, noise=noise, live_spread=live_spread,
+                                          renewed=renewed.get(n),
+                                          behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
+                                          noise=noise, live_spread=live_spread,
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_slow_consecutive, probed))
-            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t, n in prefill_heavy)
+            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
+                                             _share(prefill.get(n), peer_prefill.get(n)))
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
             if kv_why and Detector.KV_OUTLIER in policy.shadow:
@@ -548,6 +528,18 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off)
 
 
+def _more(mine: float | None, peers_: float | None) -> bool:
+    """Whether a node's load is above its peers' median (unknown: no)."""
+    return mine is not None and peers_ is not None and mine > peers_
+
+
+def _share(mine: float | None, peers_: float | None) -> float:
+    """A node's load over its peers' median, at least 1 (unknown: 1)."""
+    if mine is None or peers_ is None or not peers_ > 0:
+        return 1.0
+    return max(1.0, mine / peers_)
+
+
 def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], cap: int,
                     out_now: int) -> tuple[frozenset[str], int]:
     """The nodes whose agent check must be disabled, and the pool's out-of-rotation count after that.
@@ -598,7 +590,7 @@ def peer_slow_shares(inputs: Mapping[str, NodeInput], rotating: list[str]) -> di
 def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> bool:
     """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
     timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
-    failure, as long as that node decodes at its peers' pace (a hung node decodes nothing)."""
+    failure, as long as that node decodes as its load predicts (a hung node decodes nothing)."""
     slow_of = _slow_probes(inputs, rotating)
     return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
 
@@ -645,8 +637,8 @@ _NO_SCORES: Mapping[str, peers.Score] = MappingProxyType({})
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
                  peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: dict[str, float | None] | None = None, prefill_heavy: bool = False,
-                 pool_queued: bool = False, noise: float | None = None, live_spread: float | None = None,
+                 renewed: dict[str, float | None] | None = None, behind_load: bool = False,
+                 noise: float | None = None, live_spread: float | None = None,
                  shadow: frozenset[str] = frozenset(), probe_run: int | None = None
                  ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
     """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
@@ -697,14 +689,12 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
             lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
-    # decoding now at its peers' pace, with the first tokens like theirs, or in a pool whose probes all queue; in
-    # that pool a prefill-heavy node (its ITL unscored) that still decodes within the cut ratio is loaded, not hung
-    dec = li if li is not None else live_sc.get(GATED_ITL)
-    decoding_like_peers = (li is not None and veto) or (pool_queued and dec is not None
-                                                         and dec.ratio < t.live_cut_ratio)
-    # a prefill-heavy node's probes wait behind its long prompts: an answered probe is not slow for that
-    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result,
-                                                    None if prefill_heavy else i.probe_ttft, i.probe_failures,
+    # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
+    # its first tokens like its peers' at its load (the veto), or load for a probe to wait behind: prompt tokens
+    # beyond its peers' (a tenant's long prompts) or a pool whose probes all queue. Decoding alone is not enough: a
+    # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
+    decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
+    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
                                                     median_calm=pm is not None and pm.ratio < t.min_relative_gap,
                                                     like_peers=decoding_like_peers, run_needed=probe_run)

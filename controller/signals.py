@@ -154,7 +154,7 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
 
 
 def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
-               t: ThresholdsConfig, prefill_heavy: bool = False) -> tuple[SignalMemory, str | None]:
+               t: ThresholdsConfig, load_share: float = 1.0) -> tuple[SignalMemory, str | None]:
     """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, tick after
     tick: a quarantine reason once it held kv_outlier_ticks ticks in a row, else None.
 
@@ -164,13 +164,14 @@ def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
     and only pauses new traffic; usage kv_outlier_ratio times the peers' (and at least kv_outlier_min) is not a
     share of load. Absent data (the node's or its peers') holds the count; any tick below the bar resets it.
 
-    prefill_heavy: the node prefills far more prompt tokens than its peers (policy's live_prefill_gate): it holds
-    longer contexts (a tenant's 8k-token prompts), so a fuller cache is its load, not a smaller budget; the tick
-    resets the count. A node with a shrunk budget serves less under leastconn, so it is never gated for more.
+    load_share: the node's prompt tokens/s over its peers' median, at least 1: a node prefilling twice its peers'
+    prompt tokens holds twice their contexts (a tenant's 8k-token prompts), so its peers' usage is scaled by it: a
+    fuller cache in proportion is its load, not a smaller budget. A node with a shrunk budget serves less under
+    leastconn, so its share is 1.
     """
     if t.kv_outlier_ticks <= 0 or usage is None or peer_usage is None:
         return m, None
-    hot = not prefill_heavy and usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage)
+    hot = usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage * load_share)
     run = m.kv_hot + 1 if hot else 0
     if run != m.kv_hot:
         m = evolve(m, kv_hot=run)

@@ -8,6 +8,7 @@ checks: each section's ``validate(path)`` checks its own fields, Config.validate
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -295,20 +296,16 @@ class ThresholdsConfig:
     live_cusum_cut: float = 2.0  # CUSUM of log(ratio / live_drift) that cuts (a 1.5x node: ~7 ticks)
     live_cusum_quarantine: float = 5.0  # ...and that quarantines (a 1.5x node: ~16 ticks)
     live_calm_ratio: float = 1.15  # a cut clears after recover_ticks calm ticks below this
-    # a node prefilling this many times its peers' median prompt tokens/s has its live ITL inflated by the prompts
-    # sharing its steps (load, not sickness): its live ITL is not scored that tick
-    live_prefill_gate: float = 1.5
     # a live-ITL quarantine needs the node's probe TTFT median at least this many times its peers' (the probes are
     # noisier, so they only confirm: without them the live signal cuts but does not drain)
     live_probe_confirm: float = 1.2
     # the 30 s window's outlier is not acted on while the live ITL and TTFT are both below this multiple of the
     # peers' (the window is the past: a few heavy requests in a thin window; the live signals are the present)
     live_veto_ratio: float = 1.1
-    # a decode step with more sequences takes longer: each sequence beyond the first adds this share of a batch-1
-    # step (fitted to published vLLM measurements of 8B-class models, sim/calibrate.py: 0.028 on H100, 0.034 on
-    # A100). Live ITLs are compared at equal batch, ITL / (1 + slope x (decode batch - 1)), so a node running
-    # more (or longer) requests than its peers is not taken for a slow one; 0 compares raw ITLs. Too high errs on
-    # the safe side (a loaded node is not cut; a slow one is found a little later), too low cuts loaded nodes
+    # the load model's prior for the batch slope (controller/loadmodel.py): a decode step with more sequences takes
+    # longer, each sequence beyond the first this share of a batch-1 step (fitted to published vLLM measurements of
+    # 8B-class models, sim/calibrate.py: 0.028 on H100, 0.034 on A100). A pool with uneven batches fits its own
+    # slope; a small or evenly loaded one keeps this. 0 leaves the batch out of the model
     live_batch_slope: float = 0.028
     # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
     evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
@@ -332,8 +329,8 @@ class ThresholdsConfig:
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
-        for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio", "live_prefill_gate",
-                     "live_probe_confirm", "live_veto_ratio"):
+        for name in ("live_cut_ratio", "live_quarantine_ratio", "live_drift", "live_calm_ratio", "live_probe_confirm",
+                     "live_veto_ratio"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_quarantine_ratio >= self.live_cut_ratio, p + "live_quarantine_ratio",
                f"must be >= {p}live_cut_ratio")
@@ -709,11 +706,24 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise ConfigError(path, f"unsupported type {_type_name(tp)}")  # pragma: no cover
 
 
+# Fields a release removed: a config that still sets one loads, with a warning that says what replaced it, for one
+# release; then the field is unknown like any other.
+REMOVED_FIELDS = {
+    "thresholds.live_prefill_gate": "the load model compares each node's live latencies with what its peers predict "
+                                    "at its own decode batch and prompt tokens (docs/architecture.md); ignored",
+}
+
+
 def _build(cls: Any, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
+    removed = [k for k in data if isinstance(k, str) and f"{path}.{k}" in REMOVED_FIELDS]
+    for k in removed:
+        logging.getLogger("grayguard.config").warning("%s.%s was removed: %s", path, k, REMOVED_FIELDS[f"{path}.{k}"])
+    if removed:
+        data = {k: v for k, v in data.items() if k not in removed}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(data) - set(fields)

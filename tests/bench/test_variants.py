@@ -16,8 +16,8 @@ THERMAL = next(s for n, s in SCN.items() if n.startswith("thermal/"))
 
 
 def test_a_variant_is_grayguard_with_its_overrides():
-    p = grayguard_variant("live_prefill_gate=1e9~shadow=live+probe~sustain_ticks=5", THERMAL)
-    assert p.thresholds.live_prefill_gate == 1e9 and p.thresholds.sustain_ticks == 5
+    p = grayguard_variant("live_batch_slope=0~shadow=live+probe~sustain_ticks=5", THERMAL)
+    assert p.thresholds.live_batch_slope == 0 and p.thresholds.sustain_ticks == 5
     assert p.shadow == {"live", "probe"} and p.window_s == THERMAL.window_s
     det, lb = make_policy("grayguard~degrade_score=3@roundrobin", THERMAL.nodes, THERMAL)
     assert isinstance(det, Grayguard) and lb == "roundrobin" and det.policy.thresholds.degrade_score == 3.0

@@ -19,7 +19,7 @@ import pytest
 from controller import policy
 from controller.live import LiveMemory
 from controller.peers import Score, coefficients, peer_medians, score_of, scores
-from controller.policy import LIVE_ITL, LIVE_TTFT, PROBE_MEDIAN, NodeDecision, NodeInput, NodeState, at_equal_batch
+from controller.policy import LIVE_ITL, LIVE_TTFT, PROBE_MEDIAN, NodeDecision, NodeInput, NodeState
 from controller.scoring import Baseline, _medians_without, leave_one_out, median, median_without, usable
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.frozen import replaced
@@ -149,22 +149,6 @@ def test_scores_from_leave_one_outs_logs_are_baseline_scores(seed):
         assert list(fast) == list(plain)
         assert [repr(x) for x in fast.values()] == [repr(x) for x in plain.values()]
         assert all(type(x) is Score for x in fast.values())
-
-
-def test_at_equal_batch_is_the_formula_or_raw():
-    rnd = random.Random(7)
-    for _ in range(300):
-        names = [f"n{i}" for i in range(rnd.randint(0, 8))]
-        inputs = {n: NodeInput(1, live_decode_batch=rnd.choice([None, 0.0, math.nan, 0.5, 1.0, 3.7, 12.0]))
-                  for n in names}
-        vals = {n: rnd.uniform(0.001, 0.1) for n in names}
-        slope = rnd.choice([-1.0, 0.0, 0.2])
-        batch = {n: inputs[n].live_decode_batch for n in vals}
-        usable_all = all(b is not None and math.isfinite(b) and b > 0 for b in batch.values())
-        want = dict(vals) if slope <= 0 or not usable_all else \
-            {n: v / (1.0 + slope * max(0.0, batch[n] - 1.0)) for n, v in vals.items()}
-        got = at_equal_batch(vals, inputs, slope)
-        assert repr(got) == repr(want) and got is not vals
 
 
 def _dataclass_twin(cls):

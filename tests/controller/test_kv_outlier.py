@@ -84,10 +84,12 @@ def test_decide_pool_leaves_a_pool_whose_caches_are_all_busy_alone():
 def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
     """Found on the benchmark (long_prompt_8k, seeds 4 and 7): a tenant pinned to one node sends 7.6k-token prompts;
     its cache is 63 % full against its peers' 4 %, because it holds contexts 40x theirs. It prefills far more prompt
-    tokens than they do (the live prefill gate): load, not a shrunk KV budget."""
+    tokens than they do, 10x here: its peers' usage scaled by that share is what its load holds, and 63 % is below
+    kv_outlier_ratio times it. Load, not a shrunk KV budget."""
     m, why = run([0.6] * (T.kv_outlier_ticks - 1), 0.04)
-    held, why = kv_outlier(m, 0.63, 0.04, T, prefill_heavy=True)
-    assert held.kv_hot == 0 and why is None  # the heavy tick starts the count over
+    held, why = kv_outlier(m, 0.63, 0.04, T, load_share=10.0)
+    assert held.kv_hot == 0 and why is None  # the loaded tick starts the count over
+    assert kv_outlier(m, 0.63, 0.04, T, load_share=2.0)[1] is not None  # 2x the prompts do not hold 16x the cache
 
     def ticks(prefill_x):
         usages = {"a": 0.04, "b": 0.05, "c": 0.04, "x": 0.63}
@@ -99,5 +101,5 @@ def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
             d = decide_pool(prev, inputs, Policy(T, RecoveryConfig()), float(k))
             prev = {n: nd.state for n, nd in d.nodes.items()}
         return prev["x"]
-    assert ticks(4.0).state == State.HEALTHY  # 4x its peers' prompt tokens: gated, its full cache is its load
+    assert ticks(10.0).state == State.HEALTHY  # 10x its peers' prompt tokens: its full cache is its load
     assert ticks(1.0).state == State.QUARANTINED  # the same cache at a like share of prompts: a shrunk budget

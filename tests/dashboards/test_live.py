@@ -149,7 +149,8 @@ def per_node(key: str, pool: str = "chat") -> dict[str, float]:
 
 
 def at_equal_batch() -> dict[str, float]:
-    """The controller's comparison (controller/policy.py at_equal_batch): ITL / (1 + slope x (batch - 1))."""
+    """The dashboard's comparison, the load model's batch term at its prior (controller/loadmodel.py):
+    ITL / (1 + slope x (batch - 1))."""
     b = per_node("decode_batch")
     return {i: v / (1 + SLOPE * max(0.0, b[i] - 1)) for i, v in per_node("itl").items()}
 

@@ -41,6 +41,23 @@ def test_bad_fields_are_named(mutate, path, problem):
     assert problem in str(e.value)
 
 
+def test_a_removed_field_loads_with_a_warning_that_names_it(caplog):
+    """A config written for the last release (thresholds.live_prefill_gate, which the load model replaced) still
+    loads: the field is dropped with a warning naming it and what replaced it, not an error that stops the
+    controller on upgrade; a misspelled field is still an error."""
+    d = base()
+    d["thresholds"] = {"live_prefill_gate": 1.5, "degrade_score": 2.5}
+    with caplog.at_level("WARNING", logger="grayguard.config"):
+        cfg = parse_config(d)
+    assert cfg.thresholds.degrade_score == 2.5 and not hasattr(cfg.thresholds, "live_prefill_gate")
+    assert any("thresholds.live_prefill_gate was removed" in r.getMessage() and "load model" in r.getMessage()
+               for r in caplog.records)
+    d["thresholds"] = {"live_prefill_gates": 1.5}
+    with pytest.raises(ConfigError) as e:
+        parse_config(d)
+    assert e.value.path == "thresholds.live_prefill_gates"
+
+
 def test_cli_exits_2_naming_the_field(tmp_path):
     d = base()
     d["thresholds"] = {"max_ejected_fraction": 3}
