@@ -24,7 +24,6 @@ class DashboardConfig:
     live_batch_slope: float = _T.live_batch_slope  # the live ITL ratio panel compares ITLs at equal batch
     live_sustain_ticks: int = _T.live_sustain_ticks  # ticks at live_quarantine_ratio before quarantine (described)
     live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
-    live_prefill_gate: float = _T.live_prefill_gate  # prompt tokens/s ratio that leaves the live ITL out (described)
     kv_outlier_ratio: float = _T.kv_outlier_ratio  # KV usage ratio to the peers' that quarantines (described)
     kv_outlier_min: float = _T.kv_outlier_min  # ...at least this full (drawn on the KV panel)
     kv_outlier_ticks: int = _T.kv_outlier_ticks  # ...for this many ticks (described)
@@ -55,7 +54,7 @@ class DashboardConfig:
                    quarantine_score=t.quarantine_score, min_relative_gap=t.min_relative_gap,
                    live_cut_ratio=t.live_cut_ratio, live_quarantine_ratio=t.live_quarantine_ratio,
                    live_sustain_ticks=t.live_sustain_ticks, live_probe_confirm=t.live_probe_confirm,
-                   live_prefill_gate=t.live_prefill_gate, live_batch_slope=t.live_batch_slope,
+                   live_batch_slope=t.live_batch_slope,
                    kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min,
                    kv_outlier_ticks=t.kv_outlier_ticks, kv_saturated=t.kv_saturated,
                    controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,

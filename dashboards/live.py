@@ -49,8 +49,10 @@ def equal_batch(slope: float) -> str:
     if slope <= 0:
         return ", raw ITLs (live_batch_slope 0)"
     return (f", both at equal decode batch, ITL / (1 + live_batch_slope × (grayguard_live_decode_batch − 1)) with "
-            f"live_batch_slope {slope:g}, as the controller compares them: a node decoding more sequences at once "
-            "is not taken for a slow one")
+            f"live_batch_slope {slope:g}, the controller's prior for the batch slope: a node decoding more sequences "
+            "at once is not taken for a slow one. The controller's own comparison (the load model, "
+            "docs/architecture.md) also takes out the prompt tokens in its steps and fits the slopes on the pool, so "
+            "a node prefilling long prompts sits higher here than it is judged")
 
 
 def itl_to_pool_median(slope: float) -> str:
@@ -112,9 +114,10 @@ def panels(cfg: DashboardConfig) -> list:
         ts("Live tokens per second per node",
            "Tokens generated (solid) and prompt tokens prefilled (dashed) per second over the live window "
            "(grayguard_live_generation_tokens_per_second, grayguard_live_prompt_tokens_per_second). Generated 0 "
-           "with requests running: no decode progress (a hang, or only prefills). A node prefilling more than "
-           f"live_prefill_gate ({cfg.live_prefill_gate:g}x) times its peers' median prompt tokens/s has its live "
-           "ITL left out that tick: long prompts share its steps and inflate its ITL (load, not sickness).",
+           "with requests running: no decode progress (a hang, or only prefills). Prompt tokens share the decode "
+           "steps and make them longer: the controller compares each node's live latencies with what its peers "
+           "predict at its own decode batch and prompt tokens per step (the load model, docs/architecture.md), "
+           "so a node prefilling a tenant's long prompts is loaded, not slow.",
            [Q(per_node(GENERATED), "{{instance}} generated"), Q(per_node(PROMPT), "{{instance}} prompt")],
            "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True),
         ts("KV-cache usage per node",
