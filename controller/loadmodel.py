@@ -83,8 +83,12 @@ def at_load(itl: Mapping[str, float], others: Mapping[str, Mapping[str, float]],
     nodes = set(itl).union(*others.values()) if others else set(itl)
     use_b = batch_prior > 0 and all(load.get(n, (None, None))[0] is not None for n in nodes)
     use_p = prefill_prior > 0 and len(itl) >= 2 and all(load.get(n, (None, None))[1] is not None for n in nodes)
-    # the fit's features: (b - 1, R x its own ITL) where known
-    seen = {n: (load[n][0] if use_b else None, load[n][1] * itl[n] if use_p and n in itl else None) for n in nodes}
+    # the fit's features: (b - 1, R x its group's median ITL) where known. Not R x its own ITL: a sick node's
+    # slowness would make its own P (a node k times slower holds k times the prompt tokens a step), and in a small
+    # group that one node's P is a slope its peers are judged by
+    step_of = _group_medians(itl, groups)
+    seen = {n: (load[n][0] if use_b else None,
+                load[n][1] * step_of[n] if use_p and n in itl and n in step_of else None) for n in nodes}
     fit = _Fit(itl, seen, use_b, use_p, batch_prior, prefill_prior, groups, noise)
     # the healthy step at each node's load: its peers' level c, the step time solved for P = R x the step
     level = fit.levels(itl, seen)
@@ -189,6 +193,16 @@ class _Fit:
         return {n: c for n, c in out.items() if c is not None}
 
 
+def _group_medians(values: Mapping[str, float], groups: Mapping[str, str | None]) -> dict[str, float]:
+    """Each node's group's median value (the pool's where its group has no other node)."""
+    by: dict[str | None, list[float]] = {}
+    for n, v in values.items():
+        by.setdefault(groups.get(n), []).append(v)
+    pool = median(sorted(values.values())) if values else None
+    meds = {g: median(sorted(v)) for g, v in by.items() if len(v) >= 2}
+    return {n: meds.get(groups.get(n), pool) for n in values}
+
+
 def slopes(values: Mapping[str, float], load: Mapping[str, Load], batch_prior: float,
            prefill_prior: float = PRIOR_PREFILL_SLOPE, groups: Mapping[str, str | None] | None = None,
            noise: float = PRIOR_NOISE) -> tuple[float, float]:
@@ -196,7 +210,8 @@ def slopes(values: Mapping[str, float], load: Mapping[str, Load], batch_prior: f
     tests."""
     use_b = batch_prior > 0 and all(load.get(n, (None, None))[0] is not None for n in values)
     use_p = prefill_prior > 0 and len(values) >= 2 and all(load.get(n, (None, None))[1] is not None for n in values)
-    seen = {n: (load[n][0] if use_b else None, load[n][1] * values[n] if use_p else None) for n in values}
+    step_of = _group_medians(values, groups or {})
+    seen = {n: (load[n][0] if use_b else None, load[n][1] * step_of[n] if use_p else None) for n in values}
     return _Fit(values, seen, use_b, use_p, batch_prior, prefill_prior, groups or {}, noise).slopes_of()
 
 
