@@ -6,8 +6,9 @@ live latency (ITL, TTFT, a probe's first token) of a healthy node is
     latency = c x g,   g = 1 + beta_b x (b - 1) + beta_p x P
 
 b: the node's mean decode batch over the live window; P: the prompt tokens prefilled per decode step, its prefill
-rate R times its step time (the ITL). A node running twice its peers' sequences (a tenant of long completions
-pinned to it) or prefilling long prompts (a tenant of 8k-token prompts, a burst) is slower by g: load, not sickness.
+rate R times its step time (in the fit, its group's median ITL: see _features). A node running twice its peers'
+sequences (a tenant of long completions pinned to it) or prefilling long prompts (a tenant of 8k-token prompts, a
+burst) is slower by g: load, not sickness.
 
 The slopes are fitted across the pool, each node left out of its own fit: weighted least squares on the relative
 error of each value over its peer group's median (groups differ in speed, not in how load slows them), one robust
@@ -81,14 +82,7 @@ def at_load(itl: Mapping[str, float], others: Mapping[str, Mapping[str, float]],
     """
     groups = groups or {}
     nodes = set(itl).union(*others.values()) if others else set(itl)
-    use_b = batch_prior > 0 and all(load.get(n, (None, None))[0] is not None for n in nodes)
-    use_p = prefill_prior > 0 and len(itl) >= 2 and all(load.get(n, (None, None))[1] is not None for n in nodes)
-    # the fit's features: (b - 1, R x its group's median ITL) where known. Not R x its own ITL: a sick node's
-    # slowness would make its own P (a node k times slower holds k times the prompt tokens a step), and in a small
-    # group that one node's P is a slope its peers are judged by
-    step_of = _group_medians(itl, groups)
-    seen = {n: (load[n][0] if use_b else None,
-                load[n][1] * step_of[n] if use_p and n in itl and n in step_of else None) for n in nodes}
+    use_b, use_p, seen = _features(itl, nodes, load, batch_prior, prefill_prior, groups)
     fit = _Fit(itl, seen, use_b, use_p, batch_prior, prefill_prior, groups, noise)
     # the healthy step at each node's load: its peers' level c, the step time solved for P = R x the step
     level = fit.levels(itl, seen)
@@ -193,6 +187,21 @@ class _Fit:
         return {n: c for n, c in out.items() if c is not None}
 
 
+def _features(itl: Mapping[str, float], nodes: set[str], load: Mapping[str, Load], batch_prior: float,
+              prefill_prior: float, groups: Mapping[str, str | None]
+              ) -> tuple[bool, bool, dict[str, tuple[float | None, float | None]]]:
+    """Which terms the model uses (a prior of 0, or a node without that load, leaves one out for all) and each
+    node's features (b - 1, R x its group's median ITL) where known. Not R x its own ITL: a sick node's slowness would
+    make its own P (a node k times slower holds k times the prompt tokens a step), and in a small group that one
+    node's P is a slope its peers are judged by."""
+    use_b = batch_prior > 0 and all(load.get(n, (None, None))[0] is not None for n in nodes)
+    use_p = prefill_prior > 0 and len(itl) >= 2 and all(load.get(n, (None, None))[1] is not None for n in nodes)
+    step_of = _group_medians(itl, groups)
+    seen = {n: (load[n][0] if use_b else None,
+                load[n][1] * step_of[n] if use_p and n in itl and n in step_of else None) for n in nodes}
+    return use_b, use_p, seen
+
+
 def _group_medians(values: Mapping[str, float], groups: Mapping[str, str | None]) -> dict[str, float]:
     """Each node's group's median value (the pool's where its group has no other node)."""
     by: dict[str | None, list[float]] = {}
@@ -208,10 +217,7 @@ def slopes(values: Mapping[str, float], load: Mapping[str, Load], batch_prior: f
            noise: float = PRIOR_NOISE) -> tuple[float, float]:
     """The pool's own fit of the live ITL (every node in it): (beta_b, beta_p), a term left out 0. For reports and
     tests."""
-    use_b = batch_prior > 0 and all(load.get(n, (None, None))[0] is not None for n in values)
-    use_p = prefill_prior > 0 and len(values) >= 2 and all(load.get(n, (None, None))[1] is not None for n in values)
-    step_of = _group_medians(values, groups or {})
-    seen = {n: (load[n][0] if use_b else None, load[n][1] * step_of[n] if use_p else None) for n in values}
+    use_b, use_p, seen = _features(values, set(values), load, batch_prior, prefill_prior, groups or {})
     return _Fit(values, seen, use_b, use_p, batch_prior, prefill_prior, groups or {}, noise).slopes_of()
 
 
@@ -240,8 +246,7 @@ def _prior_rows(rows: list, priors: list[float], noise: float = PRIOR_NOISE) -> 
     the prior slopes predict at the pool's level, each worth the more of PRIOR_NODES / 2 nodes and what knows the
     term's slope to within PRIOR_CV of the prior against nodes of that noise (two rows at +-step, weight w each, give
     2 w step^2 of information on it; a node's row, 1 / y^2 at a relative error `noise`). The reach matters
-    where the nodes carry alike loads: P is the node's prefill rate times its own latency, so in a pool of like
-    prefill rates the spread of P is the latency's own noise, which a fit would take for a slope."""
+    where the nodes carry alike loads: their spread of load is then small, and a fit would take noise for a slope."""
     rows = [r for r in rows if r[2] > 0] or rows
     n = len(rows)
     mean = [sum(x[k] for x, _, _ in rows) / n for k in range(len(rows[0][0]))]
