@@ -34,7 +34,7 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "demo", "--nodes", "3", "--duration", "300",
                              "--live", "plain", "--report-dir", str(report)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     lines: list[str] = []
     running = threading.Event()
 
@@ -53,7 +53,13 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
         names = {name for _, name in started}  # /proc's comm: 15 characters ("prometheus-aler")
         assert {"haproxy", "prometheus"} <= names and any("aler" in n for n in names), names
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=90)
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:  # where it is stuck: faulthandler prints every thread's stack on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(15)
+            reader.join(10)
+            raise AssertionError("the demo did not stop within 90 s of SIGTERM:\n" + "".join(lines[-150:])) from None
     finally:
         if proc.poll() is None:
             proc.kill()
