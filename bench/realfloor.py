@@ -101,10 +101,11 @@ def tick_ratios(obs, slope: float) -> tuple[dict[str, tuple[float | None, float 
     load = {n: loadmodel.load_of(batch.get(a), prefill.get(a)) for a, n in names.items()}
     vals = [{names[a]: v for a, v in _by_instance(obs.optional.get(sig, ())).items() if a in names}
             for sig in ("live_itl", "probe_ttft_median")]
-    g_itl, g_of = loadmodel.at_load(vals[0], {"probe": vals[1]}, load, slope)
+    g = loadmodel.at_load(vals[0], set(vals[1]), load, slope)
     out: dict[str, list[float | None]] = {n: [None, None] for n in names.values()}
-    for i, (v, g) in enumerate(((vals[0], g_itl), (vals[1], g_of["probe"]))):
-        for n, r in leave_one_out({n: x / g[n] for n, x in v.items()}, rotating).items():
+    for i, v in enumerate(vals):
+        # a node at capacity by its load (g infinite) is unjudged and no peer, as in the controller
+        for n, r in leave_one_out({n: x / g[n] for n, x in v.items() if g[n] < math.inf}, rotating).items():
             out[n][i] = r
     return {n: (a, b) for n, (a, b) in out.items()}, frozenset(rotating)
 

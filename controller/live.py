@@ -101,7 +101,9 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, sust
     hot_q = m.hot_q + 1 if ratio >= t.live_quarantine_ratio and z >= t.quarantine_score else 0
     fires = hot >= t.live_confirm_ticks or cusum >= t.live_cusum_cut
     calm = m.calm + 1 if m.cut and quiet else 0
-    cut = fires or (m.cut and (calm < t.recover_ticks or cusum >= t.live_cusum_cut / 2))
+    # a cut holds while its evidence does: the CUSUM at half the cut or more, or a tick not quiet. One hot tick
+    # leaves little in S, so a spike's cut ends at the first quiet tick; a fault's ticks fill S and hold it
+    cut = fires or (m.cut and (not quiet or cusum >= t.live_cusum_cut / 2))
     zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
     if (hot, hot_q, cusum, cut, calm if cut else 0, zz) != (m.hot, m.hot_q, m.cusum, m.cut, m.calm, m.z):
         m = evolve(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)  # else: no copy

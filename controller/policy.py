@@ -15,7 +15,7 @@ hanafail counter rose since the last tick) — never more than the safeguard cap
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -191,30 +191,30 @@ LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
                  groups: Mapping[str, str | None], policy: Policy, noise: float
-                 ) -> tuple[dict[str, dict[str, peers.Score]], dict[str, float], float | None]:
+                 ) -> tuple[dict[str, dict[str, peers.Score]], dict[str, float], float | None, set[str]]:
     """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation, each
     at the node's own load (controller/loadmodel.py: each value divided by what its decode batch and the prompt
     tokens in its steps make it, the slopes fitted on its peers, each node's value worth what the pool's learned noise
-    on the live ITL says, floored at min_spread). Returns the scores, each node's load factor on
-    the probe median (what its load makes a probe's first token: slow probes are judged against it) and the live
-    ITLs' spread this tick (peers.spread, at each node's load)."""
+    on the live ITL says, floored at min_spread). Returns the scores, each node's load factor on the probe median
+    (what its load makes a probe's first token: slow probes are judged against it; none for a node at capacity), the
+    live ITLs' spread this tick (peers.spread, at each node's load) and the nodes at capacity by their load (g
+    infinite: none of their live values is scored or a peer's)."""
     t = policy.thresholds
     live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
     load = {n: loadmodel.load_of(inputs[n].live_decode_batch, inputs[n].live_prefill_rate) for n in live}
     raw = {name: {n: v for n in live if usable(v := getattr(inputs[n], name))}
            for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT)}
-    g_itl, g_of = loadmodel.at_load(raw[LIVE_ITL], {PROBE_MEDIAN: raw[PROBE_MEDIAN], LIVE_TTFT: raw[LIVE_TTFT]}, load,
-                                    t.live_batch_slope, groups=groups, noise=max(noise, t.min_spread))
-    g_of[LIVE_ITL] = g_itl
+    g = loadmodel.at_load(raw[LIVE_ITL], set(raw[PROBE_MEDIAN]) | set(raw[LIVE_TTFT]), load, t.live_batch_slope,
+                          groups=groups, noise=max(noise, t.min_spread))
     out = {}
     itl_spread = None
-    for name, values in raw.items():
-        vals = {n: v / g_of[name][n] for n, v in values.items()}
+    for name, values in raw.items():  # a node at capacity by its load (g infinite) is neither scored nor a peer
+        vals = {n: v / g[n] for n, v in values.items() if g[n] < math.inf}
         out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
         if name == LIVE_ITL:
             itl_spread = peers.spread(vals, groups, t.min_peers, policy.group_speed)
-    probe_load = g_of[PROBE_MEDIAN]
-    return out, probe_load, itl_spread
+    at_capacity = {n for n, x in g.items() if x == math.inf}
+    return out, {n: g[n] for n in raw[PROBE_MEDIAN] if n not in at_capacity}, itl_spread, at_capacity
 
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
@@ -383,10 +383,12 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                 kv_used[n] = i.kv_cache_usage
     calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     noise = pool_noise([st[n].live_itl.noise for n in names])
-    live_scores, probe_load, live_spread = _live_scores(inputs, st, names, groups, policy, noise)
+    live_scores, probe_load, live_spread, at_capacity = _live_scores(inputs, st, names, groups, policy, noise)
     # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
-    # tenant's long prompts queues its probes behind them)
-    peer_probe = peers.peer_medians(rotating, {n: v / probe_load.get(n, 1.0) for n, v in probe_ttfts.items()}, groups)
+    # tenant's long prompts queues its probes behind them). A node at capacity by its load (g infinite) is no peer,
+    # and its own slow probes are load: they start no run (like_peers)
+    peer_probe = peers.peer_medians(rotating, {n: v / probe_load.get(n, 1.0) for n, v in probe_ttfts.items()
+                                               if n not in at_capacity}, groups)
     for n, g in probe_load.items():
         if peer_probe.get(n) is not None:
             peer_probe[n] *= g
@@ -429,7 +431,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           t, r, now, calm_gap, live_of.get(n),
                                           renewed=renewed.get(n),
                                           behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
-                                          noise=noise, live_spread=live_spread,
+                                          noise=noise, live_spread=live_spread, at_capacity=n in at_capacity,
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_slow_consecutive, probed))
@@ -595,6 +597,9 @@ def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers:
     return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
 
 
+AT_CAPACITY = "at capacity by its load (its prompts fill a healthy step's time)"
+
+
 def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
     """Why the live signals say a node is like its peers now ("" when they do not), at equal batch.
 
@@ -639,7 +644,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                  calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
                  renewed: dict[str, float | None] | None = None, behind_load: bool = False,
                  noise: float | None = None, live_spread: float | None = None,
-                 shadow: frozenset[str] = frozenset(), probe_run: int | None = None
+                 shadow: frozenset[str] = frozenset(), probe_run: int | None = None, at_capacity: bool = False
                  ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
     """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
     detectors in `shadow` ask for (their findings: each runs and keeps its memory, and its weight factor and
@@ -656,37 +661,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
         veto = like_peers_now(live_sc, veto_ratio)
     else:  # no live score: no veto (like_peers_now of nothing)
         live_sc, li, pm, veto, veto_ratio = _NO_SCORES, None, None, False, t.live_veto_ratio
-    lat_reason = ""  # written only while the latency signal holds the node degraded: the only time it is shown
     prev_factors, prev_lat = s.factors, s.lat_degraded
-    # the latency signal's changes to the state, written with the other signals' memories in one copy below
-    lat: dict = {}
-    lat_deg, lat_factor = s.lat_degraded, s.lat_factor
-    if sc is not None and not renewed:
-        if s.lat_degraded and s.ratio is not None and s.score is not None:
-            lat_reason = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
-        sc = None  # no new evidence: no latency transition, no latency candidacy this tick
-    elif sc is None:
-        if s.score is not None or s.ratio is not None:
-            lat = {"score": None, "ratio": None}
-    else:
-        outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
-        hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
-        # the window counts requests that finished in the last 30 s; the live signals say how the node is now.
-        # When they say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted
-        # on, nor is a cut it made held (live_veto).
-        if (outlier or hot or s.lat_degraded) and veto:
-            outlier = hot = False
-            lat_vetoed = f"; {live_veto(live_sc, veto_ratio)}: not acted on"
-        else:
-            lat_vetoed = ""
-        calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
-        calm_ticks = s.calm_ticks + 1 if calm else 0
-        lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not veto)
-        lat_factor = latency_factor(sc.z) if lat_deg else 1.0
-        lat = {"score": sc.z, "ratio": sc.ratio, "hot_ticks": s.hot_ticks + 1 if hot else 0, "calm_ticks": calm_ticks,
-               "lat_degraded": lat_deg, "lat_factor": lat_factor}
-        if lat_deg:
-            lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
+    sc, lat, lat_deg, lat_factor, lat_reason = _latency(s, sc, bool(renewed), t, calm_gap, veto or at_capacity,
+                                                        lambda: live_veto(live_sc, veto_ratio) if veto else AT_CAPACITY)
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
     # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
@@ -697,47 +674,12 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
                                                     median_calm=pm is not None and pm.ratio < t.min_relative_gap,
-                                                    like_peers=decoding_like_peers, run_needed=probe_run)
+                                                    like_peers=decoding_like_peers or at_capacity,
+                                                    run_needed=probe_run)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    # GPU evidence shortens the live signal's sustain as it does the window's, and is the second witness
-    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",
-                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks, noise,
-                                      pm.ratio if pm is not None else None,
-                                      live_spread if renewed else None, now)  # learned with the window: see Noise
-    if li is not None:
-        li = peers.score_of(against_noise(li.z, li.ratio, noise, t.min_spread), li.ratio, li.peer_median)
-    l_reasons, l_quarantine = [l_reason] if l_reason else [], None
-    if q:
-        if evidence:
-            l_quarantine = (li.z if li else math.inf, q)
-        elif pm is not None and pm.ratio >= t.live_probe_confirm:
-            l_quarantine = (li.z if li else math.inf, f"{q}; probes agree ({pm.ratio:.2f}x peers')")
-        else:
-            why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
-            l_reasons.append(f"quarantine waits for the probes to agree ({why_p})")
-    asked: dict[str, list] = {}  # a shadowed detector -> [its factor, its quarantine reason or None, its reason]
-    lat_on, pf_on, ef_on, lf_on = lat_deg, pf, ef, lf  # the cuts in force: a shadowed detector's are reported
-    if shadow:
-        l_text = "; ".join(l_reasons)
-        for det, cut, text in ((Detector.LATENCY, lat_factor if lat_deg else 1.0, lat_reason or "latency (held)"),
-                               (Detector.PROBE, pf, p_reason), (Detector.ERRORS, ef, e_reason),
-                               (Detector.LIVE, lf, l_text)):
-            if det in shadow and cut < 1.0:
-                asked[det] = [cut, None, text]
-        lat_on = lat_deg and Detector.LATENCY not in shadow
-        pf_on = 1.0 if Detector.PROBE in shadow else pf
-        ef_on = 1.0 if Detector.ERRORS in shadow else ef
-        lf_on = 1.0 if Detector.LIVE in shadow else lf
-    degraded = lat_on or pf_on < 1.0 or ef_on < 1.0 or lf_on < 1.0
-    factors: tuple = ()  # the factors in force and their reasons: none while no signal cuts the weight
-    why = ""
-    if degraded:
-        factors = tuple(f for f in ((Signal.LATENCY, lat_factor, lat_reason or "latency (held)"),
-                                    (Signal.PROBE, pf_on, p_reason), (Signal.ERRORS, ef_on, e_reason),
-                                    (Signal.LIVE, lf_on, "; ".join(l_reasons)))
-                        if f[1] < 1.0 and (f[0] != Signal.LATENCY or lat_on))
-        why = "; ".join(x for x in [lat_reason if lat_on else ""]
-                        + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
+    lm, lf, l_reasons, l_quarantine = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)
+    degraded, factors, why, asked = _in_force(shadow, lat_deg, lat_factor, lat_reason, (pf, p_reason), (ef, e_reason),
+                                              (lf, "; ".join(l_reasons)))
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
     if renewed or lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
         ch = renewed | lat if renewed else lat  # lat: this call's own dict
@@ -768,6 +710,83 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
                           shadow, asked)
     found = tuple(Finding(d, f, q, text) for d, (f, q, text) in asked.items()) if asked else ()
     return s, cand, found
+
+
+def _latency(s: NodeState, sc: peers.Score | None, renewed: bool, t: ThresholdsConfig, calm_gap: float,
+             excused: bool, excuse: Callable[[], str]) -> tuple[peers.Score | None, dict, bool, float, str]:
+    """The 30 s window's detector (rules 1-8) on a node in rotation: (the score it acts on, None without a new
+    sample; its changes to the state; degraded; its weight factor; its reason, written only while it holds the node
+    degraded). excused: the live signals say the node is like its peers now, or it is at capacity by its load
+    (excuse() says which): an outlier is not acted on, nor a cut held."""
+    lat_reason = ""
+    lat: dict = {}
+    lat_deg, lat_factor = s.lat_degraded, s.lat_factor
+    if sc is not None and not renewed:
+        if s.lat_degraded and s.ratio is not None and s.score is not None:
+            lat_reason = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
+        return None, lat, lat_deg, lat_factor, lat_reason  # no new evidence: no transition, no candidacy this tick
+    if sc is None:
+        if s.score is not None or s.ratio is not None:
+            lat = {"score": None, "ratio": None}
+        return sc, lat, lat_deg, lat_factor, lat_reason
+    outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
+    hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
+    # the window counts requests that finished in the last 30 s; the live signals say how the node is now. When
+    # they say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted on, nor is
+    # a cut it made held (live_veto). A node at capacity by its load (its prompts fill a healthy step's time: the
+    # load model judges none of its latencies now) is not acted on either: its window holds the same prompts
+    if (outlier or hot or s.lat_degraded) and excused:
+        outlier = hot = False
+        lat_vetoed = f"; {excuse()}: not acted on"
+    else:
+        lat_vetoed = ""
+    calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
+    calm_ticks = s.calm_ticks + 1 if calm else 0
+    lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not excused)
+    lat_factor = latency_factor(sc.z) if lat_deg else 1.0
+    lat = {"score": sc.z, "ratio": sc.ratio, "hot_ticks": s.hot_ticks + 1 if hot else 0, "calm_ticks": calm_ticks,
+           "lat_degraded": lat_deg, "lat_factor": lat_factor}
+    if lat_deg:
+        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
+    return sc, lat, lat_deg, lat_factor, lat_reason
+
+
+def _live(s: NodeState, li: peers.Score | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig,
+          noise: float | None, live_spread: float | None, now: float
+          ) -> tuple[LiveMemory, float, list[str], tuple[float, str] | None]:
+    """The live ITL's detector (rules 10-16): its memory, weight factor, reasons and quarantine request (priority,
+    reason). GPU evidence shortens its sustain as it does the window's, and is the second witness; otherwise the
+    probes must agree. live_spread: the spread learned with a new window sample (None: none new; see Noise)."""
+    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",
+                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks, noise,
+                                      pm.ratio if pm is not None else None, live_spread, now)
+    reasons, quarantine = [l_reason] if l_reason else [], None
+    if q:
+        z = against_noise(li.z, li.ratio, noise, t.min_spread) if li is not None else math.inf
+        if evidence:
+            quarantine = (z, q)
+        elif pm is not None and pm.ratio >= t.live_probe_confirm:
+            quarantine = (z, f"{q}; probes agree ({pm.ratio:.2f}x peers')")
+        else:
+            why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
+            reasons.append(f"quarantine waits for the probes to agree ({why_p})")
+    return lm, lf, reasons, quarantine
+
+
+def _in_force(shadow: frozenset[str], lat_deg: bool, lat_factor: float, lat_reason: str, probe: tuple[float, str],
+              errors: tuple[float, str], live_: tuple[float, str]) -> tuple[bool, tuple, str, dict[str, list]]:
+    """The detectors' cuts in force: (degraded, the factors with their reasons, the reason, what the shadowed
+    detectors ask: detector -> [factor, quarantine reason (filled by _candidacy) or None, reason]). A detector is
+    named as the signal it cuts (Detector.PROBE == Signal.PROBE)."""
+    cuts = ((Signal.LATENCY, lat_factor if lat_deg else 1.0, lat_reason or "latency (held)"),
+            (Signal.PROBE, *probe), (Signal.ERRORS, *errors), (Signal.LIVE, *live_))
+    asked = {Detector(sig): [f, None, text] for sig, f, text in cuts if f < 1.0 and sig in shadow} if shadow else {}
+    lat_on = lat_deg and Signal.LATENCY not in shadow
+    factors = tuple(c for c in cuts if c[1] < 1.0 and c[0] not in shadow)
+    if not (lat_on or factors):  # no signal cuts the weight: no factors
+        return False, (), "", asked
+    why = "; ".join(x for x in [lat_reason if lat_on else ""] + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
+    return True, factors, why, asked
 
 
 def _candidacy(s: NodeState, i: NodeInput, sc: peers.Score | None, pf: float, p_quarantine: str | None,

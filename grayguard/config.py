@@ -295,7 +295,7 @@ class ThresholdsConfig:
     live_drift: float = 1.1  # the CUSUM's allowance: a ratio below this pulls it back toward 0
     live_cusum_cut: float = 2.0  # CUSUM of log(ratio / live_drift) that cuts (a 1.5x node: ~7 ticks)
     live_cusum_quarantine: float = 5.0  # ...and that quarantines (a 1.5x node: ~16 ticks)
-    live_calm_ratio: float = 1.15  # a cut clears after recover_ticks calm ticks below this
+    live_calm_ratio: float = 1.15  # below it a tick is calm: a live cut ends at one, its CUSUM under half the cut
     # a live-ITL quarantine needs the node's probe TTFT median at least this many times its peers' (the probes are
     # noisier, so they only confirm: without them the live signal cuts but does not drain)
     live_probe_confirm: float = 1.2

@@ -3,6 +3,7 @@ Prometheus that scrapes a simulated fleet with one throttled node: it prints a p
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_once_dry_run_prints_a_plan_and_writes_nothing(tmp_path):
                                                        "labels": {"pool": "chat"}}]}
         prom = start_prometheus(prometheus_config([job], interval="1s"), sorted((tmp_path / "rules").glob("*.yml")),
                                 workdir=tmp_path / "prom", port=prom_port)
-        load = fleet.submit(run_load(LoadConfig(url=f"http://127.0.0.1:{gw}", rate=12, duration_s=40, seed=1)))
+        load = fleet.submit(run_load(LoadConfig(url=f"http://127.0.0.1:{gw}", rate=12, duration_s=180, seed=1)))
         slow = nodes[1].address
 
         def ready(res):  # every node has a normalized latency, and the throttled one stands out
@@ -59,12 +60,20 @@ def test_once_dry_run_prints_a_plan_and_writes_nothing(tmp_path):
         prom.wait_for(cfg.signals.request_rate_query, lambda res: any(
             r["metric"]["instance"] == slow and float(r["value"][1]) >= cfg.thresholds.min_request_rate for r in res),
             timeout_s=30)
-        p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(cfg_path),
-                            "--once", "--dry-run"], capture_output=True, text=True, timeout=60)
+        # One tick has no memory: its score is the window's ratio against the peers' spread, which a loaded
+        # machine widens (4.99x at score 2.46 was seen: degraded, but a factor of 1 at the threshold). Each --once
+        # is a fresh first tick; run it until the window's evidence cuts the weight, or fail at the deadline.
+        plan = f"plan: {hap.endpoint}: set server vllm_chat/node2 weight"
+        deadline = time.monotonic() + 60
+        while True:
+            p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(cfg_path),
+                                "--once", "--dry-run"], capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, p.stdout + p.stderr
+            if plan in p.stdout or time.monotonic() > deadline:
+                break
         print(p.stdout)
-        assert p.returncode == 0, p.stdout + p.stderr
         assert "node2" in p.stdout and "degraded" in p.stdout, p.stdout
-        assert f"plan: {hap.endpoint}: set server vllm_chat/node2 weight" in p.stdout, p.stdout
+        assert plan in p.stdout, p.stdout
         assert "[dry-run]" in p.stderr
         weights = {s.name: (s.weight, s.drain) for s in RuntimeClient(hap.endpoint).show_servers_state("vllm_chat")}
         assert weights == {n.name: (100, False) for n in nodes}  # nothing written

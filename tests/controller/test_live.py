@@ -69,7 +69,9 @@ def test_no_data_holds_and_calm_clears():
     m = steps[-1][0]
     calm = _run([1.0] * 20, m)
     cleared = next(k for k, (mm, *_ ) in enumerate(calm) if not mm.cut)
-    assert calm[cleared][1] == 1.0 and cleared + 1 >= T.recover_ticks and cleared < 5  # seconds, not tens
+    # it holds while its evidence does (the CUSUM at half the cut or more), seconds, not tens
+    assert calm[cleared][1] == 1.0 and cleared < 5 and calm[cleared][0].cusum < T.live_cusum_cut / 2
+    assert all(mm.cusum >= T.live_cusum_cut / 2 for mm, *_ in calm[:cleared])
 
 
 def _inputs(live: dict[str, float], probes: dict[str, float] | None = None,

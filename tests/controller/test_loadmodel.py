@@ -30,16 +30,15 @@ def _pool(n: int, beta_b: float, beta_p: float, noise: float, seed: int, batch=(
 
 def factors(vals, load, prior=PRIOR_B, groups=None, others=None, noise=0.02):
     """g at the pool's noise (what the controller learns it to be: the _pool's noise)."""
-    g, _ = at_load(vals, others or {}, load, prior, groups=groups, noise=noise)
-    return g
+    return at_load(vals, set(others or ()), load, prior, groups=groups, noise=noise)
 
 
 def test_a_large_pool_with_uneven_loads_learns_its_own_slopes():
     vals, load = _pool(48, 0.09, 0.006, 0.03, 1)
     b, p = slopes(vals, load, PRIOR_B, noise=0.03)
-    # the fit takes P as R x the group's median step, not the node's own (a sick node's own P would be its
-    # slowness): where batches vary 12x that proxy biases both slopes by up to a third
-    assert b == pytest.approx(0.09, rel=0.35) and p == pytest.approx(0.006, rel=0.35)
+    # the fit takes P as R x the step its own fit predicts at the node's load, not the node's own (a sick node's
+    # own P would be its slowness): within a fifth of both slopes (the group's median step for all was a third off)
+    assert b == pytest.approx(0.09, rel=0.2) and p == pytest.approx(0.006, rel=0.2)
     norm = {n: vals[n] / g for n, g in factors(vals, load).items()}
     raw_spread = max(vals.values()) / min(vals.values())
     assert raw_spread > 2.5 and max(norm.values()) / min(norm.values()) < 1.3  # the load explained, noise left
@@ -61,11 +60,15 @@ def test_each_node_is_left_out_of_its_own_fit_exactly():
         fit = lm._Fit(vals, seen, True, True, PRIOR_B, PRIOR_PREFILL_SLOPE, {})
     finally:
         lm.ROBUST_K = saved
-    rows = lm._rows(vals, seen, [0, 1], {})
-    pseudo = lm._prior_rows(rows, fit.priors, lm.PRIOR_NOISE)
-    for i, n in enumerate(sorted(vals)):
-        theta = lm._solve(lm._normal([r for j, r in enumerate(rows) if j != i] + pseudo))
-        assert fit.slopes_of(n) == pytest.approx(tuple(lm._slopes(theta, fit.priors, [0, 1])), rel=1e-9)
+    names = sorted(vals)
+    x, y, w = lm._rows(names, vals, seen, [0, 1], {})
+    pseudo = lm._prior_rows(x, y, w, fit.priors, lm.PRIOR_NOISE)
+    for i, n in enumerate(names):
+        others = ([[v for j, v in enumerate(col) if j != i] for col in x],
+                  [v for j, v in enumerate(y) if j != i], [v for j, v in enumerate(w) if j != i])
+        theta = lm._solve(lm._normal(*lm._joined(others, pseudo)))
+        refit = tuple(col[0] for col in lm._slopes([[t] for t in theta], fit.priors, [0, 1]))
+        assert fit.slopes_of(n) == pytest.approx(refit, rel=1e-9)
 
 
 def _peer_ratio(vals, g, who):
@@ -125,7 +128,7 @@ def test_an_unknown_term_is_left_out_for_every_node():
     only_prefill = {n: (None, x[1]) for n, x in load.items()}
     assert factors(vals, load) == factors(vals, only_prefill)
     assert factors(vals, {}) == dict.fromkeys(vals, 1.0)  # nothing known: raw
-    assert at_load(vals, {}, load, 0.0, 0.0)[0] == dict.fromkeys(vals, 1.0)  # both priors 0: raw
+    assert at_load(vals, (), load, 0.0, 0.0) == dict.fromkeys(vals, 1.0)  # both priors 0: raw
 
 
 @settings(max_examples=200, deadline=None)
@@ -133,17 +136,44 @@ def test_an_unknown_term_is_left_out_for_every_node():
                        st.tuples(st.floats(1e-4, 10.0), st.floats(0.0, 512.0), st.floats(0.0, 1e5)), min_size=0,
                        max_size=10))
 def test_the_factors_are_physical_whatever_the_data(nodes):
-    """Never below one (load never makes a step faster), finite, at most what a step at PREFILL_SHARE_MAX and one
-    step a sequence make; the same for the other live latencies."""
+    """Never below one (load never makes a step faster), below what a step at PREFILL_SHARE_MAX and one step a
+    sequence make, or infinite (at capacity: not judged) exactly when its prompts fill PREFILL_SHARE_MAX of a healthy
+    step's time; for a node with no live ITL of its own (a probe only) too."""
     vals = {n: v for n, (v, _, _) in nodes.items()}
     load = {n: load_of(b, rate) for n, (_, b, rate) in nodes.items()}
-    g, other = at_load(vals, {"ttft": {n: 2 * v for n, v in vals.items()}}, load, PRIOR_B)
-    assert set(g) == set(vals) == set(other["ttft"])
+    itl = dict(list(vals.items())[: len(vals) // 2 + 1])
+    g = at_load(itl, set(vals), load, PRIOR_B)
+    assert set(g) == set(vals)
     for n, x in g.items():
-        assert math.isfinite(x) and 1.0 <= x <= (1.0 + load[n][0]) / (1.0 - lm.PREFILL_SHARE_MAX) + 1e-9
-        assert math.isfinite(other["ttft"][n]) and other["ttft"][n] >= 1.0
+        assert x == math.inf or 1.0 <= x < (1.0 + load[n][0]) / (1.0 - lm.PREFILL_SHARE_MAX) + 1e-9
+        if x == math.inf:  # only its prefill rate makes a step infinite: without it the node is judged
+            assert at_load(itl, set(vals), {**load, n: (load[n][0], 0.0)}, PRIOR_B)[n] < math.inf
     b, p = slopes(vals, load, PRIOR_B)
     assert 0.0 <= b <= 1.0 and p >= 0.0
+
+
+def test_exact_data_from_a_loaded_pool_finds_every_node_at_its_load():
+    """Eight nodes whose ITLs are exactly the model's (an engine at 0.6 or 1.0 of the prior's prefill slope), the
+    pool prefilling 1-5x a usual rate and one node at half or twice its peers' prompts: every node is within 11 %
+    of its peers at its load (with P from the group's median step, a healthy node at half its peers' prompts in a pool
+    at 4x was 2.5x slower than predicted, and cut)."""
+    worst = 1.0
+    for true in (0.6 * PRIOR_PREFILL_SLOPE, PRIOR_PREFILL_SLOPE):
+        for peers in (1.0, 3.0, 5.0):
+            for own in (0.5, 2.0):
+                vals, load = {}, {}
+                for i in range(8):
+                    rate = (own if i == 0 else peers) * 1000.0 * (1 + 0.1 * math.sin(1.7 * i))
+                    c = 0.010 * (1 + PRIOR_B * 7)
+                    vals[f"n{i}"] = c / (1 - true * 0.010 * rate)
+                    load[f"n{i}"] = load_of(8.0, rate)
+                for noise in (0.1, 0.3):
+                    g = at_load(vals, (), load, PRIOR_B, noise=noise)
+                    at = {n: vals[n] / g[n] for n in vals}
+                    for n in at:
+                        others = sorted(v for m, v in at.items() if m != n)
+                        worst = max(worst, at[n] / others[len(others) // 2], others[len(others) // 2] / at[n])
+    assert worst < 1.11, worst
 
 
 def test_a_noisy_pool_keeps_the_prior_where_a_quiet_one_learns_from_its_nodes():

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
+from exporters.hang import STALL_CAP_S
 from localstack.procs import wait_until
 from localstack.stack import BACKEND, LocalStack, StackSpec
 from sim.loadgen import LoadConfig, run_load
@@ -139,7 +140,10 @@ def test_a_hung_engine_answers_health_and_the_agent_check_takes_it_out(rig, reco
     back = wait_until(lambda: in_rotation(rig, node) and time.monotonic(), 60, 0.2, f"{node} back") - t
     report(record_property, out_of_rotation_s=out, back_after_fault_s=back)
     assert "agent" in status.lower() and "hang" in agent, (status, agent)
-    assert out <= 10  # the agent check every 500 ms, the probe's 2 s deadline: ~3 s measured
+    # ~3 s measured on a quiet machine (the agent check every 500 ms, the probe's 2 s deadline). The hang verdict
+    # waits out the engine's own stalls (exporters/hang.py: 1.5x its longest recent one, at most STALL_CAP_S), and
+    # a CPU vLLM beside the whole suite stalls for seconds: 10.9 s was measured in a fresh-clone CI run
+    assert out <= STALL_CAP_S + 2.0 + 1.0  # the cap, the probe's deadline, the agent check and HAProxy's read
 
 
 def test_a_dead_engine_costs_the_clients_nothing_after_the_first_requests(rig, record_property):
