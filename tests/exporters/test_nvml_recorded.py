@@ -1,4 +1,4 @@
-"""The exporter's NVML collector on a real GPU's answers: an H200 recorded by `python -m bench.gpurecord` on this
+"""The exporter's NVML collector on a real GPU's answers: an H200 recorded by `python -m localstack.gpurecord` on this
 workplace's lent GPU machine (tests/fixtures/nvml_h200/: idle, under a bf16 matrix-product load, after).
 
 NVML is the one part the project's tests otherwise fake (exporters/fakenvml.py); this is what a real driver
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.gpurecord import Recorder, page, replay_module
+from localstack.gpurecord import Recorder, page, replay_module
 from exporters.fakenvml import FakeNvml, healthy_h100
 from exporters.gpumetrics import describe_families
 from exporters.nvml import NvmlCollector
