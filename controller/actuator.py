@@ -26,7 +26,7 @@ from controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from controller.plan import Change, plan_backend
 from controller.runtime_view import RuntimeView, request_counter
 from exporters.cli import parse_duration, parse_listen_address
-from grayguard import etcdconn
+from grayguard import etcdconn, terminate
 from grayguard.config import ConfigError
 from grayguard.registry import DEFAULT_PREFIX, Registry, RegistryError, nodes_prefix
 
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     job = Periodic("actuator", act.round, args.interval, stop).start()
     log.info("actuator: %s -> %s every %gs%s%s", ", ".join(args.registry_url), hap.endpoint, args.interval,
              f"; read-only view on {args.view[0]}:{args.view[1]}" if view else "", " (dry run)" if args.dry_run else "")
-    stop.wait()
+    terminate.wait(stop)  # timed: a SIGTERM delivered to a worker thread is still seen (grayguard/terminate.py)
     job.join()
     if view is not None:
         view.stop()

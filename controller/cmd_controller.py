@@ -20,6 +20,7 @@ from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from controller.loop import Controller, TickResult
 from controller.metrics import ControllerMetrics
 from controller.statefile import StateFile, StateLock, StateLockError
+from grayguard import terminate
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
 from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
@@ -389,7 +390,7 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     log.info("controller running: tick every %gs%s", interval_s, " (dry run)" if ctl.dry_run else "")
-    stop.wait()
+    terminate.wait(stop)  # timed: a SIGTERM delivered to a worker thread is still seen (grayguard/terminate.py)
     for j in jobs:  # a tick in flight finishes (its writes are never cut halfway)
         j.join()
     ctl.close()  # the canary workers: a canary in flight is not waited on (a hung engine's would hold the exit)

@@ -42,3 +42,16 @@ def restore(previous: object | None) -> None:
 def exit_status(e: KeyboardInterrupt) -> int:
     """143 for SIGTERM, 130 for Ctrl-C."""
     return 143 if isinstance(e, Terminated) else 130
+
+
+def wait(stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Wait for stop in the main thread of a command whose SIGTERM/SIGINT handler sets it, returning to the
+    interpreter every poll_s.
+
+    A Python signal handler runs only in the main thread, between bytecodes. The kernel delivers a process-directed
+    signal to any thread that does not block it, and one delivered to a worker thread does not interrupt the main
+    thread's lock wait (Event.wait() with no timeout): the handler then ran only when a second signal happened to
+    land on the main thread. A controller under `kill` or Kubernetes kept ticking (and leading) until SIGKILL. With
+    a timed wait a stop is seen within poll_s, whichever thread the signal hit."""
+    while not stop.wait(poll_s):
+        pass
