@@ -184,8 +184,10 @@ def healed(st: LocalStack, node: str):
     """
     st.clear_fault(node)
     try:
-        wait_until(lambda: st.prometheus.query(f'grayguard_probe_last_result{{node="{node}",result="ok"}} == 1'),
-                   30, 0.2, f"{node}'s probes to answer again")  # a loaded CI machine answers slow a while
+        # answering: ok, or slow on a loaded 2-core machine (its first chunk past the exporter's 0.3 s)
+        wait_until(lambda: st.prometheus.query(
+            f'grayguard_probe_last_result{{node="{node}",result=~"ok|slow"}} == 1'), 60, 0.2,
+            f"{node}'s probes to answer again")
         yield
     finally:
         st.set_fault(node, "cuda_error")
@@ -294,7 +296,7 @@ def test_alertmanager_down_the_page_arrives_once_it_is_back(stack):
     stack.stop_alertmanager()
     try:
         stack.set_fault(node, "cuda_error")
-        wait_until(lambda: weight(stack, node) == OUT, 20, 0.2, f"{node} drained")
+        wait_until(lambda: weight(stack, node) == OUT, 40, 0.2, f"{node} drained")
         wait_until(lambda: firing(stack, "GrayguardNodeQuarantined", node=node), 15, 0.2,
                    f"Prometheus to fire GrayguardNodeQuarantined for {node}")
         assert quarantine_pages(stack, node) == []  # nobody to deliver it

