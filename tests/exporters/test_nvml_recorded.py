@@ -16,11 +16,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from localstack.gpurecord import Recorder, page, replay_module
 from exporters.fakenvml import FakeNvml, healthy_h100
 from exporters.gpumetrics import describe_families
 from exporters.nvml import NvmlCollector
 from grayguard.config import SignalsConfig
+from localstack.gpurecord import Recorder, page, replay_module
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
