@@ -21,7 +21,7 @@ from pathlib import Path
 from controller.recorder import read
 from controller.replay import recording_decisions
 from grayguard.config import ConfigError, load_config
-from grayguard.vocab import State
+from grayguard.vocab import DrainCause, State
 
 RUNS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm" / "runs"
 CUT_S, QUARANTINE_S = 5.0, 10.0  # the real-vLLM issue's targets
@@ -48,7 +48,8 @@ def judge(decisions: list[dict], node: str | None, start: float | None) -> dict:
     by_node: dict[str, list[dict]] = {}
     for d in decisions:
         by_node.setdefault(d["node"], []).append(d)
-    out: dict = {"ticks": len({d["t"] for d in decisions}), "false_quarantines": {}, "false_cuts": {},
+    out: dict = {"ticks": len({d["t"] for d in decisions}), "false_quarantines": {}, "false_quarantines_gateway": {},
+                 "false_cuts": {},
                  "false_cuts_over_one_tick": 0, "differs_from_live": sum(
                      1 for d in decisions if d["live"] is not None and d["live"] != d["state"])}
     for n, ds in sorted(by_node.items()):
@@ -64,6 +65,9 @@ def judge(decisions: list[dict], node: str | None, start: float | None) -> dict:
             elif not faulty or before_fault:
                 if d["state"] == State.QUARANTINED and prev != State.QUARANTINED:
                     out["false_quarantines"][n] = out["false_quarantines"].get(n, 0) + 1
+                    if d.get("cause") == DrainCause.GATEWAY:  # HAProxy's own reflex (the agent, the error limit)
+                        gw = out["false_quarantines_gateway"]
+                        gw[n] = gw.get(n, 0) + 1
                 if d["state"] == State.DEGRADED:
                     run += 1
                     if prev != State.DEGRADED:
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(j))
             continue
         fq = ", ".join(f"{n} x{c}" for n, c in j["false_quarantines"].items()) or "none"
+        if j["false_quarantines_gateway"]:
+            fq += " (of them by HAProxy's reflexes, recorded, which a replay cannot change: " + ", ".join(
+                f"{n} x{c}" for n, c in j["false_quarantines_gateway"].items()) + ")"
         fc = ", ".join(f"{n} x{c}" for n, c in j["false_cuts"].items()) or "none"
         print(f"{j['run']}: {j['fault']} on {j['node']} at {j['rate']} req/s, {j['ticks']} ticks "
               f"({j['engine'] or 'engine?'} {j['version'] or ''})")

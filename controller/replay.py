@@ -225,7 +225,7 @@ def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Obse
             live = nxt.prev.get(n) if nxt is not None else None
             yield {"t": round(obs.now, 3), "pool": pool, "node": n, "state": s.state,
                    "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
-                   "reason": s.reason, "live": None if live is None else live.state,
+                   "reason": s.reason, "cause": s.cause, "live": None if live is None else live.state,
                    # what detectors in shadow mode asked for: "<detector>:cut" / "<detector>:quarantine"
                    "shadow": sorted(f"{f.detector}:{a}" for f in nd.shadow for a in f.asks())}
 

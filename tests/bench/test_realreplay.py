@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 COMMITTED = sorted(d for d in RUNS.iterdir() if (d / "recording.jsonl.gz").exists()) if RUNS.is_dir() else []
 
 
-def _d(t: float, node: str, state: str, live: str | None = None) -> dict:
+def _d(t: float, node: str, state: str, live: str | None = None, cause: str = "") -> dict:
     return {"t": t, "pool": "chat", "node": node, "state": state, "score": None, "weight": 100, "reason": "",
-            "live": live}
+            "cause": cause, "live": live}
 
 
 def test_there_are_committed_real_runs():
@@ -61,6 +61,14 @@ def test_judge_counts_the_faulty_node_s_cut_and_quarantine_after_the_fault_and_t
 def test_a_faulty_node_s_trouble_before_its_fault_is_false():
     j = judge([_d(0, "a", "quarantined"), _d(5, "a", "healthy"), _d(10, "a", "degraded")], "a", 8.0)
     assert j["false_quarantines"] == {"a": 1} and j["cut_s"] == 2.0
+
+
+def test_false_quarantines_by_haproxy_s_reflexes_are_told_apart():
+    """The agent's or the error limit's mark-downs are in the recording (HAProxy acted on them live): a replay counts
+    them as false quarantines all the same, and says which they are."""
+    j = judge([_d(0, "b", "healthy"), _d(0, "c", "healthy"),
+               _d(1, "b", "quarantined", cause="gateway"), _d(1, "c", "quarantined", cause="probe")], "a", 5.0)
+    assert j["false_quarantines"] == {"b": 1, "c": 1} and j["false_quarantines_gateway"] == {"b": 1}
 
 
 def test_save_keeps_the_recording_and_config_and_drops_the_samples(tmp_path):
