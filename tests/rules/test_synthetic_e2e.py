@@ -99,8 +99,9 @@ def test_idle_and_drained_nodes_finish_no_request_of_their_own(tmp_path):
     for got in seen:
         (idle_rate, idle_raw), (drained_rate, drained_raw), (busy_rate, busy_raw) = (
             got[netloc(n.url)] for n in (idle, drained, busy))
-        # vLLM counts the probes (5/s nominal; fewer when the machine is loaded) and the canaries (2/s)
-        assert idle_raw > 2 and drained_raw > 2
+        # vLLM counts the probes (5/s nominal; fewer when the machine is loaded: 1.75/s was seen beside the real-vLLM
+        # tier) and the canaries (2/s)
+        assert idle_raw > 1 and drained_raw > 1
         assert idle_rate == 0.0  # the exporter takes its probes out exactly
         assert drained_rate < 0.5, got  # its canaries: one or two of the 20 a window either side of a scrape
         # the probes are gone from the busy node's rate too: about as many as vLLM counted on the idle node
