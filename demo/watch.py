@@ -52,8 +52,10 @@ class Watcher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Safe at any point: SIGTERM (grayguard.terminate's exception) can land inside start(), before the thread
+        has started; joining it then raised RuntimeError over the interruption (the demo exited 1, not 143)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.ident is not None:  # started
             self._thread.join(2)
 
     def _main(self) -> None:

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from demo.watch import Watcher
 
 
@@ -50,3 +52,19 @@ def test_the_thread_polls_until_stopped():
     w.start()
     w.stop()
     assert w._thread is not None and not w._thread.is_alive() and len(w.marks) == 1
+
+
+def test_stop_is_safe_when_an_interruption_landed_inside_start(monkeypatch):
+    """SIGTERM raises in the main thread, possibly inside start() before the thread runs (a fresh-clone CI run: the
+    demo's clean-up then raised RuntimeError over the SIGTERM and exited 1, not 143)."""
+    import threading
+
+    def interrupted(self):
+        raise KeyboardInterrupt  # grayguard.terminate.Terminated is one
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    w = Watcher(FakeStack(), t0=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        w.start()
+    w.stop()  # no RuntimeError("cannot join thread before it is started")
+    assert w._thread is not None and w._thread.ident is None
