@@ -86,11 +86,15 @@ def test_idle_and_drained_nodes_finish_no_request_of_their_own(tmp_path):
                 wait_until(rates, 60, interval_s=0.5, what="every node's request rate")
                 time.sleep(12)  # one whole window of probes, canaries and requests
                 seen = []
+                sent_from, t_from = load.calls, time.monotonic()
                 for _ in range(6):  # several evaluations: the scrapes of the three jobs do not line up
                     got = rates()
                     assert got is not None
                     seen.append(got)
                     time.sleep(1.0)
+                # the busy node's own requests a second: one every 0.25 s plus its own time, which a loaded machine
+                # stretches (0.91/s was seen beside the real-vLLM tier)
+                sent = (load.calls - sent_from) / (time.monotonic() - t_from)
         finally:
             canaries.stop.set()
             load.stop.set()
@@ -106,4 +110,4 @@ def test_idle_and_drained_nodes_finish_no_request_of_their_own(tmp_path):
         assert drained_rate < 0.5, got  # its canaries: one or two of the 20 a window either side of a scrape
         # the probes are gone from the busy node's rate too: about as many as vLLM counted on the idle node
         assert busy_raw - busy_rate > 0.6 * idle_raw, got
-        assert 1.0 < busy_rate < 1.2 / REAL_S, got  # and its own requests are there (a request every 0.25 s + its time)
+        assert 0.5 * sent < busy_rate < 1.2 / REAL_S, (got, sent)  # and its own requests are there
