@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     scrape("idle", 3)
     load = None
-    if shutil.which(sys.executable) and _has_torch():
+    if _has_torch():
         load = subprocess.Popen([sys.executable, "-c", LOAD, str(a.load_seconds)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         time.sleep(min(15.0, a.load_seconds / 2))  # clocks and power settle before the phase is recorded
