@@ -1,45 +1,57 @@
-"""Live signals, pure: a slow node seen while its requests run, not when they finish (issue 13).
+"""Live signals, pure: a slow node seen while its requests run, not when they finish (issue 13), judged by one
+sequential test (issue 33).
 
 The exporter beside each node reads its vLLM every second and exports, over the last few seconds, the mean
 inter-token latency of the tokens vLLM produced and the median TTFT of its last probes (docs/exporters.md,
-"live fast path"). Each is compared with the node's peers (controller/peers.py: leave-one-out score and
-ratio to the peer median, within the peer group or speed-normalized). Two tests run on the ratio:
+"live fast path"). The policy compares the node's live ITL at its load with its peers' (controller/loadmodel.py,
+controller/peers.py); here x = ln(ratio), one a tick, is judged by one test over the ticks:
 
-- a **fast test**: the ratio at or above `live_cut_ratio` with a peer score at or above `degrade_score` on
-  `live_confirm_ticks` ticks in a row cuts the weight; at or above `live_quarantine_ratio` with a score at or
-  above `quarantine_score` for `live_sustain_ticks` ticks quarantines;
-- a **sequential test** for small persistent gaps (a 1.25-1.5x node that one tick cannot tell from noise):
-  a one-sided CUSUM of log(ratio) - log(live_drift), S = max(0, S + log(ratio) - log(drift)), cuts at
-  `live_cusum_cut` and quarantines at `live_cusum_quarantine`. A healthy node's log ratio averages about 0,
-  below the drift, so S stays near 0; a node k times slower climbs by log(k / drift) a tick.
+    Z_n = (mean of the last n x - ln live_drift) * sqrt(max(1, n / W)) / sigma,   Z = max over n in HORIZONS
 
-A node with no live value this tick (no token produced, no peers, stale) holds what it had: absent is not
-zero. A calm tick (ratio below `live_calm_ratio`) halves S; a cut clears after `recover_ticks` calm ticks in
-a row once S is below half of `live_cusum_cut`.
+- sigma: the comparison's learned noise on the live ITL, floored at min_spread (scoring.Noise);
+- W = WINDOW_TICKS: the ticks whose values share their samples (the exporter's 5 s window at a 1 s tick): n ticks
+  are n / W observations, not n, so one noisy window counts once, not five times;
+- live_drift: the allowance; a healthy node averages below it, so its evidence stays negative;
+- the scan over horizons is the test for a gap of any size: a 2x node shows in one tick, a 1.25x one over
+  tens (a generalized likelihood ratio over the change's start, on the horizons 1..55).
+
+It cuts at Z >= ln(live_cut_ratio / live_drift) / min_spread (3.1 noise widths: one tick at 1.5x in a pool as
+quiet as min_spread; probes that agree let the shipped ratio cut in a noisier pool, as long as Z is at least
+degrade_score) and asks for a quarantine at Z >= quarantine_score (or the cut's level if higher) over at least W
+ticks (one tick with GPU evidence). A cut ends at the first calm tick (x within one noise width of the
+allowance), and the history goes with it: the next cut needs evidence of its own. A tick without a live value
+(no token produced, no peers, stale) holds what was known: absent is not zero; a cut node that decodes nothing
+is judged by its probes (below live_cut_ratio x its peers' for recover_ticks ticks: released).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from controller.peers import Score
 from controller.scoring import Noise, against_noise, weight_factor
 from controller.signals import evolve
 from grayguard.config import ThresholdsConfig
 
+HORIZONS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 30, 36, 45, 55)  # ticks: about 1.25x apart past 5
+WINDOW_TICKS = 5  # the exporter's live window (exporters/live.py, 5 s) over the tick (1 s)
+# each horizon with the square root of the observations its ticks hold (the ticks of one window are one)
+_SCALED = tuple((n, math.sqrt(max(1.0, n / WINDOW_TICKS))) for n in HORIZONS)
+
 
 @dataclass(frozen=True)
 class LiveMemory:
     """One live signal's memory for one node (a part of NodeState)."""
 
-    hot: int = 0  # consecutive ticks at or above live_cut_ratio (and degrade_score)
-    hot_q: int = 0  # consecutive ticks at or above live_quarantine_ratio (and quarantine_score)
-    cusum: float = 0.0  # one-sided CUSUM of log(ratio / live_drift)
     cut: bool = False  # the weight cut is in force
-    calm: int = 0  # consecutive calm ticks while cut
+    calm: int = 0  # ticks in a row without a live value whose probes are like the peers', while cut
     z: float = 0.0  # the score that set the cut (its factor holds while the node has no data)
     noise: Noise = field(default_factory=Noise)  # the comparison's learned noise (scoring.Noise)
+    # the last ln(ratio), most recent last, at most HORIZONS[-1]; not in the state file (rewritten every tick for
+    # every node): a restarted controller gathers it anew, a quarantine at most WINDOW_TICKS ticks later
+    xs: tuple[float, ...] = ()
 
     def restarted(self) -> LiveMemory:
         """The memory of a node whose signals start over (back from a drain or a restart): the learned noise is the
@@ -56,61 +68,66 @@ def in_noise(ratio: float, noise: float | None, min_spread: float) -> float:
     return ratio ** (noise / min_spread)
 
 
-def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, sustain: int | None = None,
+def evidence(xs: tuple[float, ...], sigma: float, drift: float, least: int = WINDOW_TICKS
+             ) -> tuple[float, int, float, int]:
+    """(Z, n, Z', n'): the strongest evidence that the last n values of xs (n in HORIZONS) sit above ln(drift), in
+    noise widths, (mean - ln drift) x sqrt(max(1, n / WINDOW_TICKS)) / sigma, and the strongest over n >= least;
+    -inf and 0 where there is none. The n does not depend on sigma: evidence in other widths is Z x sigma / them."""
+    best = best_least = -math.inf
+    at = at_least = 0
+    sums, ld = list(accumulate(reversed(xs))), math.log(drift)  # sums[n - 1]: the sum of the last n
+    for n, root in _SCALED:
+        if n > len(xs):
+            break
+        z = (sums[n - 1] / n - ld) * root / sigma
+        if z > best:
+            best, at = z, n
+        if n >= least and z > best_least:
+            best_least, at_least = z, n
+    return best, at, best_least, at_least
+
+
+def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corroborated: bool = False,
            noise: float | None = None, probe_ratio: float | None = None, spread: float | None = None,
            now: float = 0.0) -> tuple[LiveMemory, float, str, str | None]:
     """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick.
 
-    sustain: ticks in a row at the quarantine ratio that quarantine (default live_sustain_ticks; the policy passes
-    evidence_sustain_ticks when the GPU reports trouble, as it does for the 30 s window's outlier).
-    noise: the pool's learned noise on this signal (scoring.pool_noise), None: unknown; spread: the pool's spread
-    this tick, which the node's memory of the noise learns at `now` (None: not this tick). A noise wider than
-    min_spread is the score's spread (scoring.against_noise), scales the CUSUM's steps (one step of a fleet twice
-    as noisy counts half) and the cut ratio (in_noise), and calm is judged in it too.
-    probe_ratio: the node's probe TTFT median over its peers' (None: unknown), the second witness. A tick without a
-    live value holds the memory (absent is not zero), but a cut node that decodes nothing is measured by its probes
-    alone (a cut takes its traffic, and with it the tokens that would show it back to normal): a tick its probes are
-    below live_cut_ratio x its peers' counts as calm, so a cut that accumulated no evidence (S below half of
-    live_cusum_cut) ends. Probes that agree (at least live_probe_confirm x the peers', in noise widths as the cut
-    ratio) let the shipped live_cut_ratio cut whatever the noise.
+    corroborated: the GPU reports trouble; one tick's evidence may then ask for a quarantine (as it shortens the
+    30 s window's sustain). noise: the pool's learned noise on this signal (scoring.pool_noise), None: unknown;
+    spread: the pool's spread this tick, which the node's memory of the noise learns at `now` (None: not this
+    tick). probe_ratio: the node's probe TTFT median over its peers' (None: unknown), the second witness.
     """
-    step = 1.0 if noise is None or noise <= t.min_spread else t.min_spread / noise  # one noise width in min_spreads
     probes_like_peers = probe_ratio is not None and probe_ratio < t.live_cut_ratio
-    probes_agree = probe_ratio is not None and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread)
     learned = m.noise.learn(spread, now)
     if learned is not m.noise:
         m = evolve(m, noise=learned)
     if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
-        if m.cut and probes_like_peers:
-            calm = m.calm + 1
-            if calm >= t.recover_ticks and m.cusum < t.live_cusum_cut / 2:
-                return evolve(m, cut=False, calm=0, hot=0, hot_q=0, z=0.0), 1.0, "", None
-            m = evolve(m, calm=calm)
+        if m.cut and probes_like_peers:  # a cut took its traffic, and with it the tokens that would show it normal
+            if m.calm + 1 >= t.recover_ticks:
+                return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
+            m = evolve(m, calm=m.calm + 1)
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
-    ratio, z = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread)
-    ceiling = 2.0 * t.live_cusum_quarantine  # bounded, so that S falls back within a few calm ticks
-    # in units of the noise: a fleet twice as noisy as min_spread moves S half as far for the same ratio
-    cusum = min(ceiling, max(0.0, m.cusum + step * math.log(ratio) - math.log(t.live_drift)))
-    quiet = ratio < t.live_calm_ratio or (noise is not None and z < t.degrade_score - t.hysteresis)
-    if quiet:  # a calm tick halves what is left, so a recovered node is not held for tens of ticks
-        cusum /= 2.0
-    # the cut's ratio is live_cut_ratio in a fleet as quiet as min_spread, and as many noise widths in a noisier one
-    # (the probes agreeing, a second witness, it is live_cut_ratio whatever the noise)
-    cut_ratio = t.live_cut_ratio if probes_agree else in_noise(t.live_cut_ratio, noise, t.min_spread)
-    hot = m.hot + 1 if ratio >= cut_ratio and z >= t.degrade_score else 0
-    hot_q = m.hot_q + 1 if ratio >= t.live_quarantine_ratio and z >= t.quarantine_score else 0
-    fires = hot >= t.live_confirm_ticks or cusum >= t.live_cusum_cut
-    calm = m.calm + 1 if m.cut and quiet else 0
-    # a cut holds while its evidence does: the CUSUM at half the cut or more, or a tick not quiet. One hot tick
-    # leaves little in S, so a spike's cut ends at the first quiet tick; a fault's ticks fill S and hold it
-    cut = fires or (m.cut and (not quiet or cusum >= t.live_cusum_cut / 2))
+    sigma = max(noise or 0.0, t.min_spread)
+    cut_at = math.log(t.live_cut_ratio / t.live_drift) / t.min_spread
+    ratio, z, x = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread), math.log(sc.ratio)
+    xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)
+    # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
+    # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
+    bound = (max(xs) - math.log(t.live_drift)) * math.sqrt(max(1.0, len(xs) / WINDOW_TICKS)) / sigma
+    if not m.cut and bound < min(cut_at, t.degrade_score):
+        return evolve(m, xs=xs), 1.0, "", None
+    e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else WINDOW_TICKS)
+    fires = e >= cut_at
+    if not fires and sigma > t.min_spread and e >= t.degrade_score and probe_ratio is not None \
+            and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread):
+        fires = e * sigma / t.min_spread >= cut_at  # the probes agree: the shipped ratio cuts, whatever the noise
+    if m.cut and x - math.log(t.live_drift) < sigma:  # a calm tick ends the cut, and its evidence with it
+        return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
+    cut = fires or m.cut
     zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
-    if (hot, hot_q, cusum, cut, calm if cut else 0, zz) != (m.hot, m.hot_q, m.cusum, m.cut, m.calm, m.z):
-        m = evolve(m, hot=hot, hot_q=hot_q, cusum=cusum, cut=cut, calm=calm if cut else 0, z=zz)  # else: no copy
-    reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, cusum {cusum:.1f})" if cut else ""
+    m = evolve(m, cut=cut, calm=0, z=zz, xs=xs)
+    reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} tick(s))" if cut else ""
     quarantine = None
-    if hot_q >= (t.live_sustain_ticks if sustain is None else sustain):
-        quarantine = f"{what} {ratio:.2f}x peer median, score {z:.1f} for {hot_q} tick(s)"
-    elif cusum >= t.live_cusum_quarantine:
-        quarantine = f"{what} persistently {ratio:.2f}x peer median (cusum {cusum:.1f})"
+    if eq >= max(t.quarantine_score, cut_at):
+        quarantine = f"{what} {math.exp(sum(xs[-nq:]) / nq):.2f}x peer median over {nq} tick(s) (evidence {eq:.1f})"
     return m, (weight_factor(zz) if cut else 1.0), reason, quarantine

@@ -754,11 +754,11 @@ def _latency(s: NodeState, sc: peers.Score | None, renewed: bool, t: ThresholdsC
 def _live(s: NodeState, li: peers.Score | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig,
           noise: float | None, live_spread: float | None, now: float
           ) -> tuple[LiveMemory, float, list[str], tuple[float, str] | None]:
-    """The live ITL's detector (rules 10-16): its memory, weight factor, reasons and quarantine request (priority,
-    reason). GPU evidence shortens its sustain as it does the window's, and is the second witness; otherwise the
-    probes must agree. live_spread: the spread learned with a new window sample (None: none new; see Noise)."""
-    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL",
-                                      t.evidence_sustain_ticks if evidence else t.live_sustain_ticks, noise,
+    """The live ITL's detector (rules 10-13): its memory, weight factor, reasons and quarantine request (priority,
+    reason). GPU evidence lets one tick's evidence ask for a quarantine, as it shortens the window's sustain, and is
+    the second witness; otherwise the probes must agree. live_spread: the spread learned with a new window sample
+    (None: none new; see Noise)."""
+    lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL", bool(evidence), noise,
                                       pm.ratio if pm is not None else None, live_spread, now)
     reasons, quarantine = [l_reason] if l_reason else [], None
     if q:

@@ -38,10 +38,17 @@ class StateError(ValueError):
 def dump_states(states: dict[str, dict[str, NodeState]]) -> str:
     """Serialize {pool: {node: NodeState}} (sorted, so equal states give equal text); ValueError on NaN or inf."""
     doc = {"version": VERSION,
-           "pools": {p: {n: dataclasses.asdict(s) for n, s in sorted(nodes.items())}
-                     for p, nodes in sorted(states.items())}}
+           "pools": {p: {n: _stored(s) for n, s in sorted(nodes.items())} for p, nodes in sorted(states.items())}}
     # allow_nan=False: a non-finite number would make the next load reject the whole file
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+
+
+def _stored(s: NodeState) -> dict:
+    """What the file keeps of a node: its state but the live ITL's recent values (LiveMemory.xs, one a tick: 55 of
+    them for every node would be rewritten every tick); a restarted controller gathers them anew."""
+    d = dataclasses.asdict(s)
+    d["live_itl"].pop("xs", None)
+    return d
 
 
 def load_states(text: str) -> dict[str, dict[str, NodeState]]:
@@ -92,6 +99,10 @@ def _value(tp: object, v: object, where: str) -> object:
         return _value(next(a for a in args if a is not type(None)), v, where)
     if tp in (SignalMemory, LiveMemory, Noise):
         return tp(**_fields(tp, v, where))  # type: ignore[operator]
+    if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,):  # tuple[float, ...]: a JSON list
+        if not isinstance(v, list):
+            raise StateError(f"{where}: expected a list, got {_kind(v)}")
+        return tuple(_value(args[0], x, f"{where}[{i}]") for i, x in enumerate(v))
     if tp is bool:
         if not isinstance(v, bool):
             raise StateError(f"{where}: expected true or false, got {_kind(v)}")

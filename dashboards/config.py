@@ -20,9 +20,8 @@ class DashboardConfig:
     quarantine_score: float = _T.quarantine_score  # drawn on the peer-score panel
     min_relative_gap: float = _T.min_relative_gap  # drawn on the slowdown panels: never an outlier below it
     live_cut_ratio: float = _T.live_cut_ratio  # drawn on the live ITL ratio panel: the controller cuts the weight
-    live_quarantine_ratio: float = _T.live_quarantine_ratio  # drawn there too: sustained, it quarantines
+    live_drift: float = _T.live_drift  # drawn there too: below it a node gathers no evidence
     live_batch_slope: float = _T.live_batch_slope  # the live ITL ratio panel compares ITLs at equal batch
-    live_sustain_ticks: int = _T.live_sustain_ticks  # ticks at live_quarantine_ratio before quarantine (described)
     live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
     kv_outlier_ratio: float = _T.kv_outlier_ratio  # KV usage ratio to the peers' that quarantines (described)
     kv_outlier_min: float = _T.kv_outlier_min  # ...at least this full (drawn on the KV panel)
@@ -52,8 +51,7 @@ class DashboardConfig:
         t, r = cfg.thresholds, cfg.rules
         return cls(control_window=r.control_window, human_window=r.human_window, degrade_score=t.degrade_score,
                    quarantine_score=t.quarantine_score, min_relative_gap=t.min_relative_gap,
-                   live_cut_ratio=t.live_cut_ratio, live_quarantine_ratio=t.live_quarantine_ratio,
-                   live_sustain_ticks=t.live_sustain_ticks, live_probe_confirm=t.live_probe_confirm,
+                   live_cut_ratio=t.live_cut_ratio, live_drift=t.live_drift, live_probe_confirm=t.live_probe_confirm,
                    live_batch_slope=t.live_batch_slope,
                    kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min,
                    kv_outlier_ticks=t.kv_outlier_ticks, kv_saturated=t.kv_saturated,

@@ -74,14 +74,16 @@ def panels(cfg: DashboardConfig) -> list:
         ts("Live ITL vs pool median",
            "Each node's live inter-token latency (grayguard_live_itl_seconds) over the pool's median node's (1 = "
            f"typical){equal_batch(cfg.live_batch_slope)}: the signal the controller acts on within seconds. Dashed: "
-           f"live_cut_ratio ({cfg.live_cut_ratio:g}x), where the controller cuts the node's weight (with a peer score "
-           f"≥ degrade_score, {cfg.degrade_score:g}), and live_quarantine_ratio ({cfg.live_quarantine_ratio:g}x), "
-           f"where {cfg.live_sustain_ticks} ticks in a row (score ≥ quarantine_score, {cfg.quarantine_score:g}) "
-           "drain it when the probes agree. The controller divides by the median of the node's peers (the node "
+           f"live_cut_ratio ({cfg.live_cut_ratio:g}x), where one tick cuts the node's weight in a quiet pool, and "
+           f"live_drift ({cfg.live_drift:g}x), below which a node gathers no evidence. The controller weighs the "
+           "evidence of the last ticks in the pool's noise (the ticks of one live window count once): a smaller gap "
+           "held longer is cut too, and evidence of quarantine_score "
+           f"({cfg.quarantine_score:g}) noise widths over at least one window drains the node when the probes agree. "
+           "The controller divides by the median of the node's peers (the node "
            "left out, within its peer group), so in a small pool its ratio reads a little higher than this "
            "one. " + ABSENT,
            [Q(itl_to_pool_median(cfg.live_batch_slope), "{{instance}}")], "suffix:x",
-           steps=[(cfg.live_cut_ratio, "orange"), (cfg.live_quarantine_ratio, "red")], legend_table=True),
+           steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True),
         ts("Live TTFT per node",
            "Mean time to first token of the requests that got their first token over the live window "
            "(grayguard_live_ttft_seconds), queueing included: a node whose queue grows shows it here first. "

@@ -164,7 +164,7 @@ LATENCY_ROWS = [  # the 30 s window (rules 1-8)
         slower(0, 3.0, live=False, probes=False), never_cut=True, never_drained=True),
 ]
 
-LIVE_ROWS = [  # the live ITL at each node's load (rules 9-16)
+LIVE_ROWS = [  # the live ITL at each node's load (rules 9-13)
     Row("2x", "a node twice as slow is cut within seconds and drained with its probes agreeing",
         slower(0, 2.0), cut_by=3, drain_by=10, drain_cause="live ITL"),
     Row("1.5x", "the live cut ratio", slower(0, 1.5), cut_by=4, never_drained=False),
@@ -202,12 +202,14 @@ LIVE_ROWS = [  # the live ITL at each node's load (rules 9-16)
     Row("the whole pool 3x", "pool-wide load moves the reference, not one node",
         everyone(latency=3.0, live_itl=3.0, live_ttft=3.0, probe_ttft=3.0, probe_ttft_median=3.0),
         never_cut=True, never_drained=True),
-    Row("1.8x, then well again", "a recovered node's cut ends within seconds",
-        lambda i, k, x: slower(0, 1.8)(i, k, x) if k < 6 else x, ticks=20, cut_by=3, never_drained=True,
-        uncut_by=9),
+    Row("1.8x for less than a live window, then well again", "a recovered node's cut ends within seconds",
+        lambda i, k, x: slower(0, 1.8)(i, k, x) if k < 4 else x, ticks=20, cut_by=3, never_drained=True,
+        uncut_by=7),
+    Row("1.8x for a live window", "the evidence of one window at 1.8x (4.9 noise widths) drains",
+        slower(0, 1.8), ticks=8, cut_by=1, drain_by=5, drain_cause="live ITL"),
 ]
 
-PROBE_ROWS = [  # the micro-probe (rules 17-22)
+PROBE_ROWS = [  # the micro-probe (rules 14-19)
     Row("hung", "a node that answers /health but decodes nothing: its probes time out",
         only_n0(probe_result="timeout", probe_ttft=None, probe_failures=3, live_itl=None, live_ttft=None,
                 live_decode_batch=None), ticks=5, drain_by=2, drain_cause="probe"),
@@ -223,7 +225,7 @@ PROBE_ROWS = [  # the micro-probe (rules 17-22)
         drain_cause="probe"),
 ]
 
-ERRORS_ROWS = [  # the error share (rules 23-24)
+ERRORS_ROWS = [  # the error share (rules 20-21)
     Row("5 % errors", "an error share above error_ratio cuts the weight",
         only_n0(error_ratio=0.05), ticks=10, cut_by=T.error_ticks + 1, never_drained=True),
     Row("80 % errors", "a high error share opens the node's circuit", only_n0(error_ratio=0.8), ticks=10,
@@ -232,7 +234,7 @@ ERRORS_ROWS = [  # the error share (rules 23-24)
         never_drained=True),
 ]
 
-KV_ROWS = [  # the KV cache (rules 26, 28)
+KV_ROWS = [  # the KV cache (rules 23, 25)
     Row("far fuller than its peers", "a cache filled by a fraction of its peers' traffic: its memory went elsewhere",
         only_n0(kv_cache_usage=0.9, live_prefill_rate=PREFILL), ticks=12, drain_by=T.kv_outlier_ticks + 2,
         drain_cause="KV"),
@@ -242,14 +244,14 @@ KV_ROWS = [  # the KV cache (rules 26, 28)
         both(everyone(kv_cache_usage=3.3), only_n0(kv_cache_usage=0.97)), ticks=12, cut_by=1, never_drained=True),
 ]
 
-EVIDENCE_ROWS = [  # GPU evidence (rule 25)
+EVIDENCE_ROWS = [  # GPU evidence (rule 22)
     Row("2x with its PCIe link degraded", "the GPU's own evidence drains at once",
         both(slower(0, 2.0, probes=False), only_n0(pcie_degraded=True)), ticks=6, drain_by=2),
     Row("evidence, no slowness", "evidence alone never drains a fast node (its alert pages)",
         only_n0(gpu_throttled=True), never_cut=True, never_drained=True),
 ]
 
-GATEWAY_ROWS = [  # HAProxy's reflexes (rule 27)
+GATEWAY_ROWS = [  # HAProxy's reflexes (rule 24)
     Row("agent mark-down", "the exporter's agent saw a hang: quarantined, outranking all",
         only_n0(agent_down=True, down=True, agent_why="hang: no token in 2.0s"), ticks=3, drain_by=0),
     Row("error-limit mark-down", "HAProxy's own error limit fired: quarantined so its health check cannot return it",

@@ -105,10 +105,10 @@ def test_a_cut_without_live_data_ends_once_the_probes_are_like_the_peers():
     for _ in range(T.recover_ticks):
         m, f, why, _ = assess(m, None, T, "live ITL", noise=0.4, probe_ratio=1.0)
     assert not m.cut and f == 1.0 and why == ""
-    # a cut that accumulated evidence (a CUSUM past half its cut) holds without data, whatever the probes say
-    m = LiveMemory(cut=True, cusum=T.live_cusum_cut, z=4.0)
-    for _ in range(5):
-        m, f, *_ = assess(m, None, T, "live ITL", noise=0.4, probe_ratio=1.0)
+    # a cut node without data whose probes are slow, or unknown, holds its cut
+    m = LiveMemory(cut=True, z=4.0, xs=(2.0,) * 5)
+    for probes in (3.0, None, 3.0, None, 3.0):
+        m, f, *_ = assess(m, None, T, "live ITL", noise=0.4, probe_ratio=probes)
     assert m.cut and f < 1.0
 
 

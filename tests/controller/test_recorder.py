@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _obs(now: float = 100.0) -> Observation:
     server = ServerState("chat", "node1", "127.0.0.1:8001", 100, 100, 0, 2, check_status=15, status="UP")
     prev = {"node1": NodeState(state="degraded", since=90.0, score=3.5, weight=50, reason="live ITL 2.00x",
-                               live_itl=LiveMemory(hot=2, cusum=1.5, cut=True, z=4.0))}
+                               live_itl=LiveMemory(cut=True, z=4.0))}
     canary = CanaryRound("node2", ("node1",), {"node2": None, "node1": 0.05}, at=99.0, emas={"node1": 0.01})
     return Observation(now, {"latency": [Sample({"instance": "127.0.0.1:8001"}, 0.02, now),
                                          Sample({"instance": "x"}, math.nan, now)]},

@@ -94,20 +94,21 @@ def test_live_panels_are_labelled():
 def test_live_thresholds_are_the_controller_defaults():
     t = ThresholdsConfig()
     p = panel(pool_doc(), "Live ITL vs pool median")
-    assert steps(p) == [None, t.live_cut_ratio, t.live_quarantine_ratio]
+    assert steps(p) == [None, t.live_drift, t.live_cut_ratio]
     assert p["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "dashed"
     assert f"live_cut_ratio ({t.live_cut_ratio:g}x)" in p["description"]
-    assert f"live_quarantine_ratio ({t.live_quarantine_ratio:g}x)" in p["description"]
+    assert f"live_drift ({t.live_drift:g}x)" in p["description"]
+    assert f"quarantine_score ({t.quarantine_score:g}) noise widths" in p["description"]
     assert f"{t.live_batch_slope!r} * clamp_min(" in p["targets"][0]["expr"]
 
 
 def test_live_thresholds_follow_the_config():
     cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
-                        "thresholds": {"live_cut_ratio": 1.3, "live_quarantine_ratio": 2.5, "live_batch_slope": 0,
+                        "thresholds": {"live_cut_ratio": 1.3, "live_drift": 1.05, "live_batch_slope": 0,
                                        "live_probe_confirm": 1.4}})
     doc = pool_doc(DashboardConfig.from_config(cfg))
     p = panel(doc, "Live ITL vs pool median")
-    assert steps(p) == [None, 1.3, 2.5]
+    assert steps(p) == [None, 1.05, 1.3]
     assert "grayguard_live_decode_batch" not in p["targets"][0]["expr"]  # slope 0: the controller compares raw ITLs
     assert "(1.4x)" in panel(doc, "Probe TTFT median per node")["description"]
 

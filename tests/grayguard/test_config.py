@@ -87,3 +87,20 @@ def test_example_shows_the_defaults():
 def test_duration_seconds():
     from grayguard.config import duration_seconds
     assert duration_seconds("10s") == 10 and duration_seconds("1m30s") == 90 and duration_seconds("500ms") == 0.5
+
+
+@pytest.mark.parametrize("field", ["live_confirm_ticks", "live_quarantine_ratio", "live_sustain_ticks",
+                                   "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio", "live_prefill_gate"])
+def test_a_field_a_release_removed_loads_with_a_warning_that_says_what_replaced_it(field, caplog):
+    """A config written for an older release still loads for one release: the field is ignored, and the log says
+    why (the live ITL's fields went to one sequential test, issue 33), not a silent difference."""
+    cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}], "thresholds": {field: 2, "live_cut_ratio": 1.6}})
+    assert cfg.thresholds.live_cut_ratio == 1.6 and not hasattr(cfg.thresholds, field)
+    assert f"thresholds.{field} was removed" in caplog.text
+
+
+def test_a_live_cut_ratio_at_or_below_the_allowance_is_refused():
+    """At the allowance every tick would be evidence enough to cut: refused, naming the field."""
+    with pytest.raises(ConfigError, match=r"thresholds\.live_cut_ratio: must be > thresholds\.live_drift"):
+        parse_config({"pools": [{"name": "chat", "backend": "b"}],
+                      "thresholds": {"live_cut_ratio": 1.1, "live_drift": 1.1}})
