@@ -113,7 +113,7 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)
     # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
     # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
-    bound = (max(xs) - math.log(t.live_drift)) * math.sqrt(max(1.0, len(xs) / WINDOW_TICKS)) / sigma
+    bound = max(0.0, max(xs) - math.log(t.live_drift)) * math.sqrt(max(1.0, len(xs) / WINDOW_TICKS)) / sigma
     if not m.cut and bound < min(cut_at, t.degrade_score):
         return evolve(m, xs=xs), 1.0, "", None
     e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else WINDOW_TICKS)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from pathlib import Path
 
 from grayguard.reflexes import Reflexes, backend_lines, global_lines, stream_lines
 from localstack.procs import ManagedProcess, find_binary, start_process
+
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, its last one the terminating NUL
 
 
 def haproxy_config(sock: Path, backends: dict[str, list[tuple]], balance: str = "leastconn",
@@ -60,9 +63,12 @@ class HaproxyProc:
     def start(self, timeout_s: float = 10.0) -> None:
         """Check the config, start haproxy and wait until its runtime socket answers."""
         self.sock.unlink(missing_ok=True)
-        check = subprocess.run([self.binary, "-c", "-q", "-f", str(self.cfg)], capture_output=True, text=True)
+        if len(os.fsencode(self.sock)) > UNIX_PATH_MAX:  # haproxy -c says nothing useful about it
+            raise RuntimeError(f"the runtime socket path {self.sock} is {len(os.fsencode(self.sock))} bytes, beyond "
+                               f"the {UNIX_PATH_MAX} a unix socket takes: use a shorter working directory (TMPDIR)")
+        check = subprocess.run([self.binary, "-c", "-f", str(self.cfg)], capture_output=True, text=True)
         if check.returncode != 0:
-            raise RuntimeError(f"haproxy rejected {self.cfg}: {check.stdout}{check.stderr}")
+            raise RuntimeError(f"haproxy rejected {self.cfg}: {(check.stdout + check.stderr).strip()}")
         self.proc = start_process([self.binary, "-db", "-f", str(self.cfg)], self.log)
         self.proc.wait_for(self._answers, timeout_s, f"haproxy's runtime socket {self.sock}", interval_s=0.02)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from controller.haproxy import Command, RuntimeClient
-from localstack.haproxy import HaproxyProc, haproxy_config
+from localstack.haproxy import UNIX_PATH_MAX, HaproxyProc, haproxy_config
 from localstack.procs import BinaryMissing
 
 
@@ -49,3 +49,15 @@ def test_missing_haproxy_names_the_package(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(BinaryMissing, match="apt-get install haproxy"):
         HaproxyProc(tmp_path)
+
+
+def test_a_runtime_socket_path_too_long_for_unix_is_a_clear_error(tmp_path):
+    """A long TMPDIR (pytest's own tmp_path nested a few levels) put the runtime socket beyond the 107 bytes a unix
+    socket's path takes; `haproxy -c -q` refused it without a word ("haproxy rejected ...: "). Now the error says
+    why."""
+    d = tmp_path / ("d" * (UNIX_PATH_MAX - len(str(tmp_path))))
+    d.mkdir()
+    h = HaproxyProc(d, f"global\n  stats socket {d}/admin.sock\n")
+    with pytest.raises(RuntimeError, match=r"is \d+ bytes, beyond the 107 a unix socket takes: use a shorter"):
+        h.start()
+    assert h.proc is None  # nothing started

@@ -1,0 +1,94 @@
+"""`grayguard bench-controller` stopped mid-run leaves nothing behind (issue 34): no Prometheus, HAProxy, stand-in
+target or answers server still running, and no temp dir.
+
+A `timeout` around it, Ctrl-C, systemd and CI runners stop it with SIGTERM or SIGINT in whatever phase it is in. Each
+phase that starts processes is stopped here while they run, by a real signal to the real command: its children must
+be gone when it has exited, with the exit status of the signal (143, 130), and the temp dirs it made (TMPDIR points
+to a directory of the test's own, short: HAProxy's runtime socket lives in it) removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from localstack.vllmserver import children
+from tests.support.stack import require
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--nodes", "100", "--ticks", "1", "--scale-ticks", "0", "--haproxy-batch", "0"]
+# phase: its flags, and the progress line (stderr) printed while its processes run
+PHASES = {
+    "prometheus": (["--prometheus-nodes", "100", "--prometheus-seconds", "600", "--no-whole-tick", "--no-local-tick"],
+                   "prometheus cost: 100 nodes: alone for"),
+    "whole tick": (["--no-prometheus", "--whole-tick-nodes", "100", "--whole-tick-ticks", "600",
+                    "--whole-tick-seconds", "600", "--no-local-tick"], "whole tick: 100 nodes: tick"),
+    "own tick": (["--no-prometheus", "--no-whole-tick", "--local-tick-nodes", "100", "--local-tick-ticks", "600"],
+                 "own tick: 100 nodes: tick"),
+}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited
+
+
+@pytest.mark.parametrize("phase, sig", [("prometheus", signal.SIGTERM), ("whole tick", signal.SIGTERM),
+                                        ("own tick", signal.SIGTERM), ("whole tick", signal.SIGINT)])
+def test_a_signal_mid_phase_stops_every_process_and_removes_the_temp_dir(phase, sig):
+    require("haproxy", "prometheus")
+    tmp = Path(tempfile.mkdtemp(prefix="gg-"))  # a unix socket's path takes 107 bytes: not pytest's long tmp_path
+    try:
+        _stop_mid_phase(phase, sig, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
+    flags, marker = PHASES[phase]
+    proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench-controller", *SMALL, *flags], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    running = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                running.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert running.wait(180), f"{phase} never ran:\n" + "".join(lines[-40:])
+        started = children(proc.pid)
+        assert started, f"{phase}: no child process while it runs"
+        assert any(tmp.iterdir()), f"{phase}: its temp dir is not under TMPDIR"
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    out = "".join(lines)
+    assert rc == (143 if sig == signal.SIGTERM else 130), out[-3000:]
+    deadline = time.monotonic() + 15
+    while (left := [(p, n) for p, n in started if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"{phase}: still running after {sig.name}: {left}\n{out[-2000:]}"
+    assert not any(tmp.iterdir()), f"{phase}: left behind: {sorted(p.name for p in tmp.iterdir())}"
