@@ -15,13 +15,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from localstack.vllmserver import children
+from tests.support.procwatch import OutputWatch, alive
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,14 +35,6 @@ PHASES = {
     "own tick": (["--no-prometheus", "--no-whole-tick", "--local-tick-nodes", "100", "--local-tick-ticks", "600"],
                  "own tick: 100 nodes: tick"),
 }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited
 
 
 @pytest.mark.parametrize("phase, sig", [("prometheus", signal.SIGTERM), ("whole tick", signal.SIGTERM),
@@ -61,20 +53,9 @@ def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench-controller", *SMALL, *flags], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    running = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if marker in line:
-                running.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    watch = OutputWatch(proc, marker)
     try:
-        assert running.wait(180), f"{phase} never ran:\n" + "".join(lines[-40:])
+        assert watch.seen.wait(180), f"{phase} never ran:\n" + "".join(watch.lines[-40:])
         started = children(proc.pid)
         assert started, f"{phase}: no child process while it runs"
         assert any(tmp.iterdir()), f"{phase}: its temp dir is not under TMPDIR"
@@ -84,11 +65,11 @@ def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    reader.join(10)
-    out = "".join(lines)
+    watch.thread.join(10)
+    out = watch.text()
     assert rc == (143 if sig == signal.SIGTERM else 130), out[-3000:]
     deadline = time.monotonic() + 15
-    while (left := [(p, n) for p, n in started if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [(p, n) for p, n in started if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"{phase}: still running after {sig.name}: {left}\n{out[-2000:]}"
     assert not any(tmp.iterdir()), f"{phase}: left behind: {sorted(p.name for p in tmp.iterdir())}"

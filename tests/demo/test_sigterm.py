@@ -12,21 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from localstack.vllmserver import children
+from tests.support.procwatch import OutputWatch, alive
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has exited
 
 
 def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_path):
@@ -35,20 +27,10 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
                              "--live", "plain", "--report-dir", str(report)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
-    lines: list[str] = []
-    running = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[run]"):
-                running.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    watch = OutputWatch(proc, "[run]", at_start=True)
+    lines = watch.lines
     try:
-        assert running.wait(180), "the demo never started its load:\n" + "".join(lines[-40:])
+        assert watch.seen.wait(180), "the demo never started its load:\n" + "".join(lines[-40:])
         started = children(proc.pid)
         names = {name for _, name in started}  # /proc's comm: 15 characters ("prometheus-aler")
         assert {"haproxy", "prometheus"} <= names and any("aler" in n for n in names), names
@@ -58,17 +40,17 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
         except subprocess.TimeoutExpired:  # where it is stuck: faulthandler prints every thread's stack on SIGABRT
             proc.send_signal(signal.SIGABRT)
             proc.wait(15)
-            reader.join(10)
+            watch.thread.join(10)
             raise AssertionError("the demo did not stop within 90 s of SIGTERM:\n" + "".join(lines[-150:])) from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    reader.join(10)
+    watch.thread.join(10)
     out = "".join(lines)
     assert rc == 143, out[-3000:]
     deadline = time.monotonic() + 15
-    while (left := [(p, n) for p, n in started if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [(p, n) for p, n in started if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"still running after SIGTERM: {left}"
     doc = json.loads((report / "report.json").read_text())
@@ -98,10 +80,10 @@ def test_sigterm_to_pytest_tears_its_fixtures_down(tmp_path):
         if line.startswith("HAPROXY"):
             pid = int(line.split()[1])
             break
-    assert pid is not None and _alive(pid), "".join(lines)
+    assert pid is not None and alive(pid), "".join(lines)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     deadline = time.monotonic() + 15
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(pid), "HAProxy outlived a SIGTERMed pytest"
+    assert not alive(pid), "HAProxy outlived a SIGTERMed pytest"

@@ -1,0 +1,39 @@
+"""A command run as a real process by a test that stops it mid-run: its output read as it comes, a line awaited, and
+whether the processes it started are still alive afterwards."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class OutputWatch:
+    """Reads a Popen's text stdout on a daemon thread into `lines`; `seen` is set at the first line containing
+    `marker` (a line that starts with it when `at_start`)."""
+
+    def __init__(self, proc: subprocess.Popen, marker: str, at_start: bool = False):
+        self.proc, self.marker, self.at_start = proc, marker, at_start
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith(self.marker) if self.at_start else self.marker in line:
+                self.seen.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
