@@ -23,8 +23,7 @@ from dataclasses import dataclass, replace
 from bench.node import NodeObs, node_input
 from bench.spec import NodeSpec, Scenario
 from controller import canary
-from controller.policy import EJECTED, NodeState, Policy, decide_pool
-from controller.scoring import ema
+from controller.policy import EJECTED, NodeState, Policy, decide_pool, window_samples
 from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes
@@ -90,7 +89,8 @@ class Seeds(Detector):
         for n in self.names:
             o = obs.get(n)
             if o is not None and o.latency is not None and o.latency > 0 and n not in self.zeroed:
-                self.ema[n] = ema(self.ema.get(n), o.latency, self.alpha)
+                prev = self.ema.get(n)  # the seeds' exponential moving average
+                self.ema[n] = o.latency if prev is None else self.alpha * o.latency + (1.0 - self.alpha) * prev
         vals = list(self.ema.values())
         if len(vals) < 2:
             return {}
@@ -187,7 +187,8 @@ class Grayguard(Detector):
     def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, policy: Policy | None = None) -> None:
         super().__init__(nodes, scn)
         self.interval_s = scn.tick_s
-        self.policy = policy or Policy(window_s=scn.window_s)
+        self.policy = policy or Policy(window_s=scn.window_s,
+                                       window_samples=window_samples(scn.window_s, scn.rule_eval_s))
         self.states: dict[str, NodeState] = {}
         # what the engine was last told per node (it starts at base weight, in rotation, agent enabled)
         self.last = {n.name: Assign(n.base_weight) for n in nodes}
@@ -290,7 +291,8 @@ def grayguard_variant(spec: str, scn: Scenario) -> Policy:
         t.validate("thresholds")
     except ConfigError as e:
         raise ValueError(f"grayguard variant: {e}") from None
-    return Policy(t, window_s=scn.window_s, shadow=frozenset(shadow))
+    return Policy(t, window_s=scn.window_s, window_samples=window_samples(scn.window_s, scn.rule_eval_s),
+                  shadow=frozenset(shadow))
 
 
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:

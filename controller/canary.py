@@ -2,9 +2,10 @@
 
 A 1-token request measures time to first token, not latency per token; so each canary goes to the drained
 node and to up to two in-rotation peers of its peer group at the same moment, and the node's estimate is
-the peers' median EMA scaled by node TTFT / median peer TTFT. The live loop (controller/loop.py through
-controller/decide.py) and the benchmark (bench/policies.py) both call the functions below. `make_canary` is
-the I/O side: the exporter's micro-probe, sent by the controller straight to a drained node.
+the peers' median window latency (their last sample, NodeState.ema) scaled by node TTFT / median peer TTFT.
+The live loop (controller/loop.py through controller/decide.py) and the benchmark (bench/policies.py) both call the
+functions below. `make_canary` is the I/O side: the exporter's micro-probe, sent by the controller straight to a
+drained node.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ PEERS = 2  # reference canaries per drained node
 
 def canary_peers(node: str, candidates: Iterable[str], prev: Mapping[str, NodeState],
                  groups: Mapping[str, str | None], limit: int = PEERS) -> list[str]:
-    """Up to `limit` reference peers: in rotation with an EMA, same peer group, lowest (score, name) first."""
+    """Up to `limit` reference peers: in rotation with a window latency, same peer group, lowest (score, name) first."""
     g = groups.get(node)
     return sorted((m for m in candidates if m != node and m in prev and prev[m].state in IN_ROTATION
                    and prev[m].ema is not None and groups.get(m) == g),
@@ -43,7 +44,8 @@ def canary_rounds(candidates: Sequence[str], prev: Mapping[str, NodeState], grou
 
 def canary_estimate(node_ttft: float | None, peer_ttfts: Sequence[float | None],
                     peer_emas: Sequence[float]) -> float | None:
-    """median(peer EMA) * node TTFT / median(answered peer TTFT); a failed canary is +inf; no reference: None."""
+    """median(peer window latency) * node TTFT / median(answered peer TTFT); a failed canary is +inf; no reference:
+    None."""
     if node_ttft is None:
         return math.inf
     ref = [t for t in peer_ttfts if t is not None and t > 0]

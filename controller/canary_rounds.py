@@ -140,7 +140,7 @@ class Pending:
     since: float  # the node's NodeState.since when sent: a round answers for that canary stage only
     at: float  # the tick time it was sent (the node's last_canary once it is applied)
     peers: tuple[str, ...]
-    emas: Mapping[str, float]  # each peer's EMA when sent: the estimate scales the TTFT ratio of that moment
+    emas: Mapping[str, float]  # each peer's window latency when sent: the estimate scales the TTFT ratio of that moment
     probes: Mapping[str, Probe]  # target (the node and each peer) -> its request
 
     def over(self, now: float, timeout_s: float) -> bool:

@@ -37,7 +37,8 @@ class CanaryRound:
     # when it was sent, on the tick's clock (a round runs off the tick and is decided on a later one: the node's
     # last_canary is this); None: this tick
     at: float | None = None
-    emas: Mapping[str, float] | None = None  # each peer's EMA when it was sent; None: the previous states'
+    # each peer's window latency (NodeState.ema) when it was sent; None: the previous states'
+    emas: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Live signals, pure: a slow node seen while its requests run, not when they finish (issue 13), judged by one
-sequential test (issue 33).
+sequential test (issue 33). The 30 s window is judged by the same test, one value a new sample (policy._window:
+per_obs the window's samples that share their requests, its noise widened by its own sampling noise).
 
 The exporter beside each node reads its vLLM every second and exports, over the last few seconds, the mean
 inter-token latency of the tokens vLLM produced and the median TTFT of its last probes (docs/exporters.md,
@@ -26,6 +27,7 @@ is judged by its probes (below live_cut_ratio x its peers' for recover_ticks tic
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -37,8 +39,12 @@ from grayguard.config import ThresholdsConfig
 
 HORIZONS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 30, 36, 45, 55)  # ticks: about 1.25x apart past 5
 WINDOW_TICKS = 5  # the exporter's live window (exporters/live.py, 5 s) over the tick (1 s)
-# each horizon with the square root of the observations its ticks hold (the ticks of one window are one)
-_SCALED = tuple((n, math.sqrt(max(1.0, n / WINDOW_TICKS))) for n in HORIZONS)
+
+
+@functools.cache
+def _scaled(per_obs: int) -> tuple[tuple[int, float], ...]:
+    """Each horizon with the square root of the observations its values hold (per_obs values share one)."""
+    return tuple((n, math.sqrt(max(1.0, n / per_obs))) for n in HORIZONS)
 
 
 @dataclass(frozen=True)
@@ -68,15 +74,16 @@ def in_noise(ratio: float, noise: float | None, min_spread: float) -> float:
     return ratio ** (noise / min_spread)
 
 
-def evidence(xs: tuple[float, ...], sigma: float, drift: float, least: int = WINDOW_TICKS
-             ) -> tuple[float, int, float, int]:
+def evidence(xs: tuple[float, ...], sigma: float, drift: float, least: int = WINDOW_TICKS,
+             per_obs: int = WINDOW_TICKS) -> tuple[float, int, float, int]:
     """(Z, n, Z', n'): the strongest evidence that the last n values of xs (n in HORIZONS) sit above ln(drift), in
-    noise widths, (mean - ln drift) x sqrt(max(1, n / WINDOW_TICKS)) / sigma, and the strongest over n >= least;
-    -inf and 0 where there is none. The n does not depend on sigma: evidence in other widths is Z x sigma / them."""
+    noise widths, (mean - ln drift) x sqrt(max(1, n / per_obs)) / sigma, and the strongest over n >= least;
+    -inf and 0 where there is none. per_obs: the values that share one observation's samples. The n does not depend
+    on sigma: evidence in other widths is Z x sigma / them."""
     best = best_least = -math.inf
     at = at_least = 0
     sums, ld = list(accumulate(reversed(xs))), math.log(drift)  # sums[n - 1]: the sum of the last n
-    for n, root in _SCALED:
+    for n, root in _scaled(per_obs):
         if n > len(xs):
             break
         z = (sums[n - 1] / n - ld) * root / sigma
@@ -89,19 +96,23 @@ def evidence(xs: tuple[float, ...], sigma: float, drift: float, least: int = WIN
 
 def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corroborated: bool = False,
            noise: float | None = None, probe_ratio: float | None = None, spread: float | None = None,
-           now: float = 0.0) -> tuple[LiveMemory, float, str, str | None]:
-    """(memory, weight factor, reason, quarantine reason or None) for one live signal of one node this tick.
+           now: float = 0.0, per_obs: int = WINDOW_TICKS, unit: str = "tick"
+           ) -> tuple[LiveMemory, float, str, str | None]:
+    """(memory, weight factor, reason, quarantine reason or None) for one signal of one node, on one new value: the
+    live ITL each tick, or the 30 s window on each new sample (per_obs: the values that share one observation's
+    samples, WINDOW_TICKS ticks of the live window, 6 samples of a 30 s window evaluated every 5 s; unit: what one
+    value is called in the reasons).
 
     corroborated: the GPU reports trouble; one tick's evidence may then ask for a quarantine (as it shortens the
-    30 s window's sustain). noise: the pool's learned noise on this signal (scoring.pool_noise), None: unknown;
+    30 s window's). noise: the pool's learned noise on this signal (scoring.pool_noise), None: unknown;
     spread: the pool's spread this tick, which the node's memory of the noise learns at `now` (None: not this
     tick). probe_ratio: the node's probe TTFT median over its peers' (None: unknown), the second witness.
     """
     probes_like_peers = probe_ratio is not None and probe_ratio < t.live_cut_ratio
-    learned = m.noise.learn(spread, now)
-    if learned is not m.noise:
-        m = evolve(m, noise=learned)
+    learned = m.noise.learn(spread, now)  # goes into the one copy of the memory this call makes
     if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
+        if learned is not m.noise:
+            m = evolve(m, noise=learned)
         if m.cut and probes_like_peers:  # a cut took its traffic, and with it the tokens that would show it normal
             if m.calm + 1 >= t.recover_ticks:
                 return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
@@ -111,23 +122,24 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     cut_at = math.log(t.live_cut_ratio / t.live_drift) / t.min_spread
     ratio, z, x = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread), math.log(sc.ratio)
     xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)
+    ld = math.log(t.live_drift)
     # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
     # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
-    bound = max(0.0, max(xs) - math.log(t.live_drift)) * math.sqrt(max(1.0, len(xs) / WINDOW_TICKS)) / sigma
+    bound = max(0.0, max(xs) - ld) * math.sqrt(max(1.0, len(xs) / per_obs)) / sigma
     if not m.cut and bound < min(cut_at, t.degrade_score):
-        return evolve(m, xs=xs), 1.0, "", None
-    e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else WINDOW_TICKS)
+        return evolve(m, noise=learned, xs=xs), 1.0, "", None
+    e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else per_obs, per_obs=per_obs)
     fires = e >= cut_at
     if not fires and sigma > t.min_spread and e >= t.degrade_score and probe_ratio is not None \
             and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread):
         fires = e * sigma / t.min_spread >= cut_at  # the probes agree: the shipped ratio cuts, whatever the noise
-    if m.cut and x - math.log(t.live_drift) < sigma:  # a calm tick ends the cut, and its evidence with it
-        return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
+    if m.cut and x - ld < sigma:  # a calm tick ends the cut, and its evidence with it
+        return evolve(m, noise=learned, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
     cut = fires or m.cut
     zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
-    m = evolve(m, cut=cut, calm=0, z=zz, xs=xs)
-    reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} tick(s))" if cut else ""
+    m = evolve(m, noise=learned, cut=cut, calm=0, z=zz, xs=xs)
+    reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} {unit}(s))" if cut else ""
     quarantine = None
     if eq >= max(t.quarantine_score, cut_at):
-        quarantine = f"{what} {math.exp(sum(xs[-nq:]) / nq):.2f}x peer median over {nq} tick(s) (evidence {eq:.1f})"
+        quarantine = f"{what} {math.exp(sum(xs[-nq:]) / nq):.2f}x peer median over {nq} {unit}(s) (evidence {eq:.1f})"
     return m, (weight_factor(zz) if cut else 1.0), reason, quarantine

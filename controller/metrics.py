@@ -68,7 +68,8 @@ class ControllerMetrics:
                              "Peer score: robust z of log latency against the node's peers (absent: unscored)",
                              node, registry=r),
             node_latency_ema=Gauge("grayguard_node_latency_ema_seconds_per_token",
-                                   "EMA of the node's normalized latency", node, registry=r),
+                                   "The node's last 30 s-window normalized latency the controller counted "
+                                   "(the name is kept: no EMA)", node, registry=r),
             node_peer_median=Gauge("grayguard_node_peer_median_seconds_per_token",
                                    "Median normalized latency of the node's peers (node excluded)",
                                    node, registry=r),

@@ -7,7 +7,8 @@ benchmark engine run exactly this code.
 Weight = base x the product of the signals' factors (latency 2^-(score-2), slow probes, errors;
 slow start's ramp share), at least min_degraded_weight while any factor cuts it; 0 when drained or
 when the KV cache is saturated (weight 0 without drain: running requests finish, no new ones).
-Quarantine causes: a sustained latency outlier (sooner with GPU evidence), failing probes or a CUDA
+Quarantine causes: a latency signal's evidence over one observation (its sequential test, controller/live.py;
+one value with GPU evidence), failing probes or a CUDA
 error, an open error circuit, or HAProxy's own error limit (observe layer7: DOWN for errors now, or its
 hanafail counter rose since the last tick) — never more than the safeguard cap allows.
 """
@@ -15,13 +16,13 @@ hanafail counter rose since the last tick) — never more than the safeguard cap
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from controller import live, loadmodel, peers, signals
 from controller.live import LiveMemory
-from controller.scoring import Noise, against_noise, ema, pool_noise, usable, weight_factor, with_sampling_noise
+from controller.scoring import against_noise, pool_noise, sampled_noise, usable, weight_factor
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
@@ -40,6 +41,9 @@ class Policy:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     group_speed: Mapping[str, float] = field(default_factory=dict)  # pools[].group_speed
     window_s: float = 30.0  # rules.control_window in seconds: the 30 s window's requests = request rate x this
+    # the window's samples that share their requests (a new one each rules.control_interval: 30 s / 5 s): one
+    # observation for the sequential test, as the live window's 5 ticks are
+    window_samples: int = 6
     # the detectors in shadow mode (grayguard.vocab.Detector values; config `detectors.<name>.enforce: false`): they
     # run, and what they ask for is each node's NodeDecision.shadow, not its weight or state
     shadow: frozenset[str] = frozenset()
@@ -47,8 +51,15 @@ class Policy:
 
 def config_policy(cfg: Config, group_speed: Mapping[str, float] | None = None) -> Policy:
     """The Policy of the config's thresholds, recovery, control window and detectors (and a pool's group_speed)."""
-    return Policy(cfg.thresholds, cfg.recovery, dict(group_speed or {}), duration_seconds(cfg.rules.control_window),
+    window = duration_seconds(cfg.rules.control_window)
+    every = duration_seconds(cfg.rules.control_interval) if cfg.rules.control_interval else 60.0  # Prometheus' 1m
+    return Policy(cfg.thresholds, cfg.recovery, dict(group_speed or {}), window, window_samples(window, every),
                   cfg.detectors.shadow())
+
+
+def window_samples(window_s: float, every_s: float) -> int:
+    """How many of a window's samples, one each `every_s`, share their requests: one observation (at least 1)."""
+    return max(1, round(window_s / every_s)) if every_s > 0 else 1
 
 
 def pool_policies(cfg: Config) -> dict[str, Policy]:
@@ -108,17 +119,13 @@ class NodeState:
 
     state: str = HEALTHY
     since: float = 0.0
-    ema: float | None = None
-    score: float | None = None
-    ratio: float | None = None
-    hot_ticks: int = 0  # consecutive scored ticks at or above quarantine_score
-    calm_ticks: int = 0  # consecutive scored ticks clearly below degrade_score
+    ema: float | None = None  # the last 30 s window latency sample counted (the name is the state file's)
+    score: float | None = None  # its score against the peers, in noise widths
+    ratio: float | None = None  # its ratio to the peer median
     canary_ok: int = 0
     last_canary: float | None = None
     weight: int | None = None
     reason: str = ""
-    lat_degraded: bool = False  # the latency signal holds the node degraded
-    lat_factor: float = 1.0  # its factor (kept while the node has no data)
     signals: SignalMemory = field(default_factory=SignalMemory)
     factors: tuple = ()  # ((Signal, factor, reason), ...) in force, for /status and metrics
     cause: str = ""  # why the node was drained: a DrainCause (latency, probe, errors, gateway, kv_cache)
@@ -128,7 +135,7 @@ class NodeState:
     latency_seen_at: float | None = None  # latency_at of the last latency sample counted
     was_down: bool = False  # DOWN in HAProxy (its health check) at the last tick: back UP, it warms up
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
-    lat_noise: Noise = field(default_factory=Noise)  # the 30 s window's learned comparison noise (scoring.Noise)
+    window: LiveMemory = field(default_factory=LiveMemory)  # the 30 s window's, judged by the same test
 
 
 @dict_init  # one per node per tick
@@ -261,7 +268,7 @@ def _with_reason(s: NodeState, reason: str) -> NodeState:
 
 
 def _move(s: NodeState, to: str, now: float, reason: str) -> NodeState:
-    return evolve(s, state=to, since=now, reason=reason, hot_ticks=0, calm_ticks=0)
+    return evolve(s, state=to, since=now, reason=reason)
 
 
 def seed(i: NodeInput, joined: bool, t: ThresholdsConfig, r: RecoveryConfig, now: float) -> NodeState:
@@ -298,8 +305,7 @@ def warm_up(s: NodeState, now: float, t: ThresholdsConfig, r: RecoveryConfig, wh
     own `slowstart` does the same after a server comes back UP). Its signals start over."""
     return evolve(_move(s, SLOW_START, now, f"{why}: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then "
                         "slow start"), ramp_start=now + t.new_node_warmup_s, gone_since=None, was_down=False,
-                  lat_degraded=False, lat_factor=1.0, factors=(), signals=SignalMemory(),
-                  live_itl=s.live_itl.restarted())
+                  factors=(), signals=SignalMemory(), live_itl=s.live_itl.restarted(), window=s.window.restarted())
 
 
 def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
@@ -338,10 +344,10 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         elif s.was_down != check_down:
             st[n] = evolve(st[n], was_down=check_down)
 
-    # 1. Smooth fresh latency of the nodes that carry traffic.
+    # 1. The 30 s window latency of the nodes that carry traffic.
     fresh: dict[str, float] = {}
-    # nodes whose latency sample is new since the last tick, with their new EMA and sample time: written by step 2
-    # in the node's one copy of the tick (_in_rotation), not copied here first
+    # nodes whose latency sample is new since the last tick, with the sample and its time: written by step 2 in the
+    # node's one copy of the tick (_in_rotation), not copied here first
     renewed: dict[str, dict] = {}
     for n in names:
         i, s = inputs[n], st[n]
@@ -351,23 +357,21 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             continue
         if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
                 or s.ema is None:
-            x = ema(s.ema, i.latency, t.ema_alpha)  # type: ignore[arg-type]
-            renewed[n] = {"ema": x, "latency_seen_at": i.latency_at}
-            fresh[n] = x
+            renewed[n] = {"ema": i.latency, "latency_seen_at": i.latency_at}
+            fresh[n] = i.latency  # type: ignore[assignment]
         else:
             fresh[n] = s.ema
     scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
-    # the window's noise, learned from its spread on each new sample (scoring.Noise)
+    # the window's noise, learned from its spread on each new sample (scoring.Noise), and each node's: the pool's,
+    # widened by the sampling noise of the requests in its own window (a thin window is a noisy mean)
     window_spread = peers.spread(fresh, groups, t.min_peers, policy.group_speed)
-    for n in renewed:
-        renewed[n]["lat_noise"] = st[n].lat_noise.learn(window_spread, now)
-    lat_noise = pool_noise([st[n].lat_noise for n in scored])
+    lat_noise = pool_noise([st[n].window.noise for n in scored])
+    window_noise: dict[str, float] = {}
     for n, sc in scored.items():
-        # against the comparison's learned noise, and a thin window (few requests) is a noisy mean besides
-        z = against_noise(sc.z, sc.ratio, lat_noise, t.min_spread)
-        if t.window_noise_cv > 0:
-            rate = inputs[n].request_rate
-            z = with_sampling_noise(z, sc.ratio, None if rate is None else rate * policy.window_s, t.window_noise_cv)
+        rate = inputs[n].request_rate
+        window_noise[n] = w = sampled_noise(lat_noise, t.min_spread, None if rate is None else rate * policy.window_s,
+                                            t.window_noise_cv)
+        z = against_noise(sc.z, sc.ratio, w, t.min_spread)
         if z != sc.z:
             scored[n] = peers.score_of(z, sc.ratio, sc.peer_median)
     rotating: list[str] = []  # the nodes in rotation, and their probe TTFT and KV-cache usage where known
@@ -381,7 +385,6 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                 probe_ttfts[n] = i.probe_ttft
             if i.kv_cache_usage is not None:
                 kv_used[n] = i.kv_cache_usage
-    calm_gap = 1.0 + (t.min_relative_gap - 1.0) / 2.0  # gap hysteresis: calm well below the entry gap
     noise = pool_noise([st[n].live_itl.noise for n in names])
     live_scores, probe_load, live_spread, at_capacity = _live_scores(inputs, st, names, groups, policy, noise)
     # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
@@ -427,9 +430,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         if i.hold:
             continue
         if s.state in IN_ROTATION:
-            s, cand, found = _in_rotation(s, i, scored.get(n), fresh.get(n), peer_probe[n],
-                                          t, r, now, calm_gap, live_of.get(n),
-                                          renewed=renewed.get(n),
+            s, cand, found = _in_rotation(s, i, scored.get(n), peer_probe[n], t, r, now, live_of.get(n),
+                                          renewed=renewed.get(n), window=(window_noise.get(n), window_spread,
+                                                                          policy.window_samples),
                                           behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
                                           noise=noise, live_spread=live_spread, at_capacity=n in at_capacity,
                                           shadow=policy.shadow,
@@ -458,7 +461,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
                        canary_ok=0, last_canary=None)
         elif s.state == CANARY and i.canary is not None:
-            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now, i.canary_at)
+            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now, i.canary_at, lat_noise)
         st[n] = s
 
     # 3. Drain the worst candidates within the safeguard cap. The cap bounds what is out of rotation from any
@@ -597,28 +600,14 @@ def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers:
     return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
 
 
-AT_CAPACITY = "at capacity by its load (its prompts fill a healthy step's time)"
-
-
-def live_veto(live_sc: Mapping[str, peers.Score | None], ratio: float) -> str:
-    """Why the live signals say a node is like its peers now ("" when they do not), at equal batch.
+def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> bool:
+    """Whether the live signals say a node is like its peers now, within `ratio` x theirs, at equal load.
 
     Decode: its live ITL below `ratio` x the peers', or no ITL at all (nothing decoded in the live window: a
     quiet node, which the probes still measure). First token: its live TTFT or its probe TTFT median below
     `ratio` x the peers' (the probes are the same 1-token request everywhere, so the prompt mix does not move
     them). Both are needed, and at least one measurement of the node now: absent data alone vetoes nothing.
     """
-    if not like_peers_now(live_sc, ratio):
-        return ""
-    li, lt, pm = live_sc.get(LIVE_ITL), live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
-    first = [(what, x.ratio) for what, x in (("TTFT", lt), ("probe TTFT median", pm)) if x is not None]
-    what, r = min(first, key=lambda w: w[1])
-    decode = f"live ITL {li.ratio:.2f}x" if li is not None else "no live ITL"
-    return f"{decode} and {what} {r:.2f}x peers'"
-
-
-def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> bool:
-    """Whether live_veto has a reason: the same test, without writing the reason (most nodes, every tick)."""
     li = live_sc.get(LIVE_ITL)
     if li is not None and li.ratio >= ratio:
         return False
@@ -626,7 +615,7 @@ def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> b
     if lt is None or pm is None:  # one first-token measurement, or none (which vetoes nothing)
         one = pm if lt is None else lt
         return one is not None and not one.ratio >= ratio
-    return not min(lt.ratio, pm.ratio) >= ratio  # min of the two as live_veto takes it (the first of equals)
+    return not min(lt.ratio, pm.ratio) >= ratio
 
 
 def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
@@ -639,10 +628,10 @@ def _min_quarantine(s: NodeState, r: RecoveryConfig) -> float:
 _NO_SCORES: Mapping[str, peers.Score] = MappingProxyType({})
 
 
-def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: float | None,
-                 peer_probe: float | None, t: ThresholdsConfig, r: RecoveryConfig, now: float,
-                 calm_gap: float, live_sc: Mapping[str, peers.Score | None] | None = None,
-                 renewed: dict[str, float | None] | None = None, behind_load: bool = False,
+def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe: float | None, t: ThresholdsConfig,
+                 r: RecoveryConfig, now: float, live_sc: Mapping[str, peers.Score | None] | None = None,
+                 renewed: dict[str, float | None] | None = None,
+                 window: tuple[float | None, float | None, int] = (None, None, 6), behind_load: bool = False,
                  noise: float | None = None, live_spread: float | None = None,
                  shadow: frozenset[str] = frozenset(), probe_run: int | None = None, at_capacity: bool = False
                  ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
@@ -650,22 +639,21 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     detectors in `shadow` ask for (their findings: each runs and keeps its memory, and its weight factor and
     quarantine are reported instead of applied).
 
-    renewed: its latency sample is new since the last tick: the EMA and sample time it gives the state (written in
-    the node's one copy of the tick); None: a sample seen before (or none), which moves nothing (its score, counters
-    and factor are held as the last new sample left them).
+    renewed: its latency sample is new since the last tick: the sample and its time (written in the node's one copy
+    of the tick); None: a sample seen before (or none), which moves nothing (its score, evidence and factor are held
+    as the last new sample left them). window: the node's noise on the window (the pool's learned one, widened by
+    its own window's sampling noise), the pool's spread on it this tick, and the samples that make one observation.
     """
     if live_sc:
         li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
-        # the live signals say it is like its peers now (live_veto), within the live comparison's noise
-        veto_ratio = live.in_noise(t.live_veto_ratio, noise, t.min_spread)
-        veto = like_peers_now(live_sc, veto_ratio)
+        # the live signals say it is like its peers now: within the allowance, in the live comparison's noise
+        veto = like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))
     else:  # no live score: no veto (like_peers_now of nothing)
-        live_sc, li, pm, veto, veto_ratio = _NO_SCORES, None, None, False, t.live_veto_ratio
-    prev_factors, prev_lat = s.factors, s.lat_degraded
-    sc, lat, lat_deg, lat_factor, lat_reason = _latency(s, sc, bool(renewed), t, calm_gap, veto or at_capacity,
-                                                        lambda: live_veto(live_sc, veto_ratio) if veto else AT_CAPACITY)
+        live_sc, li, pm, veto = _NO_SCORES, None, None, False
+    prev_factors = s.factors
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
+    sc, lat, wm, wf, w_reason, w_quarantine = _window(s, sc, renewed, window, veto or at_capacity, pm, evidence, t, now)
     # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
     # its first tokens like its peers' at its load (the veto), or load for a probe to wait behind: prompt tokens
     # beyond its peers' (a tenant's long prompts) or a pool whose probes all queue. Decoding alone is not enough: a
@@ -673,17 +661,17 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
     mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
                                                     peer_probe, t, corroborated=bool(evidence),
-                                                    median_calm=pm is not None and pm.ratio < t.min_relative_gap,
+                                                    median_calm=pm is not None and pm.ratio < t.live_probe_confirm,
                                                     like_peers=decoding_like_peers or at_capacity,
                                                     run_needed=probe_run)
     mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
     lm, lf, l_reasons, l_quarantine = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)
-    degraded, factors, why, asked = _in_force(shadow, lat_deg, lat_factor, lat_reason, (pf, p_reason), (ef, e_reason),
+    degraded, factors, why, asked = _in_force(shadow, (wf, w_reason), (pf, p_reason), (ef, e_reason),
                                               (lf, "; ".join(l_reasons)))
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
-    if renewed or lat or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
+    if renewed or lat or wm is not s.window or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
         ch = renewed | lat if renewed else lat  # lat: this call's own dict
-        ch["live_itl"], ch["signals"], ch["factors"] = lm, mem, factors
+        ch["window"], ch["live_itl"], ch["signals"], ch["factors"] = wm, lm, mem, factors
         s = replaced(s, ch)
     if evidence:
         why = (why + "; " if why else "") + "GPU evidence: " + ", ".join(evidence)
@@ -692,10 +680,9 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif s.state == SLOW_START and slow_start_share(s, now, r) >= 1.0:
         s = _move(s, HEALTHY, now, "slow start complete")
     elif s.state == HEALTHY and degraded:
-        s = evolve(_move(s, DEGRADED, now, why), hot_ticks=s.hot_ticks, calm_ticks=s.calm_ticks)
+        s = _move(s, DEGRADED, now, why)
     elif s.state == DEGRADED and not degraded:
-        was = {k for k, _, _ in prev_factors} | ({Signal.LATENCY} if prev_lat and Detector.LATENCY not in shadow
-                                                 else set())
+        was = {k for k, _, _ in prev_factors}
         cleared = [text for key, text in (
             (Signal.LATENCY, f"latency back to {s.ratio:.2f}x peer median" if s.ratio is not None else "latency calm"),
             (Signal.PROBE, f"{t.probe_ok_to_clear} good probes"), (Signal.ERRORS, "errors below the threshold"),
@@ -705,92 +692,87 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, value: floa
     elif (s.state == DEGRADED or s.state == HEALTHY) and s.reason != why:  # _with_reason, most nodes keep theirs
         s = evolve(s, reason=why)
     cand = None  # most nodes, every tick: nothing could ask for a quarantine
-    if p_quarantine or e_quarantine or l_quarantine is not None or evidence or (sc is not None and s.hot_ticks):
-        cand = _candidacy(s, i, sc, pf, p_quarantine, e_quarantine, l_quarantine, p_reason, peer_probe, evidence, t,
-                          shadow, asked)
+    if p_quarantine or e_quarantine or l_quarantine is not None or w_quarantine is not None or evidence:
+        cand = _candidacy(s, i, pf, p_quarantine, e_quarantine, l_quarantine, w_quarantine, p_reason, peer_probe,
+                          evidence, t, shadow, asked)
     found = tuple(Finding(d, f, q, text) for d, (f, q, text) in asked.items()) if asked else ()
     return s, cand, found
 
 
-def _latency(s: NodeState, sc: peers.Score | None, renewed: bool, t: ThresholdsConfig, calm_gap: float,
-             excused: bool, excuse: Callable[[], str]) -> tuple[peers.Score | None, dict, bool, float, str]:
-    """The 30 s window's detector (rules 1-8) on a node in rotation: (the score it acts on, None without a new
-    sample; its changes to the state; degraded; its weight factor; its reason, written only while it holds the node
-    degraded). excused: the live signals say the node is like its peers now, or it is at capacity by its load
-    (excuse() says which): an outlier is not acted on, nor a cut held."""
-    lat_reason = ""
-    lat: dict = {}
-    lat_deg, lat_factor = s.lat_degraded, s.lat_factor
-    if sc is not None and not renewed:
-        if s.lat_degraded and s.ratio is not None and s.score is not None:
-            lat_reason = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}"
-        return None, lat, lat_deg, lat_factor, lat_reason  # no new evidence: no transition, no candidacy this tick
-    if sc is None:
-        if s.score is not None or s.ratio is not None:
-            lat = {"score": None, "ratio": None}
-        return sc, lat, lat_deg, lat_factor, lat_reason
-    outlier = sc.ratio >= t.min_relative_gap and sc.z >= t.degrade_score
-    hot = sc.ratio >= t.min_relative_gap and sc.z >= t.quarantine_score
-    # the window counts requests that finished in the last 30 s; the live signals say how the node is now. When
-    # they say it is like its peers, a past outlier (a few heavy requests in a thin window) is not acted on, nor is
-    # a cut it made held (live_veto). A node at capacity by its load (its prompts fill a healthy step's time: the
-    # load model judges none of its latencies now) is not acted on either: its window holds the same prompts
-    if (outlier or hot or s.lat_degraded) and excused:
-        outlier = hot = False
-        lat_vetoed = f"; {excuse()}: not acted on"
-    else:
-        lat_vetoed = ""
-    calm = sc.ratio < calm_gap or sc.z < t.degrade_score - t.hysteresis
-    calm_ticks = s.calm_ticks + 1 if calm else 0
-    lat_deg = outlier or (s.lat_degraded and calm_ticks < t.recover_ticks and not excused)
-    lat_factor = latency_factor(sc.z) if lat_deg else 1.0
-    lat = {"score": sc.z, "ratio": sc.ratio, "hot_ticks": s.hot_ticks + 1 if hot else 0, "calm_ticks": calm_ticks,
-           "lat_degraded": lat_deg, "lat_factor": lat_factor}
-    if lat_deg:
-        lat_reason = f"latency {sc.ratio:.2f}x peer median, score {sc.z:.1f}{lat_vetoed}"
-    return sc, lat, lat_deg, lat_factor, lat_reason
+def _window(s: NodeState, sc: peers.Score | None, renewed: dict | None,
+            window: tuple[float | None, float | None, int], excused: bool, pm: peers.Score | None, evidence: tuple,
+            t: ThresholdsConfig, now: float
+            ) -> tuple[peers.Score | None, dict, LiveMemory, float, str, tuple[float, str] | None]:
+    """The 30 s window's detector on a node in rotation, the live ITL's sequential test on each new sample: (the
+    score it acts on, None without a new sample; its score and ratio for the state; its memory; its weight factor;
+    its reason; its quarantine request, with a second witness as the live one's). excused: the live signals say the
+    node is like its peers now, or it is at capacity by its load: the window (the past, or the same prompts) is not
+    acted on, and its evidence starts over."""
+    m = s.window
+    if sc is not None and not renewed:  # a sample seen before: no new evidence, the cut holds as it was
+        held = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}" \
+            if m.cut and s.ratio is not None and s.score is not None else "latency (held)"
+        return None, {}, m, (weight_factor(m.z) if m.cut else 1.0), (held if m.cut else ""), None
+    noise, spread, per_obs = window
+    spread = spread if renewed else None
+    lat = {"score": sc.z, "ratio": sc.ratio} if sc is not None else \
+        ({"score": None, "ratio": None} if s.score is not None or s.ratio is not None else {})
+    if excused and sc is not None:
+        learned = m.noise.learn(spread, now)
+        if m.cut or m.xs or learned is not m.noise:
+            m = LiveMemory(noise=learned)
+        return sc, lat, m, 1.0, "", None
+    m, f, reason, q = live.assess(m, sc, t, "latency", bool(evidence), noise, pm.ratio if pm is not None else None,
+                                  spread, now, per_obs, "sample")
+    if not q:  # most nodes, every sample
+        return sc, lat, m, f, reason, None
+    quarantine, waits = _witnessed(q, sc, noise, pm, evidence, t)
+    return sc, lat, m, f, f"{reason}; {waits}" if waits and reason else reason or waits, quarantine
 
 
 def _live(s: NodeState, li: peers.Score | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig,
           noise: float | None, live_spread: float | None, now: float
           ) -> tuple[LiveMemory, float, list[str], tuple[float, str] | None]:
-    """The live ITL's detector (rules 10-13): its memory, weight factor, reasons and quarantine request (priority,
-    reason). GPU evidence lets one tick's evidence ask for a quarantine, as it shortens the window's sustain, and is
-    the second witness; otherwise the probes must agree. live_spread: the spread learned with a new window sample
-    (None: none new; see Noise)."""
+    """The live ITL's detector: its memory, weight factor, reasons and quarantine request (priority, reason).
+    live_spread: the spread learned with a new window sample (None: none new; see Noise)."""
     lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL", bool(evidence), noise,
                                       pm.ratio if pm is not None else None, live_spread, now)
-    reasons, quarantine = [l_reason] if l_reason else [], None
-    if q:
-        z = against_noise(li.z, li.ratio, noise, t.min_spread) if li is not None else math.inf
-        if evidence:
-            quarantine = (z, q)
-        elif pm is not None and pm.ratio >= t.live_probe_confirm:
-            quarantine = (z, f"{q}; probes agree ({pm.ratio:.2f}x peers')")
-        else:
-            why_p = "no probe data" if pm is None else f"probes {pm.ratio:.2f}x peers'"
-            reasons.append(f"quarantine waits for the probes to agree ({why_p})")
-    return lm, lf, reasons, quarantine
+    quarantine, waits = _witnessed(q, li, noise, pm, evidence, t)
+    return lm, lf, [x for x in (l_reason, waits) if x], quarantine
 
 
-def _in_force(shadow: frozenset[str], lat_deg: bool, lat_factor: float, lat_reason: str, probe: tuple[float, str],
+def _witnessed(q: str | None, sc: peers.Score | None, noise: float | None, pm: peers.Score | None, evidence: tuple,
+               t: ThresholdsConfig) -> tuple[tuple[float, str] | None, str]:
+    """A sequential test's quarantine request (its reason q) with its second witness: GPU evidence (which also lets
+    one value's evidence ask), or the node's probes: their median `live_probe_confirm` above its peers' (the probes
+    are too noisy to act alone, and one latency signal too). Probes that say the node is like its peers hold the
+    request; no probe data says nothing either way (absent is not a no): the evidence stands alone. (priority,
+    reason) or None, and why it waits if it does."""
+    if not q:
+        return None, ""
+    z = against_noise(sc.z, sc.ratio, noise, t.min_spread) if sc is not None else math.inf
+    if evidence or pm is None:
+        return (z, q), ""
+    if pm.ratio >= t.live_probe_confirm:
+        return (z, f"{q}; probes agree ({pm.ratio:.2f}x peers')"), ""
+    return None, f"quarantine waits for the probes to agree (probes {pm.ratio:.2f}x peers')"
+
+
+def _in_force(shadow: frozenset[str], window: tuple[float, str], probe: tuple[float, str],
               errors: tuple[float, str], live_: tuple[float, str]) -> tuple[bool, tuple, str, dict[str, list]]:
     """The detectors' cuts in force: (degraded, the factors with their reasons, the reason, what the shadowed
     detectors ask: detector -> [factor, quarantine reason (filled by _candidacy) or None, reason]). A detector is
     named as the signal it cuts (Detector.PROBE == Signal.PROBE)."""
-    cuts = ((Signal.LATENCY, lat_factor if lat_deg else 1.0, lat_reason or "latency (held)"),
-            (Signal.PROBE, *probe), (Signal.ERRORS, *errors), (Signal.LIVE, *live_))
+    cuts = ((Signal.LATENCY, *window), (Signal.PROBE, *probe), (Signal.ERRORS, *errors), (Signal.LIVE, *live_))
     asked = {Detector(sig): [f, None, text] for sig, f, text in cuts if f < 1.0 and sig in shadow} if shadow else {}
-    lat_on = lat_deg and Signal.LATENCY not in shadow
     factors = tuple(c for c in cuts if c[1] < 1.0 and c[0] not in shadow)
-    if not (lat_on or factors):  # no signal cuts the weight: no factors
+    if not factors:  # no signal cuts the weight: no factors
         return False, (), "", asked
-    why = "; ".join(x for x in [lat_reason if lat_on else ""] + [f[2] for f in factors if f[0] != Signal.LATENCY] if x)
-    return True, factors, why, asked
+    return True, factors, "; ".join(f[2] for f in factors if f[2]), asked
 
 
-def _candidacy(s: NodeState, i: NodeInput, sc: peers.Score | None, pf: float, p_quarantine: str | None,
-               e_quarantine: str | None, l_quarantine: tuple[float, str] | None, p_reason: str,
+def _candidacy(s: NodeState, i: NodeInput, pf: float, p_quarantine: str | None, e_quarantine: str | None,
+               l_quarantine: tuple[float, str] | None, w_quarantine: tuple[float, str] | None, p_reason: str,
                peer_probe: float | None, evidence: tuple, t: ThresholdsConfig, shadow: frozenset[str],
                asked: dict[str, list]) -> tuple | None:
     """The node's quarantine candidacy this tick, (priority, cause, reason), the first by precedence of an enforced
@@ -807,10 +789,8 @@ def _candidacy(s: NodeState, i: NodeInput, sc: peers.Score | None, pf: float, p_
         asks.append((Detector.PROBE, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")))
     if l_quarantine is not None:
         asks.append((Detector.LIVE, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)))
-    sustain = t.evidence_sustain_ticks if evidence else t.sustain_ticks
-    if sc is not None and s.hot_ticks >= sustain:
-        asks.append((Detector.LATENCY, (sc.z, DrainCause.LATENCY, f"latency {sc.ratio:.2f}x peer median, score "
-                                        f"{sc.z:.1f} for {s.hot_ticks} tick(s){tail}")))
+    if w_quarantine is not None:
+        asks.append((Detector.LATENCY, (w_quarantine[0], DrainCause.LATENCY, w_quarantine[1] + tail)))
     for det, cand in asks:
         if det not in shadow:
             return cand
@@ -821,7 +801,9 @@ def _candidacy(s: NodeState, i: NodeInput, sc: peers.Score | None, pf: float, p_
 
 
 def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,
-                  policy: Policy, now: float, sent: float | None = None) -> NodeState:
+                  policy: Policy, now: float, sent: float | None = None, noise: float | None = None) -> NodeState:
+    """A drained node's canary against its peers' window, scored in the window's learned noise (noise; None: the
+    peers' spread this tick, floored), as a window sample would be."""
     t, r = policy.thresholds, policy.recovery
     # the interval counts from when the round was sent, as when the tick waited for it: a round decided a tick
     # later does not delay the next one
@@ -831,7 +813,10 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
         return evolve(s, last_canary=sent, reason="canary ran but no peers with data to compare")
     b, coef = base
     z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
-    good = ratio < t.min_relative_gap and z < t.degrade_score
+    z = against_noise(z, ratio, noise, t.min_spread)
+    # one value of the latency test: good when it would not cut (below the cut ratio) and its score, in the learned
+    # noise (floored at min_spread: 1.22x in a quiet pool), below degrade_score
+    good = ratio < t.live_cut_ratio and z < t.degrade_score
     ok = s.canary_ok + 1 if good else 0
     what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
     s = evolve(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
@@ -839,6 +824,6 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
     if ok >= r.canary_successes:
         s = evolve(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
-                   ema=canary, canary_ok=0, cause="", lat_degraded=False, lat_factor=1.0, factors=(),
-                   signals=SignalMemory(), ramp_start=None, live_itl=s.live_itl.restarted())
+                   ema=canary, canary_ok=0, cause="", factors=(), signals=SignalMemory(), ramp_start=None,
+                   live_itl=s.live_itl.restarted(), window=s.window.restarted())
     return s

@@ -30,11 +30,6 @@ def weight_factor(score: float) -> float:
     return 2.0 ** -(q - 2.0)
 
 
-def ema(prev: float | None, x: float, alpha: float) -> float:
-    """Exponential moving average; the first sample starts it."""
-    return x if prev is None else alpha * x + (1.0 - alpha) * prev
-
-
 def usable(x: float | None) -> bool:
     """A latency sample that can be scored: finite and > 0 (NaN, Inf, 0 and None are not)."""
     return x is not None and 0 < x < math.inf  # NaN compares false: math.isfinite(x) and x > 0, without a call
@@ -220,13 +215,12 @@ def against_noise(z: float, ratio: float, noise: float | None, min_spread: float
     return math.log(ratio) / max(noise, min_spread)
 
 
-def with_sampling_noise(z: float, ratio: float, samples: float | None, cv: float) -> float:
-    """The score z of a value that is a mean over `samples` observations of per-observation variability cv, once
-    that mean's own noise (about cv / sqrt(samples), in log units) joins the peers' spread: z shrinks by
-    sqrt(1 + (noise / spread)^2), the spread being log(ratio) / z. A node whose window holds few requests is
-    compared with the patience its few samples deserve. Unknown samples, cv 0 or a score of 0: z as it is."""
-    if not z or cv <= 0 or samples is None or ratio <= 0 or ratio == 1.0:
-        return z
-    spread = math.log(ratio) / z
-    noise = cv / math.sqrt(max(samples, 1.0))
-    return z / math.sqrt(1.0 + (noise / spread) ** 2)
+def sampled_noise(noise: float, min_spread: float, samples: float | None, cv: float) -> float:
+    """The noise of a node's value against its peers' when that value is a mean over `samples` observations of
+    per-observation variability cv: the comparison's noise (floored at min_spread) and that mean's own noise (about
+    cv / sqrt(samples), in log units) added in quadrature. A node whose 30 s window holds few requests is compared
+    with the patience its few samples deserve (30 requests: +/-18 %). Unknown samples or cv 0: the comparison's."""
+    sigma = max(noise, min_spread)
+    if cv <= 0 or samples is None:
+        return sigma
+    return math.hypot(sigma, cv / math.sqrt(max(samples, 1.0)))

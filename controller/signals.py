@@ -50,7 +50,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none);
     unless the GPU reports trouble (corroborated): a throttled or link-degraded GPU answering a slow probe is the
     fault's first sign, seconds before the median of the last probes moves.
-    like_peers: the node decodes now, and its live signals are like its peers' (policy.live_veto): a probe that
+    like_peers: the node decodes now, and its live signals are like its peers' (policy.like_peers_now): a probe that
     timed out or was slow waited in a queue its peers have too (a saturated pool), which is load, not a failure:
     it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count. A slow probe
     on a GPU that reports trouble (corroborated) counts all the same: the live signals are averages over the last
@@ -77,7 +77,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         return m, 1.0, "", None
     # answered: slow when the exporter says so and it is slower than the peers' probes, or when it is far
     # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
-    slower = ttft is not None and (peer_ttft is None or ttft >= t.min_relative_gap * peer_ttft)
+    slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
     far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
     if ((result == ProbeResult.SLOW and slower) or far) and (median_calm or like_peers) and not corroborated \
             and not m.probe_slow:

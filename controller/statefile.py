@@ -44,10 +44,11 @@ def dump_states(states: dict[str, dict[str, NodeState]]) -> str:
 
 
 def _stored(s: NodeState) -> dict:
-    """What the file keeps of a node: its state but the live ITL's recent values (LiveMemory.xs, one a tick: 55 of
-    them for every node would be rewritten every tick); a restarted controller gathers them anew."""
+    """What the file keeps of a node: its state but its signals' recent values (LiveMemory.xs, the live ITL's one a
+    tick: 55 of them for every node would be rewritten every tick); a restarted controller gathers them anew."""
     d = dataclasses.asdict(s)
     d["live_itl"].pop("xs", None)
+    d["window"].pop("xs", None)
     return d
 
 
@@ -152,8 +153,6 @@ def node_state(d: object, where: str) -> NodeState:
             kw["cause"] = DrainCause(kw["cause"])
     if kw.get("weight") is not None and kw["weight"] > MAX_WEIGHT:
         raise StateError(f"{where}.weight: must be in 0..{MAX_WEIGHT}, got {kw['weight']}")
-    if "lat_factor" in kw and not 0 <= kw["lat_factor"] <= 1:
-        raise StateError(f"{where}.lat_factor: a weight factor must be in [0, 1], got {kw['lat_factor']}")
     return NodeState(**kw)
 
 

@@ -18,8 +18,7 @@ class DashboardConfig:
     human_window: str = _R.human_window  # suffix of the long-window recorded series (rate5m)
     degrade_score: float = _T.degrade_score  # drawn on the peer-score panel
     quarantine_score: float = _T.quarantine_score  # drawn on the peer-score panel
-    min_relative_gap: float = _T.min_relative_gap  # drawn on the slowdown panels: never an outlier below it
-    live_cut_ratio: float = _T.live_cut_ratio  # drawn on the live ITL ratio panel: the controller cuts the weight
+    live_cut_ratio: float = _T.live_cut_ratio  # drawn on the ratio panels: one value there cuts the weight
     live_drift: float = _T.live_drift  # drawn there too: below it a node gathers no evidence
     live_batch_slope: float = _T.live_batch_slope  # the live ITL ratio panel compares ITLs at equal batch
     live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
@@ -50,7 +49,7 @@ class DashboardConfig:
         """The dashboard knobs of a validated grayguard config."""
         t, r = cfg.thresholds, cfg.rules
         return cls(control_window=r.control_window, human_window=r.human_window, degrade_score=t.degrade_score,
-                   quarantine_score=t.quarantine_score, min_relative_gap=t.min_relative_gap,
+                   quarantine_score=t.quarantine_score,
                    live_cut_ratio=t.live_cut_ratio, live_drift=t.live_drift, live_probe_confirm=t.live_probe_confirm,
                    live_batch_slope=t.live_batch_slope,
                    kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min,

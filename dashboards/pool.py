@@ -106,24 +106,28 @@ def build(cfg: DashboardConfig) -> dict:
         "s", dashed="^pool median$", legend_table=True))
     d = d.with_panel(ts(
         "Slowdown vs pool median",
-        f"How many times slower than the pool's median node (1 = typical), over {cfg.control_window}. Dashed: "
-        f"min_relative_gap ({cfg.min_relative_gap:g}x), below which no node is an outlier.",
+        f"How many times slower than the pool's median node (1 = typical), over {cfg.control_window}. Yellow: "
+        f"live_drift ({cfg.live_drift:g}x), below which a node gathers no evidence; orange: live_cut_ratio "
+        f"({cfg.live_cut_ratio:g}x), where one new sample cuts in a pool as quiet as min_spread (a few samples "
+        "above the yellow line cut too: the sequential test adds them up).",
         [Q(s(f"instance:vllm_normalized_latency_to_pool_median:ratio_{ctl}", V), "{{instance}}")],
-        "suffix:x", steps=[(cfg.min_relative_gap, "orange")], legend_table=True))
+        "suffix:x", steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True))
     d = d.with_panel(ts(
         "Peer score",
-        f"Robust z-score of each node's log latency against its peers (grayguard_node_score). Dashed: degrade at "
-        f"{cfg.degrade_score:g} (weight starts to fall), quarantine at {cfg.quarantine_score:g} (sustained: drained). "
-        "A gap: the node is not scored (no data, too few peers).",
+        "Each node's log latency over its peers' median, in noise widths (grayguard_node_score: the pool's learned "
+        "noise, widened by the node's own window's sampling noise). A cut node's weight falls as 2^-(score-2) from "
+        f"{cfg.degrade_score:g}; the evidence that drains is the score above the allowance, {cfg.quarantine_score:g} "
+        "over at least one window, with the probes agreeing. A gap: the node is not scored (no data, too few peers).",
         [Q(s("grayguard_node_score", C), "{{node}}")], "none",
         steps=[(cfg.degrade_score, "orange"), (cfg.quarantine_score, "red")], legend_table=True))
     d = d.with_panel(ts(
         "Slowdown vs peers (controller)",
-        "The controller's smoothed latency of each node over the median of its peers (the node excluded): the "
-        f"ratio it tests against min_relative_gap ({cfg.min_relative_gap:g}x, dashed).",
+        "The controller's last window sample of each node over the median of its peers (the node excluded): the "
+        f"ratio its sequential test judges (yellow: live_drift {cfg.live_drift:g}x; orange: live_cut_ratio "
+        f"{cfg.live_cut_ratio:g}x).",
         [Q(f"{s('grayguard_node_latency_ema_seconds_per_token', C)}\n/\n"
            f"{s('grayguard_node_peer_median_seconds_per_token', C)}", "{{node}}")],
-        "suffix:x", steps=[(cfg.min_relative_gap, "orange")], legend_table=True))
+        "suffix:x", steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True))
     d = d.with_panel(timeline(
         "Node state", "The controller's state per node (grayguard_node_state); the transitions are also "
         "annotations on every panel.", [Q(state_code(C), "{{node}}")], STATE_CODES))

@@ -247,13 +247,9 @@ class SignalsConfig:
 
 @dataclass(frozen=True)
 class ThresholdsConfig:
-    ema_alpha: float = 0.2  # EMA weight of the newest sample
     degrade_score: float = 2.0  # peer score at which weight starts to fall as 2^-(score-2)
-    quarantine_score: float = 3.5  # peer score that, sustained, drains the node
-    sustain_ticks: int = 3  # ticks at or above quarantine_score before quarantine
-    recover_ticks: int = 2  # ticks below degrade_score before a degraded node is healthy again
-    hysteresis: float = 0.5  # a degraded node must fall this far below degrade_score to count as calm
-    min_relative_gap: float = 1.25  # never an outlier below this multiple of the peer median
+    quarantine_score: float = 3.5  # evidence, in noise widths over at least one observation, that drains the node
+    recover_ticks: int = 2  # ticks a cut node without data needs probes like its peers' before the cut ends
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
     # the per-request variability (coefficient of variation) of the latency per weighted token: the 30 s window's
     # value is a mean over the requests that finished in it, noisy by about this / sqrt(their count), and that
@@ -291,19 +287,15 @@ class ThresholdsConfig:
     # sequential test over the ticks: the evidence that it sits above live_drift x the peers', in noise widths
     live_cut_ratio: float = 1.5  # cuts at the evidence of one tick at this ratio in a pool as quiet as min_spread
     live_drift: float = 1.1  # the allowance: a node at or below this ratio gathers no evidence
-    # a live-ITL quarantine needs the node's probe TTFT median at least this many times its peers' (the probes are
-    # noisier, so they only confirm: without them the live signal cuts but does not drain)
+    # a latency quarantine (live ITL or 30 s window) needs the node's probe TTFT median at least this many times its
+    # peers' (the probes are noisier, so they only confirm: without them a latency signal cuts but does not drain);
+    # a probe, or a canary, this much slower than its peers' is a slow one
     live_probe_confirm: float = 1.2
-    # the 30 s window's outlier is not acted on while the live ITL and TTFT are both below this multiple of the
-    # peers' (the window is the past: a few heavy requests in a thin window; the live signals are the present)
-    live_veto_ratio: float = 1.1
     # the load model's prior for the batch slope (controller/loadmodel.py): a decode step with more sequences takes
     # longer, each sequence beyond the first this share of a batch-1 step (fitted to published vLLM measurements of
     # 8B-class models, sim/calibrate.py: 0.028 on H100, 0.034 on A100). A pool with uneven batches fits its own
     # slope; a small or evenly loaded one keeps this. 0 leaves the batch out of the model
     live_batch_slope: float = 0.028
-    # hardware evidence (throttling or a degraded PCIe link under load, uncorrectable ECC, XID)
-    evidence_sustain_ticks: int = 1  # replaces sustain_ticks for a latency outlier with GPU evidence
     # membership
     new_node_warmup_s: float = 30.0  # a node that joins a running pool holds slow_start_initial this long
     forget_after_s: float = 300.0  # a node gone from HAProxy is forgotten after this (its state is kept)
@@ -311,28 +303,25 @@ class ThresholdsConfig:
     def validate(self, path: str) -> None:
         """Raise ConfigError naming the first bad field under path."""
         p = f"{path}."
-        _check(0 < self.ema_alpha <= 1, p + "ema_alpha", "must be in (0, 1]")
         _check(self.degrade_score > 0, p + "degrade_score", "must be > 0")
         _check(self.quarantine_score >= self.degrade_score, p + "quarantine_score", f"must be >= {p}degrade_score")
-        _check(self.sustain_ticks >= 1, p + "sustain_ticks", "must be >= 1")
         _check(self.recover_ticks >= 1, p + "recover_ticks", "must be >= 1")
-        _check(self.hysteresis >= 0, p + "hysteresis", "must be >= 0")
-        _check(self.min_relative_gap >= 1, p + "min_relative_gap", "must be >= 1 (a multiple of the median)")
         _check(self.min_spread > 0, p + "min_spread", "must be > 0")
         _check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
         _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
-        for name in ("live_cut_ratio", "live_drift", "live_probe_confirm", "live_veto_ratio"):
+        for name in ("live_cut_ratio", "live_drift", "live_probe_confirm"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift")
         _check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope", "must be in [0, 1] (a share of a batch-1 step)")
         for name in ("probe_slow_factor", "error_factor"):
             _check(0 < getattr(self, name) <= 1, p + name, "must be in (0, 1]")
-        _check(self.probe_slow_ratio >= self.min_relative_gap, p + "probe_slow_ratio", "must be >= min_relative_gap")
+        _check(self.probe_slow_ratio >= self.live_probe_confirm, p + "probe_slow_ratio",
+               f"must be >= {p}live_probe_confirm")
         for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "probe_slow_consecutive", "error_ticks",
-                     "circuit_ticks", "evidence_sustain_ticks"):
+                     "circuit_ticks"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1")
         _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
                f"must be in ({p}error_ratio, 1]")
@@ -340,8 +329,6 @@ class ThresholdsConfig:
         _check(self.kv_outlier_ratio > 1, p + "kv_outlier_ratio", "must be > 1 (times the peers' usage)")
         _check(0 < self.kv_outlier_min <= 1, p + "kv_outlier_min", "must be in (0, 1]")
         _check(self.kv_outlier_ticks >= 0, p + "kv_outlier_ticks", "must be >= 0 (0: off)")
-        _check(self.evidence_sustain_ticks <= self.sustain_ticks, p + "evidence_sustain_ticks",
-               f"must be <= {p}sustain_ticks (evidence shortens, never lengthens)")
         _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
         _check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
         _check_finite(self, path)
@@ -699,9 +686,16 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 _ONE_TEST = ("one sequential test judges the live ITL (controller/live.py, docs/architecture.md): it cuts at the "
              "evidence of one tick at live_cut_ratio, asks for a quarantine at quarantine_score noise widths, and a "
              "calm tick ends a cut; ignored")
+_ONE_WINDOW_TEST = ("the 30 s window is judged by the live ITL's sequential test, on each new sample "
+                    "(controller/live.py, docs/architecture.md): no EMA, no sustain count, no hysteresis, no gap of "
+                    "its own; ignored")
 REMOVED_FIELDS = {
     **{f"thresholds.{k}": _ONE_TEST for k in ("live_confirm_ticks", "live_quarantine_ratio", "live_sustain_ticks",
                                               "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio")},
+    **{f"thresholds.{k}": _ONE_WINDOW_TEST for k in ("ema_alpha", "sustain_ticks", "evidence_sustain_ticks",
+                                                     "hysteresis", "min_relative_gap")},
+    "thresholds.live_veto_ratio": "the 30 s window is not acted on while the live signals are within live_drift of "
+                                  "the peers' (the same allowance); ignored",
     "thresholds.live_prefill_gate": "the load model compares each node's live latencies with what its peers predict "
                                     "at its own decode batch and prompt tokens (docs/architecture.md); ignored",
 }

@@ -214,8 +214,7 @@ def stack_spec(args: argparse.Namespace):
     t, r = ThresholdsConfig(), RecoveryConfig()  # the shipped defaults, as grayguard.example.yaml has them
     return replace(spec, tick_s=5.0, control_window="30s", scrape_interval="5s",
                    probe_interval_s=ProbeConfig().interval,
-                   overrides={"thresholds": {"ema_alpha": t.ema_alpha, "sustain_ticks": t.sustain_ticks,
-                                             "min_request_rate": t.min_request_rate},
+                   overrides={"thresholds": {"min_request_rate": t.min_request_rate},
                               "recovery": {f: getattr(r, f) for f in ("min_quarantine_s", "canary_interval_s",
                                            "canary_successes", "canary_timeout_s", "slow_start_initial",
                                            "slow_start_step_per_min")},

@@ -320,7 +320,7 @@ def gated_controllers(world, lat: dict[int, float]):
     def controller(rid):
         hap = FakeHaproxy("unix:/h1", {"vllm_chat": srv}, events)
         c = fake_controller([{"name": "chat", "backend": "vllm_chat"}], [hap], FakeProm(prom_answer, events),
-                            clock=clock, extra={"thresholds": {"sustain_ticks": 1}})
+                            clock=clock, extra={"rules": {"control_interval": "30s"}})
         c.leadership, client = replica(world, rid)
         publish = client.put_if_held
         client.put_if_held = lambda *a: events.append(("publish", rid)) or publish(*a)
@@ -333,7 +333,7 @@ def test_a_standby_controller_neither_reads_prometheus_nor_writes_haproxy_and_th
     controller, events = gated_controllers(world, {0: 0.2, 1: 0.02, 2: 0.02, 3: 0.02})
     a, hap_a, _ = controller("a")
     b, hap_b, _ = controller("b")
-    a.tick()  # a leads: node0 (10x its peers) is drained at once (sustain_ticks 1)
+    a.tick()  # a leads: node0 (10x its peers) is drained at once (one sample a 30 s window: one observation)
     seen = len(events)
     res = b.tick()
     assert res.standby and "a leads" in res.standby and len(events) == seen  # no query, no HAProxy call

@@ -85,7 +85,7 @@ class Replica:
     def __init__(self, rid: str, hap, etcd: EtcdProc, writes: Writes):
         cfg = parse_config({
             "prometheus": {"url": PROM}, "haproxy": {"endpoints": [hap.endpoint], "timeout_s": 1.0},
-            "pools": [{"name": "chat", "backend": BE}], "thresholds": {"sustain_ticks": 2},
+            "pools": [{"name": "chat", "backend": BE}], "rules": {"control_interval": "15s"},
             "signals": {f"{k}_query": "" for k in OPTIONAL}, "state_file": None, "tick_interval_s": TICK,
             "registry": {"url": etcd.url, "lease_ttl_s": TTL, "timeout_s": 0.5}})
         self.id, self.metrics = rid, ControllerMetrics.create()

@@ -154,13 +154,14 @@ def test_a_latency_sample_seen_again_is_not_counted_twice():
             d = decide_pool(states, inputs, pol, 100.0 + k)
             states = {n: nd.state for n, nd in d.nodes.items()}
         return states["n0"]
-    # five 1 s ticks over one 5 s rule evaluation: one sample, one hot tick
+    # five 1 s ticks over one 5 s rule evaluation: one sample, one value for the test
     once = run([95.0] * 5)
-    assert once.hot_ticks == 1 and once.state != QUARANTINED
-    # three evaluations: sustain_ticks (3) samples, quarantined
-    thrice = run([95.0] * 5 + [100.0] * 5 + [105.0])
-    assert thrice.state == QUARANTINED and "3 tick(s)" in thrice.reason
-    assert run([None] * 3).state == QUARANTINED  # unknown timestamps: every tick counts, as before
+    assert once.window.xs == (pytest.approx(math.log(4.0), rel=0.02),) and once.state == DEGRADED
+    # six evaluations: the samples of one 30 s window, one observation: quarantined (no probe data to disagree)
+    six = run([95.0] * 5 + [100.0, 105.0, 110.0, 115.0, 120.0])
+    assert six.state == QUARANTINED and "over 6 sample(s)" in six.reason, six.reason
+    assert run([95.0] * 5 + [100.0, 105.0, 110.0, 115.0]).state == DEGRADED  # five: not yet
+    assert run([None] * 6).state == QUARANTINED  # unknown timestamps: every tick counts, as before
 
 
 def _ticks(live, n, **kw):
@@ -180,8 +181,9 @@ def test_without_the_probes_agreeing_the_live_signal_cuts_but_does_not_drain():
     out = _ticks(live, 12, probes=even)
     assert all(s.state != QUARANTINED for s, _ in out) and out[-1][0].state == DEGRADED and out[-1][1] < 50
     assert re.search(r"quarantine waits for the probes to agree \(probes (0\.9\d|1\.0\d)x peers'\)", out[-1][0].reason)
-    out = _ticks(live, 12, probes={})  # no probe data at all: the same
-    assert all(s.state != QUARANTINED for s, _ in out) and "no probe data" in out[-1][0].reason
+    # no probe data at all says nothing either way (absent is not a no): the live evidence drains alone
+    out = _ticks(live, 12, probes={})
+    assert out[-1][0].state == QUARANTINED and "probes agree" not in out[-1][0].reason
 
 
 def test_a_node_prefilling_far_more_than_its_peers_is_loaded_not_slow():
@@ -205,23 +207,24 @@ def test_a_node_prefilling_far_more_than_its_peers_is_loaded_not_slow():
 
 
 def test_a_past_outlier_is_not_acted_on_while_the_live_signals_say_the_node_is_like_its_peers():
-    """A thin 30 s window (a few heavy requests) makes a node look 1.5x slow; its live ITL and TTFT say it is not."""
+    """A thin 30 s window (a few heavy requests) makes a node look 2x slow; its live ITL and TTFT say it is not."""
     pol = Policy()
 
     def tick(live_itl, live_ttft):
-        states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate((0.03, 0.02, 0.021, 0.019))}
+        states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate((0.04, 0.02, 0.021, 0.019))}
         inputs = {n: NodeInput(base_weight=100, latency=states[n].ema, request_rate=5.0, live_itl=live_itl,
                                live_ttft=live_ttft) for n in states}
         return decide_pool(states, inputs, pol, 100.0).nodes["n0"]
     vetoed = tick(0.02, 0.05)
-    assert vetoed.state.state == HEALTHY and vetoed.weight == 100 and vetoed.state.ratio == pytest.approx(1.5)
+    assert vetoed.state.state == HEALTHY and vetoed.weight == 100 and vetoed.state.ratio == pytest.approx(2.0)
     assert tick(None, None).state.state == DEGRADED  # absent live data vetoes nothing
 
 
 def test_a_thin_window_is_a_noisy_mean_and_needs_a_wider_gap():
     """Found on the benchmark (low_traffic at seeds 2, 3, 5): at one request a second per node, the 30 s window
     holds 30 requests, and whether they overlapped another decode makes two of four nodes 1.4-1.5x the others
-    for one rule evaluation. That mean's own noise (window_noise_cv / sqrt(30): 18 %) joins the spread."""
+    for one rule evaluation. That mean's own noise (window_noise_cv / sqrt(30): 18 %) joins the spread (one sample
+    cuts at the evidence of 1.5x in a quiet pool; 1.7x, by much more than that, in a thin window does not)."""
     pol = Policy()
 
     def n0(ratio, rate, cv=pol.thresholds.window_noise_cv):
@@ -229,9 +232,9 @@ def test_a_thin_window_is_a_noisy_mean_and_needs_a_wider_gap():
         states = {f"n{i}": seasoned(since=0.0, ema=v) for i, v in enumerate((0.02 * ratio, 0.02, 0.021, 0.019))}
         inputs = {n: NodeInput(base_weight=100, latency=states[n].ema, request_rate=rate) for n in states}
         return decide_pool(states, inputs, p, 100.0).nodes["n0"].state.state
-    assert n0(1.45, 1.0) == HEALTHY  # 30 requests: within their noise
-    assert n0(1.45, 1.0, cv=0.0) == DEGRADED  # what it did before
-    assert n0(1.45, 5.0) == DEGRADED  # 150 requests: a 1.45x mean is news
+    assert n0(1.7, 1.0) == HEALTHY  # 30 requests: within their noise
+    assert n0(1.7, 1.0, cv=0.0) == DEGRADED  # without the sampling noise
+    assert n0(1.7, 5.0) == DEGRADED  # 150 requests: a 1.7x mean is news
     assert n0(2.5, 1.0) == DEGRADED  # far enough out, a thin window says so too
 
 
@@ -342,15 +345,14 @@ def test_a_slow_probe_on_a_gpu_reporting_trouble_drains_at_once_though_the_probe
 
 
 def test_the_veto_needs_a_measurement_of_the_node_now():
-    from controller.policy import live_veto
+    from controller.policy import like_peers_now
     calm, hot = Score(z=0.1, ratio=1.0, peer_median=0.02), Score(z=4.0, ratio=1.6, peer_median=0.02)
-    assert live_veto({}, 1.1) == ""  # absent vetoes nothing
-    assert live_veto({"live_itl": calm}, 1.1) == ""  # decode calm, nothing about the first token
-    assert live_veto({"live_itl": calm, "live_ttft": hot, "probe_ttft_median": calm}, 1.1) \
-        == "live ITL 1.00x and probe TTFT median 1.00x peers'"
-    assert live_veto({"live_itl": hot, "live_ttft": calm, "probe_ttft_median": calm}, 1.1) == ""
-    assert live_veto({"probe_ttft_median": calm}, 1.1) == "no live ITL and probe TTFT median 1.00x peers'"
-    assert live_veto({"live_ttft": hot, "probe_ttft_median": hot}, 1.1) == ""
+    assert not like_peers_now({}, 1.1)  # absent vetoes nothing
+    assert not like_peers_now({"live_itl": calm}, 1.1)  # decode calm, nothing about the first token
+    assert like_peers_now({"live_itl": calm, "live_ttft": hot, "probe_ttft_median": calm}, 1.1)  # the probes' say
+    assert not like_peers_now({"live_itl": hot, "live_ttft": calm, "probe_ttft_median": calm}, 1.1)
+    assert like_peers_now({"probe_ttft_median": calm}, 1.1)  # nothing decoded: the probes measure it
+    assert not like_peers_now({"live_ttft": hot, "probe_ttft_median": hot}, 1.1)
 
 
 def test_in_a_saturated_pool_a_probe_timeout_is_load_while_the_node_decodes_at_its_peers_pace():
@@ -421,7 +423,7 @@ def test_with_gpu_evidence_a_live_outlier_at_the_quarantine_ratio_drains_at_once
     inputs["n0"] = replace(inputs["n0"], pcie_degraded=True)
     d = decide_pool(states, inputs, pol, 100.0)
     n0 = d.nodes["n0"].state
-    assert pol.thresholds.evidence_sustain_ticks == 1 and n0.state == QUARANTINED, n0.reason
+    assert n0.state == QUARANTINED, n0.reason
     assert "GPU evidence: PCIe link below its maximum under load" in n0.reason and n0.cause == DrainCause.LATENCY
     out = _ticks(live, 3, probes=even)  # the same without the evidence: cut, not drained
     assert all(s.state == DEGRADED for s, _ in out)

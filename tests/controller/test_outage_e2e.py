@@ -228,7 +228,7 @@ class Replica:
     def __init__(self, tmp: Path, rid: str, doc: dict):
         self.id, self.port = rid, free_port()
         doc = {**doc, "listen_address": f"127.0.0.1:{self.port}", "state_file": str(tmp / f"{rid}-state.json"),
-               "rules": {"rerender_interval_s": 0}}
+               "rules": {**doc.get("rules", {}), "rerender_interval_s": 0}}
         doc["registry"] = {**doc["registry"], "snapshot_file": str(tmp / f"{rid}-members.json")}
         path = tmp / f"{rid}.yaml"
         path.write_text(yaml.safe_dump(doc))
@@ -273,7 +273,7 @@ def gateway_epoch(rc: RuntimeClient) -> int | None:
 def config(prom: FakePrometheus, endpoint: str, etcd_url: str, pools: list[dict]) -> dict:
     return {"prometheus": {"url": prom.url, "timeout_s": 0.5},
             "haproxy": {"endpoints": [endpoint], "timeout_s": 1.0},
-            "pools": pools, "thresholds": {"sustain_ticks": 2, "new_node_warmup_s": 2.0},
+            "pools": pools, "rules": {"control_interval": "15s"}, "thresholds": {"new_node_warmup_s": 2.0},
             "recovery": {"slow_start_step_per_min": 6.0},
             "signals": {f"{k}_query": "" for k in OPTIONAL}, "tick_interval_s": TICK,
             "registry": {"url": etcd_url, "lease_ttl_s": TTL, "timeout_s": 0.5}}
@@ -366,7 +366,8 @@ def test_a_node_turning_slow_during_an_etcd_outage_is_cut_and_drained_by_the_lea
     time.sleep(TICK)
     slow = time.monotonic()
     lat["127.0.0.1:9100"] = 0.2  # node0 10x its peers
-    cut = wait_until(lambda: (w := rc.get_weight("vllm_chat", "node0")[0]) < 100 and w, 10, interval_s=0.05,
+    # cut, or drained at once (two samples make one observation here: a 10x sample's evidence over them drains)
+    cut = wait_until(lambda: (w := rc.get_weight("vllm_chat", "node0")[0]) < 100 and str(w), 10, interval_s=0.05,
                      what="node0 cut")
     cut_s = time.monotonic() - slow
     wait_until(lambda: next(s for s in rc.show_servers_state("vllm_chat") if s.name == "node0").admin_state

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.haproxy import ServerState
+from controller.live import LiveMemory
 from controller.plan import plan_backend
 from controller.policy import (
     CANARY,
@@ -33,8 +34,6 @@ node_state = st.builds(
     since=st.floats(0, 1000),
     ema=st.one_of(st.none(), st.floats(0.001, 1.0)),
     score=st.one_of(st.none(), st.floats(-20, 50)),
-    hot_ticks=st.integers(0, 10),
-    calm_ticks=st.integers(0, 5),
     canary_ok=st.integers(0, 5),
     last_canary=st.one_of(st.none(), st.floats(0, 1000)),
     weight=st.one_of(st.none(), st.integers(0, 256)),
@@ -141,8 +140,7 @@ def test_degraded_weight_follows_the_seeds_formula_in_half_steps():
 
 
 def test_safeguard_caps_quarantine_and_says_so():
-    t = ThresholdsConfig(sustain_ticks=1)
-    pol = Policy(t, RecoveryConfig())
+    pol = Policy(window_samples=1)  # one sample a window: one sample's evidence is one observation
     lat = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1, "e": 0.5, "f": 0.6}
     d = fleet(lat, policy=pol)
     assert max_ejected(6, 0.3) == 1
@@ -155,8 +153,7 @@ def test_a_full_cap_goes_to_the_node_sick_now_not_to_a_drained_one_whose_canarie
     """Found on the real fleet (tests/fixtures/vllm/runs/thermal-1.5rps-quiet-b): a healthy node drained for an
     agent's 2 s hang verdict held the 4-node pool's cap of one in canary, passing, while the throttled node waited
     at weight 1 until it left: quarantined 14.1 s after the fault instead of 7.2 s."""
-    t = ThresholdsConfig(sustain_ticks=1)
-    pol = Policy(t, RecoveryConfig())
+    pol = Policy(window_samples=1)  # one sample a window: one sample's evidence is one observation
     lat = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.1, "e": 0.1, "f": 0.6}
     drained = {"a": seasoned(state=CANARY, since=50.0, canary_ok=1, cause=DrainCause.GATEWAY)}
     prev = {**{n: seasoned(since=0.0) for n in "bcdef"}, **drained}
@@ -178,20 +175,23 @@ def test_small_pools_never_eject():
 
 
 def test_hysteresis_a_node_at_the_edge_does_not_flap():
-    t = ThresholdsConfig(ema_alpha=1.0)
-    pol = Policy(t, RecoveryConfig())
+    """The window's test cuts at the evidence of 1.5x in one sample (a quiet pool) and ends the cut only at a calm
+    sample, within one noise width of the allowance (below 1.1 x e^0.1 = 1.22x): a node alternating above and below
+    the cut ratio stays cut."""
     peers = {"a": 0.1, "b": 0.1, "c": 0.1}
     prev: dict = {n: seasoned(since=0.0) for n in ("a", "b", "c", "x")}  # a controller that knows its quiet fleet
     states = []
-    for i in range(20):  # alternates just above and just below the entry gap
-        x = 0.13 if i % 2 == 0 else 0.12
-        d = fleet({**peers, "x": x}, prev=prev, now=float(i), policy=pol)
+    for i in range(7):  # alternates just above and just below the cut ratio (longer: its evidence drains it)
+        x = 0.16 if i % 2 == 0 else 0.14
+        d = fleet({**peers, "x": x}, prev=prev, now=float(i))
         prev = {n: nd.state for n, nd in d.nodes.items()}
         states.append(prev["x"].state)
-    assert states[0] == DEGRADED and set(states) == {DEGRADED}  # 1.2x is not calm (calm < 1.125x)
+    assert states[0] == DEGRADED and set(states) == {DEGRADED}  # 1.4x is not calm
+    d = fleet({**peers, "x": 0.115}, prev=prev, now=20.0)  # 1.15x: calm, the cut ends
+    assert d.nodes["x"].state.state == HEALTHY
 
 
 def test_no_data_holds_state_and_weight():
-    prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5, lat_degraded=True, lat_factor=0.25)}
+    prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5, window=LiveMemory(cut=True, z=4.0))}
     d = fleet({"a": None, "b": None, "c": None, "x": None}, prev=prev)
     assert d.nodes["x"].state.state == DEGRADED and d.nodes["x"].weight == 25

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.scoring import baseline, ema, leave_one_out, usable, with_sampling_noise
+from controller.scoring import baseline, leave_one_out, sampled_noise, usable
 
 
 def seeds_z(values, i):
@@ -41,9 +41,7 @@ def test_spread_floor_keeps_quiet_pool_calm():
     assert z < 0.5
 
 
-def test_ema_and_usable():
-    assert ema(None, 2.0, 0.2) == 2.0
-    assert ema(1.0, 2.0, 0.2) == pytest.approx(1.2)
+def test_usable():
     for bad in (None, math.nan, math.inf, 0.0, -1.0):
         assert not usable(bad)
     assert usable(0.01)
@@ -69,11 +67,10 @@ def test_large_pool_still_isolates_one_slow_node():
 
 def test_a_mean_over_few_requests_is_scored_with_its_own_noise():
     z = math.log(1.45) / 0.1  # 1.45x the peers at the spread floor: 3.7
-    thin = with_sampling_noise(z, 1.45, 30.0, 1.0)  # a window of 30 requests: +/-18 %
+    thin = math.log(1.45) / sampled_noise(0.05, 0.1, 30.0, 1.0)  # a window of 30 requests: +/-18 %
     assert thin == pytest.approx(math.log(1.45) / math.hypot(0.1, 1 / math.sqrt(30)))
-    assert thin < 2.0 < with_sampling_noise(z, 1.45, 300.0, 1.0) < z  # a busy node keeps most of its score
-    assert with_sampling_noise(math.log(3) / 0.1, 3.0, 30.0, 1.0) > 3.5  # a 3x node is an outlier all the same
-    assert with_sampling_noise(-z, 1 / 1.45, 30.0, 1.0) == pytest.approx(-thin)  # faster: symmetric
-    for off in ((z, 1.45, None, 1.0), (z, 1.45, 30.0, 0.0), (0.0, 1.0, 30.0, 1.0)):
-        assert with_sampling_noise(*off) == off[0]  # unknown count, off, or no gap: as it was
-
+    assert thin < 2.0 < math.log(1.45) / sampled_noise(0.05, 0.1, 300.0, 1.0) < z  # a busy node keeps most of it
+    assert math.log(3) / sampled_noise(0.05, 0.1, 30.0, 1.0) > 3.5  # a 3x node is an outlier all the same
+    assert sampled_noise(0.3, 0.1, 30.0, 1.0) == pytest.approx(math.hypot(0.3, 1 / math.sqrt(30)))  # learned noise
+    for off in ((0.05, 0.1, None, 1.0), (0.05, 0.1, 30.0, 0.0)):
+        assert sampled_noise(*off) == 0.1  # unknown count, or off: the comparison's noise, floored

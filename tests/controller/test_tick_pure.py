@@ -26,7 +26,9 @@ from tests.support.ctl_helpers import (
 POOL = PoolConfig(name="chat", backend="vllm_chat")
 ADDR = {f"node{i}": f"10.0.0.{i}:8000" for i in range(4)}
 SERVERS = {n: ServerState("vllm_chat", n, a, 100, 100, 0, 2) for n, a in ADDR.items()}
-POLICIES = {"chat": Policy()}
+# the 30 s window evaluated every 10 s: three samples are one observation, so a node's window can ask for a
+# quarantine on its third tick (these ticks are 5 s apart, each with a new sample)
+POLICIES = {"chat": Policy(window_samples=3)}
 
 
 def observe(now, prev, lat, ttft=None, optional=None, pool=POOL, servers=SERVERS):

@@ -80,7 +80,7 @@ def prom(tmp_path_factory):
 
 def real_controller(hap, prom, pools, clock=None):
     return make_controller([hap.endpoint], clock=clock or time.time, extra={
-        "prometheus": {"url": prom.url, "timeout_s": 5}, "pools": pools, "thresholds": {"sustain_ticks": 2}})
+        "prometheus": {"url": prom.url, "timeout_s": 5}, "pools": pools})
 
 
 def weights(hap, backend):

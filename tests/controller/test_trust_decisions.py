@@ -159,7 +159,7 @@ def test_max_ejected_fraction_0_never_drains(haproxy_factory):
     hap = haproxy_factory({BE: servers(4)})
     t = [1000.0]
     ctl = make_controller([hap.endpoint], clock=lambda: t[0], extra={
-        "thresholds": {"sustain_ticks": 2, "max_ejected_fraction": 0}})
+        "thresholds": {"max_ejected_fraction": 0}})
     for _ in range(6):
         tick(ctl, t[0], {0: 0.4, 1: 0.02, 2: 0.02, 3: 0.02})
         t[0] += 5
@@ -233,7 +233,8 @@ def test_replay_uses_the_pools_group_speed(tmp_path):
     assert QUARANTINED in {r["state"] for r in a0}, "replay ignored pools[].group_speed"
     # the same Policy objects as the live loop builds
     cfg = load_config(str(cfg_path))
-    live = make_controller(["unix:/nonexistent"], extra={"pools": doc["pools"], "thresholds": doc["thresholds"]})
+    live = make_controller(["unix:/nonexistent"], extra={"pools": doc["pools"], "thresholds": doc["thresholds"],
+                                                         "rules": doc["rules"]})
     assert policy.pool_policies(cfg) == live.policies
     assert policy.pool_policies(cfg)["chat"].group_speed == {"a100": 2.0, "h100": 1.0}
 

@@ -54,11 +54,11 @@ BAD = [
     (doc({"since": True}), "pools.chat.node0.since: expected a finite number"),
     ('{"version": 1, "pools": {"chat": {"node0": {"ema": NaN}}}}', "pools.chat.node0.ema: expected a finite number"),
     ('{"version": 1, "pools": {"chat": {"node0": {"score": Infinity}}}}', "pools.chat.node0.score"),
-    (doc({"hot_ticks": 1.5}), "pools.chat.node0.hot_ticks: expected a whole number"),
-    (doc({"hot_ticks": -1}), "pools.chat.node0.hot_ticks: expected a whole number >= 0"),
+    (doc({"canary_ok": 1.5}), "pools.chat.node0.canary_ok: expected a whole number"),
+    (doc({"canary_ok": -1}), "pools.chat.node0.canary_ok: expected a whole number >= 0"),
     (doc({"weight": 1000}), "pools.chat.node0.weight: must be in 0..256"),
-    (doc({"lat_degraded": "yes"}), "pools.chat.node0.lat_degraded: expected true or false"),
-    (doc({"lat_factor": 7}), "pools.chat.node0.lat_factor"),
+    (doc({"window": {"cut": "yes"}}), "pools.chat.node0.window.cut: expected true or false"),
+    (doc({"window": {"z": "high"}}), "pools.chat.node0.window.z: expected a finite number"),
     (doc({"reason": ["x"]}), "pools.chat.node0.reason: expected a string"),
     (doc({"signals": None}), "pools.chat.node0.signals: expected an object"),
     (doc({"signals": {"probe_bad": "many"}}), "pools.chat.node0.signals.probe_bad: expected a whole number"),
@@ -137,7 +137,7 @@ def test_fuzz_loader_only_raises_state_error(d):
         for s in nodes.values():
             assert s.state in STATES
             assert all(isinstance(getattr(s, k), int) and not isinstance(getattr(s, k), bool)
-                       for k in ("hot_ticks", "calm_ticks", "canary_ok"))
+                       for k in ("canary_ok",))
             assert isinstance(s.signals, SignalMemory)
             dump_states({"p": {"n": s}})  # and it can be saved again
 

@@ -147,7 +147,7 @@ def tier(tmp_path, haproxy_factory):
     cfg = parse_config({
         "prometheus": {"url": PROM}, "pools": [{"name": "chat", "backend": BE}],
         "haproxy": {"endpoints": [f"127.0.0.1:{s.port}" for s in sides], "timeout_s": 1.0, "writer": "actuators"},
-        "thresholds": {"sustain_ticks": 2}, "signals": {f"{k}_query": "" for k in OPTIONAL}, "state_file": None,
+        "rules": {"control_interval": "15s"}, "signals": {f"{k}_query": "" for k in OPTIONAL}, "state_file": None,
         "tick_interval_s": TICK, "registry": {"url": etcd.url, "lease_ttl_s": 3, "timeout_s": 0.5}})
     metrics = ControllerMetrics.create()
     ctl = Controller(cfg, FakeProm(answer(lat), []), [RuntimeClient(e, 1.0) for e in cfg.haproxy.endpoints],

@@ -21,9 +21,9 @@ def test_example_config_loads():
 @pytest.mark.parametrize("mutate, path, problem", [
     (lambda d: d["pools"][0].update(backend="vllm;shutdown"), "pools[0].backend", "inject"),
     (lambda d: d["pools"][0].pop("backend"), "pools[0].backend", "required"),
-    (lambda d: d.update(thresholds={"ema_alpha": 1.5}), "thresholds.ema_alpha", "(0, 1]"),
+    (lambda d: d.update(thresholds={"live_drift": 0.5}), "thresholds.live_drift", ">= 1"),
     (lambda d: d.update(thresholds={"quarantine_score": 1.0}), "thresholds.quarantine_score", ">="),
-    (lambda d: d.update(thresholds={"sustain_ticks": "three"}), "thresholds.sustain_ticks", "integer"),
+    (lambda d: d.update(thresholds={"recover_ticks": "three"}), "thresholds.recover_ticks", "integer"),
     (lambda d: d.update(tresholds={}), "tresholds", "unknown field"),
     (lambda d: d.update(haproxy={"endpoints": ["nohost"]}), "haproxy.endpoints[0]", "host:port"),
     (lambda d: d.update(prometheus={"url": "localhost:9090"}), "prometheus.url", "http://"),
@@ -90,10 +90,13 @@ def test_duration_seconds():
 
 
 @pytest.mark.parametrize("field", ["live_confirm_ticks", "live_quarantine_ratio", "live_sustain_ticks",
-                                   "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio", "live_prefill_gate"])
+                                   "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio", "live_prefill_gate",
+                                   "ema_alpha", "sustain_ticks", "evidence_sustain_ticks", "hysteresis",
+                                   "min_relative_gap", "live_veto_ratio"])
 def test_a_field_a_release_removed_loads_with_a_warning_that_says_what_replaced_it(field, caplog):
     """A config written for an older release still loads for one release: the field is ignored, and the log says
-    why (the live ITL's fields went to one sequential test, issue 33), not a silent difference."""
+    why (the live ITL's fields, then the 30 s window's, went to one sequential test, issue 33), not a silent
+    difference."""
     cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}], "thresholds": {field: 2, "live_cut_ratio": 1.6}})
     assert cfg.thresholds.live_cut_ratio == 1.6 and not hasattr(cfg.thresholds, field)
     assert f"thresholds.{field} was removed" in caplog.text

@@ -48,20 +48,12 @@ def with_override(where: str, override: dict) -> dict:
      "live_ttft_query, "
      "pcie_degraded_query, peer_group_query, probe_failures_query, probe_result_query, probe_ttft_median_query, "
      "probe_ttft_query, request_rate_query)"),
-    ("thresholds", {"ema_alpha": 0},
-     "thresholds.ema_alpha: must be in (0, 1]"),
     ("thresholds", {"degrade_score": 0},
      "thresholds.degrade_score: must be > 0"),
     ("thresholds", {"quarantine_score": 1.5},
      "thresholds.quarantine_score: must be >= thresholds.degrade_score"),
-    ("thresholds", {"sustain_ticks": 0},
-     "thresholds.sustain_ticks: must be >= 1"),
     ("thresholds", {"recover_ticks": 0},
      "thresholds.recover_ticks: must be >= 1"),
-    ("thresholds", {"hysteresis": -0.1},
-     "thresholds.hysteresis: must be >= 0"),
-    ("thresholds", {"min_relative_gap": 0.9},
-     "thresholds.min_relative_gap: must be >= 1 (a multiple of the median)"),
     ("thresholds", {"min_spread": 0},
      "thresholds.min_spread: must be > 0"),
     ("thresholds", {"window_noise_cv": -0.5},
@@ -79,7 +71,7 @@ def with_override(where: str, override: dict) -> dict:
     ("thresholds", {"error_factor": 1.1},
      "thresholds.error_factor: must be in (0, 1]"),
     ("thresholds", {"probe_slow_ratio": 1.0},
-     "thresholds.probe_slow_ratio: must be >= min_relative_gap"),
+     "thresholds.probe_slow_ratio: must be >= thresholds.live_probe_confirm"),
     ("thresholds", {"probe_failures_to_quarantine": 0},
      "thresholds.probe_failures_to_quarantine: must be >= 1"),
     ("thresholds", {"probe_ok_to_clear": 0},
@@ -90,8 +82,6 @@ def with_override(where: str, override: dict) -> dict:
      "thresholds.error_ticks: must be >= 1"),
     ("thresholds", {"circuit_ticks": 0},
      "thresholds.circuit_ticks: must be >= 1"),
-    ("thresholds", {"evidence_sustain_ticks": 0},
-     "thresholds.evidence_sustain_ticks: must be >= 1"),
     ("thresholds", {"circuit_error_ratio": 0.01},
      "thresholds.circuit_error_ratio: must be in (thresholds.error_ratio, 1]"),
     ("thresholds", {"error_ratio": 0},
@@ -100,14 +90,12 @@ def with_override(where: str, override: dict) -> dict:
      "thresholds.kv_drained: must be in (0, thresholds.kv_saturated)"),
     ("thresholds", {"kv_saturated": 1.5},
      "thresholds.kv_drained: must be in (0, thresholds.kv_saturated)"),
-    ("thresholds", {"evidence_sustain_ticks": 4},
-     "thresholds.evidence_sustain_ticks: must be <= thresholds.sustain_ticks (evidence shortens, never lengthens)"),
     ("thresholds", {"new_node_warmup_s": -1},
      "thresholds.new_node_warmup_s: must be >= 0"),
     ("thresholds", {"forget_after_s": -1},
      "thresholds.forget_after_s: must be >= 0"),
-    ("thresholds", {"ema_alpha": float("nan")},
-     "thresholds.ema_alpha: must be in (0, 1]"),
+    ("thresholds", {"live_drift": float("nan")},
+     "thresholds.live_drift: must be >= 1 (a multiple of the peer median)"),
     ("recovery", {"min_quarantine_s": -1},
      "recovery.min_quarantine_s: must be >= 0"),
     ("recovery", {"canary_interval_s": 0},
@@ -184,8 +172,8 @@ def test_each_check_names_its_field(where, override, message):
 
 def test_sections_validate_themselves_under_the_path_given():
     with pytest.raises(ConfigError) as e:
-        ThresholdsConfig(ema_alpha=2.0).validate("thresholds")
-    assert str(e.value) == "thresholds.ema_alpha: must be in (0, 1]"
+        ThresholdsConfig(recover_ticks=0).validate("thresholds")
+    assert str(e.value) == "thresholds.recover_ticks: must be >= 1"
     with pytest.raises(ConfigError) as e:
         PoolConfig(name="chat", backend="vllm chat").validate("pools[3]")
     assert e.value.path == "pools[3].backend"
@@ -195,11 +183,11 @@ def test_sections_validate_themselves_under_the_path_given():
 
 def test_type_errors_come_before_range_errors():
     # The whole document is read into dataclasses before any section checks its values.
-    d = with_override("thresholds", {"sustain_ticks": "three"})
+    d = with_override("thresholds", {"recover_ticks": "three"})
     d["pools"][0]["name"] = "chat room"
     with pytest.raises(ConfigError) as e:
         parse_config(d)
-    assert e.value.path == "thresholds.sustain_ticks"
+    assert e.value.path == "thresholds.recover_ticks"
 
 
 def test_sections_are_checked_in_document_order():

@@ -32,11 +32,13 @@ def make_controller(endpoints, extra=None, canary=None, clock=time.time, dry_run
     doc = {"prometheus": {"url": PROM, "timeout_s": 0.5},
            "haproxy": {"endpoints": list(endpoints)},
            "pools": [{"name": "chat", "backend": "vllm_chat"}],
-           "thresholds": {"sustain_ticks": 2},
+           # the 30 s window evaluated every 15 s: two samples make one observation, so a sick node's window asks
+           # for a quarantine on its second tick (these tests tick with a new sample each time)
+           "rules": {"control_interval": "15s"},
            # these tests are about latency: the optional signals are off unless a test turns one on
            "signals": {f"{k}_query": "" for k in OPTIONAL}}
     for k, v in (extra or {}).items():
-        doc[k] = {**doc[k], **v} if k == "signals" else v
+        doc[k] = {**doc[k], **v} if k in ("signals", "rules") else v
     cfg = parse_config(doc)
     return Controller(cfg, PrometheusClient(cfg.prometheus), [RuntimeClient(e, 1.0) for e in cfg.haproxy.endpoints],
                       canary=canary, metrics=ControllerMetrics.create(), clock=clock, dry_run=dry_run,
@@ -165,5 +167,5 @@ def seasoned(**kw) -> NodeState:
     """A NodeState of a controller that has seen its fleet for a minute: a quiet one, whose healthy nodes stray by
     less than min_spread (scoring.Noise: a fresh controller starts from PRIOR_SPREAD and is careful at first)."""
     quiet = Noise(0.02, NOISE_S)
-    live_itl = kw.pop("live_itl", LiveMemory())
-    return NodeState(lat_noise=quiet, live_itl=replace(live_itl, noise=quiet), **kw)
+    live_itl, window = kw.pop("live_itl", LiveMemory()), kw.pop("window", LiveMemory())
+    return NodeState(window=replace(window, noise=quiet), live_itl=replace(live_itl, noise=quiet), **kw)
