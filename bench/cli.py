@@ -11,6 +11,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -148,6 +149,15 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * k + "." * (width - k) + "]"
 
 
+def _worker_signals() -> None:
+    """In a pool worker: SIGTERM kills it at once (the default; not grayguard.terminate's unwinding handler, which a
+    fork inherits: a worker that unwound, or ignored the signal after the first, mid-write to the pool's queues could
+    hang the parent's Pool.terminate, the workers running the rest of the suite), and Ctrl-C is the parent's to
+    handle (a terminal sends SIGINT to the whole process group)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def execute(items: list, workers: int, progress=sys.stderr) -> tuple[list[dict], float]:
     """Run the work items (in a process pool when workers > 1), reporting progress; (rows, wall seconds)."""
     rows: list[dict] = []
@@ -165,7 +175,7 @@ def execute(items: list, workers: int, progress=sys.stderr) -> tuple[list[dict],
             report(i, label, secs)
     else:
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        with ctx.Pool(workers) as pool:
+        with ctx.Pool(workers, initializer=_worker_signals) as pool:
             for i, (label, r, secs) in enumerate(pool.imap_unordered(run_one, items), 1):
                 rows += r
                 report(i, label, secs)
