@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from grayguard import terminate
 from grayguard.config import duration_seconds
 
 # ---- the analysis (pure) ---------------------------------------------------------------------------
@@ -357,9 +358,9 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
         return 2
     try:
         report = run_soak(args, out)
-    except KeyboardInterrupt:  # the stack is down already (run_soak's finally)
-        print("soak: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate.Terminated): the stack is down already (run_soak's
+        print("soak: interrupted", file=sys.stderr)  # finally)
+        return terminate.exit_status(e)
     except (OSError, RuntimeError, TimeoutError) as e:  # the stack did not start (a missing binary, a port)
         print(f"soak: {e}", file=sys.stderr)
         return 2
@@ -372,4 +373,7 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C, so run_soak's finally stops the stack: Python's default
+    # died at once and left HAProxy, Prometheus, Alertmanager, the controller and every exporter running
+    terminate.install()
     sys.exit(main())

@@ -15,13 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from localstack.vllmserver import children
-from tests.support.procwatch import OutputWatch, alive
+from tests.support.procwatch import OutputWatch, left, stopped
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,32 +59,11 @@ def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
         assert started, f"{phase}: no child process while it runs"
         assert any(tmp.iterdir()), f"{phase}: its temp dir is not under TMPDIR"
     finally:
-        rc, out = _stopped(proc, watch, lambda: proc.send_signal(sig))
+        rc, out = stopped(proc, watch, lambda: proc.send_signal(sig))
     assert rc == (143 if sig == signal.SIGTERM else 130), out[-3000:]
-    left = _left(started)
-    assert not left, f"{phase}: still running after {sig.name}: {left}\n{out[-2000:]}"
+    still = left(started)
+    assert not still, f"{phase}: still running after {sig.name}: {still}\n{out[-2000:]}"
     assert not any(tmp.iterdir()), f"{phase}: left behind: {sorted(p.name for p in tmp.iterdir())}"
-
-
-def _stopped(proc: subprocess.Popen, watch: OutputWatch, send) -> tuple[int, str]:
-    """Send the signal (send()) and wait for the command (killed after 60 s); (its exit status, its output)."""
-    try:
-        send()
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    watch.thread.join(10)
-    return rc, watch.text()
-
-
-def _left(started: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The processes of `started` still alive 15 s on (a child may take a moment to see its parent go)."""
-    deadline = time.monotonic() + 15
-    while (left := [(p, n) for p, n in started if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["to the command", "to its process group"])
@@ -106,9 +84,9 @@ def test_the_benchmark_stopped_mid_suite_ends_its_workers(group, tmp_path):
         workers = children(proc.pid)
         assert len(workers) == 2, workers
     finally:
-        rc, out = _stopped(proc, watch, lambda: os.killpg(proc.pid, signal.SIGTERM) if group
+        rc, out = stopped(proc, watch, lambda: os.killpg(proc.pid, signal.SIGTERM) if group
                            else proc.send_signal(signal.SIGTERM))
     assert rc == 143, out[-3000:]
-    left = _left(workers)
-    assert not left, f"still running after SIGTERM: {left}\n{out[-2000:]}"
+    still = left(workers)
+    assert not still, f"still running after SIGTERM: {still}\n{out[-2000:]}"
     assert not (tmp_path / "r" / "report.json").exists()  # stopped, not finished

@@ -107,3 +107,34 @@ def test_the_soak_runs_at_the_shipped_timing_by_default():
     assert prod.overrides["rules"]["control_interval"] == "5s"  # six samples a window: the shipped observation
     demo = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="demo"))
     assert (demo.tick_s, demo.control_window, demo.scrape_interval) == (1.0, "10s", "1s")
+
+
+def test_the_soak_stopped_by_sigterm_stops_its_stack():
+    """`python -m localstack.soak` under `timeout` or a CI runner gets SIGTERM: Python's default died at once and left
+    HAProxy, Prometheus, Alertmanager, the controller and every exporter running (issue 34). It unwinds now: exit 143,
+    none of its processes left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from localstack.vllmserver import children
+    from tests.support.procwatch import OutputWatch, left, stopped
+
+    require("haproxy", "prometheus", "alertmanager")
+    proc = subprocess.Popen([sys.executable, "-m", "localstack.soak", "--minutes", "5", "--nodes", "3",
+                             "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watch = OutputWatch(proc, "[soak] running", at_start=True)
+    started: list[tuple[int, str]] = []
+    try:
+        assert watch.seen.wait(180), "the soak never ran:\n" + "".join(watch.lines[-40:])
+        started = children(proc.pid)
+        assert {"haproxy", "prometheus"} <= {name for _, name in started}, started
+    finally:
+        rc, out = stopped(proc, watch, lambda: proc.send_signal(signal.SIGTERM))
+    assert rc == 143, out[-3000:]
+    still = left(started)
+    assert not still, f"still running after SIGTERM: {still}\n{out[-2000:]}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -37,3 +39,24 @@ class OutputWatch:
 
     def text(self) -> str:
         return "".join(self.lines)
+
+
+def stopped(proc: subprocess.Popen, watch: OutputWatch, send: Callable[[], object]) -> tuple[int, str]:
+    """Send the signal (send()) and wait for the command (killed after 60 s); (its exit status, its output)."""
+    try:
+        send()
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    watch.thread.join(10)
+    return rc, watch.text()
+
+
+def left(started: list[tuple[int, str]], grace_s: float = 15.0) -> list[tuple[int, str]]:
+    """The processes of `started` still alive grace_s on (a child may take a moment to see its parent go)."""
+    deadline = time.monotonic() + grace_s
+    while (running := [(p, n) for p, n in started if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return running
