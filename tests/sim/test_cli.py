@@ -112,3 +112,29 @@ def test_fleet_port_in_use_exits_1(capsys):
         port = s.getsockname()[1]
         assert main(["fleet", "--nodes", "1", "--base-port", str(port)]) == 1
     assert "cannot listen" in capsys.readouterr().err
+
+
+def test_fleet_stopped_by_sigterm_exits_0_and_closes_its_ports():
+    """`kill`, `timeout` and systemd stop a fleet with SIGTERM: it stops serving like Ctrl-C (exit 0), and no port of
+    its nodes still listens (issue 34: nothing left behind; the fleet is one process, its nodes asyncio servers)."""
+    import socket
+    import urllib.parse
+
+    proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "--log-level", "WARNING", "fleet", "--nodes",
+                             "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        nodes = json.loads(proc.stdout.readline())["nodes"]
+        ports = [urllib.parse.urlparse(n["url"]).port for n in nodes]
+        assert all(requests.get(n["url"] + "/health", timeout=5).ok for n in nodes)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    for port in ports:
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
