@@ -187,8 +187,7 @@ class Grayguard(Detector):
     def __init__(self, nodes: Sequence[NodeSpec], scn: Scenario, policy: Policy | None = None) -> None:
         super().__init__(nodes, scn)
         self.interval_s = scn.tick_s
-        self.policy = policy or Policy(window_s=scn.window_s,
-                                       window_samples=window_samples(scn.window_s, scn.rule_eval_s))
+        self.policy = policy or scenario_policy(scn)
         self.states: dict[str, NodeState] = {}
         # what the engine was last told per node (it starts at base weight, in rotation, agent enabled)
         self.last = {n.name: Assign(n.base_weight) for n in nodes}
@@ -291,8 +290,14 @@ def grayguard_variant(spec: str, scn: Scenario) -> Policy:
         t.validate("thresholds")
     except ConfigError as e:
         raise ValueError(f"grayguard variant: {e}") from None
-    return Policy(t, window_s=scn.window_s, window_samples=window_samples(scn.window_s, scn.rule_eval_s),
-                  shadow=frozenset(shadow))
+    return scenario_policy(scn, t, frozenset(shadow))
+
+
+def scenario_policy(scn: Scenario, t: ThresholdsConfig | None = None, shadow: frozenset[str] = frozenset()) -> Policy:
+    """grayguard's Policy for a scenario's control window and rule evaluation (as config_policy builds it from
+    rules.control_window and control_interval), with these thresholds (default: the shipped ones)."""
+    return Policy(t or ThresholdsConfig(), window_s=scn.window_s,
+                  window_samples=window_samples(scn.window_s, scn.rule_eval_s), shadow=shadow)
 
 
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:

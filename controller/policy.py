@@ -710,9 +710,11 @@ def _window(s: NodeState, sc: peers.Score | None, renewed: dict | None,
     acted on, and its evidence starts over."""
     m = s.window
     if sc is not None and not renewed:  # a sample seen before: no new evidence, the cut holds as it was
+        if not m.cut:
+            return None, {}, m, 1.0, "", None
         held = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}" \
-            if m.cut and s.ratio is not None and s.score is not None else "latency (held)"
-        return None, {}, m, (weight_factor(m.z) if m.cut else 1.0), (held if m.cut else ""), None
+            if s.ratio is not None and s.score is not None else "latency (held)"
+        return None, {}, m, weight_factor(m.z), held, None
     noise, spread, per_obs = window
     spread = spread if renewed else None
     lat = {"score": sc.z, "ratio": sc.ratio} if sc is not None else \

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from localstack.soak import ProcResult, Series, SoakReport, Thresholds, analyze_series, main, render_markdown
+from localstack.vllmserver import children
+from tests.support.procwatch import OutputWatch, left, stopped
 from tests.support.stack import require
 
 TH = Thresholds(max_rss_growth_mib=4, max_fd_growth=2)
@@ -113,15 +120,6 @@ def test_the_soak_stopped_by_sigterm_stops_its_stack():
     """`python -m localstack.soak` under `timeout` or a CI runner gets SIGTERM: Python's default died at once and left
     HAProxy, Prometheus, Alertmanager, the controller and every exporter running (issue 34). It unwinds now: exit 143,
     none of its processes left."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from localstack.vllmserver import children
-    from tests.support.procwatch import OutputWatch, left, stopped
-
     require("haproxy", "prometheus", "alertmanager")
     proc = subprocess.Popen([sys.executable, "-m", "localstack.soak", "--minutes", "5", "--nodes", "3",
                              "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
