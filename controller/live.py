@@ -18,11 +18,11 @@ controller/peers.py); here x = ln(ratio), one a tick, is judged by one test over
 
 It cuts at Z >= ln(live_cut_ratio / live_drift) / min_spread (3.1 noise widths: one tick at 1.5x in a pool as
 quiet as min_spread; probes that agree let the shipped ratio cut in a noisier pool, as long as Z is at least
-degrade_score) and asks for a quarantine at Z >= quarantine_score (or the cut's level if higher) over at least W
+DEGRADE_AT, 2) and asks for a quarantine at Z >= quarantine_score (or the cut's level if higher) over at least W
 ticks (one tick with GPU evidence). A cut ends at the first calm tick (x within one noise width of the
 allowance), and the history goes with it: the next cut needs evidence of its own. A tick without a live value
 (no token produced, no peers, stale) holds what was known: absent is not zero; a cut node that decodes nothing
-is judged by its probes (below live_cut_ratio x its peers' for recover_ticks ticks: released).
+is judged by its probes (below live_cut_ratio x its peers' on probe_ok_to_clear ticks in a row: released).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from controller.peers import Score
-from controller.scoring import Noise, against_noise, weight_factor
+from controller.scoring import DEGRADE_AT, Noise, against_noise, weight_factor
 from controller.signals import evolve
 from grayguard.config import ThresholdsConfig
 
@@ -114,7 +114,7 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
         if learned is not m.noise:
             m = evolve(m, noise=learned)
         if m.cut and probes_like_peers:  # a cut took its traffic, and with it the tokens that would show it normal
-            if m.calm + 1 >= t.recover_ticks:
+            if m.calm + 1 >= t.probe_ok_to_clear:
                 return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
             m = evolve(m, calm=m.calm + 1)
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
@@ -126,17 +126,17 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
     # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
     bound = max(0.0, max(xs) - ld) * math.sqrt(max(1.0, len(xs) / per_obs)) / sigma
-    if not m.cut and bound < min(cut_at, t.degrade_score):
+    if not m.cut and bound < min(cut_at, DEGRADE_AT):
         return evolve(m, noise=learned, xs=xs), 1.0, "", None
     e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else per_obs, per_obs=per_obs)
     fires = e >= cut_at
-    if not fires and sigma > t.min_spread and e >= t.degrade_score and probe_ratio is not None \
+    if not fires and sigma > t.min_spread and e >= DEGRADE_AT and probe_ratio is not None \
             and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread):
         fires = e * sigma / t.min_spread >= cut_at  # the probes agree: the shipped ratio cuts, whatever the noise
     if m.cut and x - ld < sigma:  # a calm tick ends the cut, and its evidence with it
         return evolve(m, noise=learned, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
     cut = fires or m.cut
-    zz = max(z, t.degrade_score + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
+    zz = max(z, DEGRADE_AT + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
     m = evolve(m, noise=learned, cut=cut, calm=0, z=zz, xs=xs)
     reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} {unit}(s))" if cut else ""
     quarantine = None

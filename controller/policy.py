@@ -5,7 +5,7 @@ slow_start -> healthy. No I/O, no clock: `now` is a parameter, so the live loop,
 benchmark engine run exactly this code.
 
 Weight = base x the product of the signals' factors (latency 2^-(score-2), slow probes, errors;
-slow start's ramp share), at least min_degraded_weight while any factor cuts it; 0 when drained or
+slow start's ramp share), at least 1 (HAProxy's least serving weight) while any factor cuts it; 0 when drained or
 when the KV cache is saturated (weight 0 without drain: running requests finish, no new ones).
 Quarantine causes: a latency signal's evidence over one observation (its sequential test, controller/live.py;
 one value with GPU evidence), failing probes or a CUDA
@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 from controller import live, loadmodel, peers, signals
 from controller.live import LiveMemory
-from controller.scoring import against_noise, pool_noise, sampled_noise, usable, weight_factor
+from controller.scoring import DEGRADE_AT, against_noise, pool_noise, sampled_noise, usable, weight_factor
 from controller.signals import SignalMemory, dict_init, evolve
 from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
@@ -259,7 +259,7 @@ def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool 
     share = slow_start_share(s, now, p.recovery) if s.state == SLOW_START else 1.0
     w = base * share * product
     if product < 1.0:
-        return max(min(p.thresholds.min_degraded_weight, base), min(base, round(w)))
+        return max(1, min(base, round(w)))  # a cut node keeps weight 1 at least, so that it stays measured
     return max(1, math.ceil(w)) if s.state == SLOW_START else min(base, round(w))
 
 
@@ -437,9 +437,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           noise=noise, live_spread=live_spread, at_capacity=n in at_capacity,
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
-                                                                             t.probe_slow_consecutive, probed))
+                                                                             t.probe_consecutive, probed))
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
-                                             _share(prefill.get(n), peer_prefill.get(n)))
+                                             _share(prefill.get(n), peer_prefill.get(n)), live.WINDOW_TICKS)
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
             if kv_why and Detector.KV_OUTLIER in policy.shadow:
@@ -817,8 +817,8 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
     z = against_noise(z, ratio, noise, t.min_spread)
     # one value of the latency test: good when it would not cut (below the cut ratio) and its score, in the learned
-    # noise (floored at min_spread: 1.22x in a quiet pool), below degrade_score
-    good = ratio < t.live_cut_ratio and z < t.degrade_score
+    # noise (floored at min_spread: 1.22x in a quiet pool), below DEGRADE_AT (2 noise widths)
+    good = ratio < t.live_cut_ratio and z < DEGRADE_AT
     ok = s.canary_ok + 1 if good else 0
     what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
     s = evolve(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,

@@ -19,15 +19,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from grayguard.config import DEGRADE_AT
+
 MAD_SCALE = 1.4826  # MAD of a normal sample * 1.4826 estimates its standard deviation
 EXACT_LOO_MAX = 64  # above this pool size one node cannot move the MAD: reuse the pool's own
 
 
 def weight_factor(score: float) -> float:
-    """The weight a peer score leaves a node: 2^-(score-2), the score rounded down to half points (so the weight
-    does not churn every tick) and floored at 2 (an outlier keeps its whole weight at the threshold)."""
-    q = max(2.0, math.floor(score * 2) / 2)
-    return 2.0 ** -(q - 2.0)
+    """The weight a peer score leaves a node: 2^-(score-DEGRADE_AT), the score rounded down to half points (so the
+    weight does not churn every tick) and floored at DEGRADE_AT (an outlier keeps its whole weight there)."""
+    q = max(DEGRADE_AT, math.floor(score * 2) / 2)
+    return 2.0 ** -(q - DEGRADE_AT)
 
 
 def usable(x: float | None) -> bool:

@@ -28,8 +28,7 @@ class SignalMemory:
     probe_good: int = 0  # consecutive good probes
     probe_slow: bool = False  # slow-probe degrade in force
     probe_slow_run: int = 0  # consecutive slow probes
-    error_ticks: int = 0  # consecutive ticks above error_ratio
-    circuit_ticks: int = 0  # consecutive ticks above circuit_error_ratio
+    errors: bool = False  # the error share's cut in force (its last value above error_ratio)
     kv_saturated: bool = False
     kv_hot: int = 0  # consecutive ticks the KV cache was an outlier against the peers' (kv_outlier)
 
@@ -43,7 +42,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
     and one bad response (garbage text, a broken stream) quarantines at once, like a CUDA error: HAProxy
     cannot see a 200 with broken text, so every tick waited for a second bad probe delivers garbage.
-    Without corroboration a bad response is one failure among `probe_failures_to_quarantine` (a single
+    Without corroboration a bad response is one failure among `probe_consecutive` (a single
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
 
     median_calm: the median of the node's last few probes is like its peers' (controller/live.py's probe median):
@@ -55,13 +54,13 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count. A slow probe
     on a GPU that reports trouble (corroborated) counts all the same: the live signals are averages over the last
     seconds and lag the fault they would deny.
-    run_needed: slow probes in a row that cut (default probe_slow_consecutive; the policy passes more where the
+    run_needed: slow probes in a row that cut (default probe_consecutive; the policy passes more where the
     node's peers get slow probes too: probe_run_needed).
     """
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
-        return m, (t.probe_slow_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
+        return m, (t.cut_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
     if result == ProbeResult.TIMEOUT and like_peers:
-        return evolve(m, probe_good=0), (t.probe_slow_factor if m.probe_slow else 1.0), \
+        return evolve(m, probe_good=0), (t.cut_factor if m.probe_slow else 1.0), \
             ("probe slow (held)" if m.probe_slow else ""), None
     bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
@@ -72,7 +71,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
             "probe: bad response while the GPU reports trouble (one strike)"
     if result in PROBE_FAILURES:
         m = evolve(m, probe_bad=bad, probe_good=0)
-        if bad >= t.probe_failures_to_quarantine:
+        if bad >= t.probe_consecutive:
             return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
         return m, 1.0, "", None
     # answered: slow when the exporter says so and it is slower than the peers' probes, or when it is far
@@ -85,7 +84,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     elif (result == ProbeResult.SLOW and slower) or far:
         run = m.probe_slow_run + 1
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run,
-                   probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_slow_consecutive))
+                   probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_consecutive))
     elif slower and m.probe_slow:  # still slower than the peers: not a good probe
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
     else:
@@ -95,7 +94,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     if m.probe_slow:
         what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
         peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
-        return m, t.probe_slow_factor, f"probe slow ({what}{peers})", None
+        return m, t.cut_factor, f"probe slow ({what}{peers})", None
     return m, 1.0, "", None
 
 
@@ -107,7 +106,7 @@ PROBE_RUN_CHANCE = 0.01
 def probe_run_needed(slow_share: float | None, least: int, nodes: int = 1) -> int:
     """Slow probes in a row that cut a node whose peers got slow probes at this share this tick: the run one of the
     pool's `nodes` healthy nodes would have by chance at most PROBE_RUN_CHANCE of the time, share ** k <=
-    PROBE_RUN_CHANCE / nodes, and never fewer than `least` (probe_slow_consecutive). A quiet pool keeps `least` (in a
+    PROBE_RUN_CHANCE / nodes, and never fewer than `least` (probe_consecutive). A quiet pool keeps `least` (in a
     4-node pool a share up to 5 %: 2); a loaded one, whose probes queue behind long prompts everywhere, asks more (4
     nodes: 3 at 10 %, 5 at 30 %; 32 nodes: 4 at 10 %); a pool whose every peer's probe is slow (share 1) tells
     nothing about this node: no run is evidence then."""
@@ -120,19 +119,18 @@ def probe_run_needed(slow_share: float | None, least: int, nodes: int = 1) -> in
 
 
 def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
-    """A sustained error share cuts the weight; a very high one opens the node's circuit."""
+    """The error share of the requests the node finished over the control window, one value a sample: above
+    error_ratio it cuts the weight by cut_factor, at or above circuit_error_ratio it opens the node's circuit (a
+    quarantine: drained, then canaries). The share is already a rate over the window's requests, so its value acts
+    as it comes; counting ticks would count the same sample again. No value (no request finished): the cut holds."""
     if ratio is None:
-        return m, (t.error_factor if m.error_ticks >= t.error_ticks else 1.0), \
-            ("errors (held)" if m.error_ticks >= t.error_ticks else ""), None
-    et = m.error_ticks + 1 if ratio > t.error_ratio else 0
-    ct = m.circuit_ticks + 1 if ratio >= t.circuit_error_ratio else 0
-    if (et, ct) != (m.error_ticks, m.circuit_ticks):  # a quiet node keeps its memory: no copy
-        m = evolve(m, error_ticks=et, circuit_ticks=ct)
-    if ct >= t.circuit_ticks:
-        return m, 1.0, "", f"errors: {ratio:.0%} of requests failed for {ct} ticks (circuit open)"
-    if et >= t.error_ticks:
-        return m, t.error_factor, f"errors {ratio:.1%} for {et} ticks", None
-    return m, 1.0, "", None
+        return m, (t.cut_factor if m.errors else 1.0), ("errors (held)" if m.errors else ""), None
+    if ratio >= t.circuit_error_ratio:
+        return m, 1.0, "", f"errors: {ratio:.0%} of requests failed (circuit open)"
+    cut = ratio > t.error_ratio
+    if cut != m.errors:  # a quiet node keeps its memory: no copy
+        m = evolve(m, errors=cut)
+    return m, (t.cut_factor if cut else 1.0), (f"errors {ratio:.1%}" if cut else ""), None
 
 
 def kv_cache(m: SignalMemory, usage: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, bool]:
@@ -154,9 +152,9 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
 
 
 def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
-               t: ThresholdsConfig, load_share: float = 1.0) -> tuple[SignalMemory, str | None]:
-    """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, tick after
-    tick: a quarantine reason once it held kv_outlier_ticks ticks in a row, else None.
+               t: ThresholdsConfig, load_share: float = 1.0, held: int = 5) -> tuple[SignalMemory, str | None]:
+    """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, held for
+    `held` ticks in a row (one observation of the live window, WINDOW_TICKS): a quarantine reason, else None.
 
     A node whose KV budget shrank (another process holding GPU memory, a leak, a smaller
     gpu_memory_utilization) fills its cache with a fraction of its peers' requests; the rest wait for a slot, so
@@ -169,13 +167,13 @@ def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
     fuller cache in proportion is its load, not a smaller budget. A node with a shrunk budget serves less under
     leastconn, so its share is 1.
     """
-    if t.kv_outlier_ticks <= 0 or usage is None or peer_usage is None:
+    if t.kv_outlier_ratio <= 0 or usage is None or peer_usage is None:
         return m, None
     hot = usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage * load_share)
     run = m.kv_hot + 1 if hot else 0
     if run != m.kv_hot:
         m = evolve(m, kv_hot=run)
-    if run >= t.kv_outlier_ticks:
+    if run >= held:
         return m, (f"KV cache {usage:.0%} full vs its peers' {peer_usage:.0%} for {run} ticks: less room for the "
                    f"KV cache than its peers (GPU memory taken or a KV budget that shrank), requests wait for a slot")
     return m, None

@@ -18,7 +18,7 @@ HELP = "render the Grafana dashboards (JSON) from the config"
 DESCRIPTION = f"""\
 render  writes grayguard-pool-overview.json and grayguard-gpu-health.json from the config: the recorded
         series' window suffixes (rules.control_window, rules.human_window), the peer-score thresholds
-        (thresholds.degrade_score, quarantine_score), the live ones (live_cut_ratio, live_drift),
+        (thresholds.quarantine_score), the live ones (live_cut_ratio, live_drift),
         job names and vLLM naming. Without --config the
         defaults are used (the same as grayguard.example.yaml). Files are replaced atomically, only when
         they change. --check writes nothing and exits 1 when a file would change.

@@ -16,7 +16,6 @@ class DashboardConfig:
 
     control_window: str = _R.control_window  # suffix of the controller's recorded signals (rate30s)
     human_window: str = _R.human_window  # suffix of the long-window recorded series (rate5m)
-    degrade_score: float = _T.degrade_score  # drawn on the peer-score panel
     quarantine_score: float = _T.quarantine_score  # drawn on the peer-score panel
     live_cut_ratio: float = _T.live_cut_ratio  # drawn on the ratio panels: one value there cuts the weight
     live_drift: float = _T.live_drift  # drawn there too: below it a node gathers no evidence
@@ -24,7 +23,6 @@ class DashboardConfig:
     live_probe_confirm: float = _T.live_probe_confirm  # probe median ratio a live quarantine needs (described)
     kv_outlier_ratio: float = _T.kv_outlier_ratio  # KV usage ratio to the peers' that quarantines (described)
     kv_outlier_min: float = _T.kv_outlier_min  # ...at least this full (drawn on the KV panel)
-    kv_outlier_ticks: int = _T.kv_outlier_ticks  # ...for this many ticks (described)
     kv_saturated: float = _T.kv_saturated  # drawn on the KV panel: no new traffic from here
     controller_job: str = _R.controller_job  # controller series without a pool label are selected by job
     controller_stale_s: float = _R.controller_stale_s  # drawn on the last-successful-tick panel
@@ -48,12 +46,11 @@ class DashboardConfig:
     def from_config(cls, cfg: Config) -> DashboardConfig:
         """The dashboard knobs of a validated grayguard config."""
         t, r = cfg.thresholds, cfg.rules
-        return cls(control_window=r.control_window, human_window=r.human_window, degrade_score=t.degrade_score,
+        return cls(control_window=r.control_window, human_window=r.human_window,
                    quarantine_score=t.quarantine_score,
                    live_cut_ratio=t.live_cut_ratio, live_drift=t.live_drift, live_probe_confirm=t.live_probe_confirm,
                    live_batch_slope=t.live_batch_slope,
-                   kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min,
-                   kv_outlier_ticks=t.kv_outlier_ticks, kv_saturated=t.kv_saturated,
+                   kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min, kv_saturated=t.kv_saturated,
                    controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,
                    probe_failures=r.probe_failures, tick_interval_s=cfg.tick_interval_s,
                    vllm_prefix=r.vllm_prefix)

@@ -126,9 +126,9 @@ def panels(cfg: DashboardConfig) -> list:
            "vLLM's KV-cache usage at the exporter's newest reading (grayguard_live_kv_cache_usage_ratio, 0-1). At "
            f"kv_saturated ({cfg.kv_saturated:.0%}, red) the node gets no new traffic until it drains (load). A node "
            f"at least kv_outlier_min ({cfg.kv_outlier_min:.0%}, orange) full and kv_outlier_ratio "
-           f"({cfg.kv_outlier_ratio:g}x) times its peers' median for {cfg.kv_outlier_ticks} ticks in a row is "
-           "quarantined: it fills its cache with a fraction of its peers' traffic (less room: GPU memory taken, a "
-           "KV budget that shrank), and its requests wait for a slot. Dashed: the pool's median node.",
+           f"({cfg.kv_outlier_ratio:g}x) times its peers' median for 5 ticks in a row (one observation of the "
+           "live window) is quarantined: it fills its cache with a fraction of its peers' traffic (less room: GPU "
+           "memory taken, a KV budget that shrank), and its requests wait for a slot. Dashed: the pool's median node.",
            [Q(per_node(KV), "{{instance}}"), Q(pool_median(KV), "pool median")], "percentunit", lo=0,
            dashed="^pool median$", steps=[(cfg.kv_outlier_min, "orange"), (cfg.kv_saturated, "red")],
            legend_table=True),

@@ -20,6 +20,7 @@ from dashboards.panels import (
 )
 from dashboards.promql import matchers, quantile, vllm, zero_fill
 from dashboards.promql import series as s
+from grayguard.config import DEGRADE_AT
 from grayguard.vocab import State
 
 UID = "grayguard-pool-overview"
@@ -116,10 +117,10 @@ def build(cfg: DashboardConfig) -> dict:
         "Peer score",
         "Each node's log latency over its peers' median, in noise widths (grayguard_node_score: the pool's learned "
         "noise, widened by the node's own window's sampling noise). A cut node's weight falls as 2^-(score-2) from "
-        f"{cfg.degrade_score:g}; the evidence that drains is the score above the allowance, {cfg.quarantine_score:g} "
+        f"{DEGRADE_AT:g}; the evidence that drains is the score above the allowance, {cfg.quarantine_score:g} "
         "over at least one window, with the probes agreeing. A gap: the node is not scored (no data, too few peers).",
         [Q(s("grayguard_node_score", C), "{{node}}")], "none",
-        steps=[(cfg.degrade_score, "orange"), (cfg.quarantine_score, "red")], legend_table=True))
+        steps=[(DEGRADE_AT, "orange"), (cfg.quarantine_score, "red")], legend_table=True))
     d = d.with_panel(ts(
         "Slowdown vs peers (controller)",
         "The controller's last window sample of each node over the median of its peers (the node excluded): the "
@@ -143,7 +144,7 @@ def build(cfg: DashboardConfig) -> dict:
     d = d.with_panel(ts(
         "Weight factor per signal", "What each signal does to a node's weight (1 = nothing): latency (the peer "
         "score), probe, errors, live (the live ITL), kv_cache. The weight is the base weight times their product "
-        "(at least min_degraded_weight while one cuts it), or 0 when drained.",
+        "(at least 1 while one cuts it, so that the node stays measured), or 0 when drained.",
         [Q(s("grayguard_node_weight_factor", C), "{{node}} {{signal}}")], "percentunit", lo=0, hi=1,
         step_line=True))
     d = d.with_panel(ts(

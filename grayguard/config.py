@@ -245,11 +245,16 @@ class SignalsConfig:
         """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
 
 
+# the score, in noise widths, from which a cut's weight falls (2^-(score-2), controller/scoring.py); a canary scored
+# below it is good, and probes that agree let evidence of it cut in a pool noisier than min_spread (controller/live.py).
+# Two noise widths: the scale of the score, not a tuned threshold (it was thresholds.degrade_score, which the weight
+# curve never read)
+DEGRADE_AT = 2.0
+
+
 @dataclass(frozen=True)
 class ThresholdsConfig:
-    degrade_score: float = 2.0  # peer score at which weight starts to fall as 2^-(score-2)
     quarantine_score: float = 3.5  # evidence, in noise widths over at least one observation, that drains the node
-    recover_ticks: int = 2  # ticks a cut node without data needs probes like its peers' before the cut ends
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
     # the per-request variability (coefficient of variation) of the latency per weighted token: the 30 s window's
     # value is a mean over the requests that finished in it, noisy by about this / sqrt(their count), and that
@@ -260,29 +265,27 @@ class ThresholdsConfig:
     # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
     # low: a badly slowed node finishes few requests (the probes cover a node that finishes none).
     min_request_rate: float = 0.1
-    min_degraded_weight: int = 1  # a degraded node keeps some traffic so that it stays measured
+    # the weight factor of a cut whose finding does not measure how slow the node is (slow probes, errors)
+    cut_factor: float = 0.3
     # probes (the exporter's 1-token micro-probe)
-    probe_slow_factor: float = 0.3  # weight factor while probes are slow (and slower than the peers' probes)
     probe_slow_ratio: float = 10.0  # a probe this many times the peers' probe TTFT is slow, whatever the exporter says
-    probe_slow_consecutive: int = 2  # slow probes in a row before the weight is cut (one spike is noise)
-    probe_failures_to_quarantine: int = 2  # consecutive timeouts/failed probes that quarantine (CUDA: one)
-    probe_ok_to_clear: int = 3  # good probes in a row that clear a slow-probe degrade
-    # errors
-    error_ratio: float = 0.01  # finished_reason="error" share above which...
-    error_ticks: int = 3  # ...sustained this many ticks...
-    error_factor: float = 0.6  # ...the weight is multiplied by this
-    circuit_error_ratio: float = 0.5  # an error share this high for circuit_ticks opens the node's circuit:
-    circuit_ticks: int = 2  # drained, then half-open (canaries) every canary_interval_s
+    # slow probes in a row that cut (one spike is noise; more where the peers' probes are slow too), failed probes in a
+    # row that quarantine (a CUDA error: one)
+    probe_consecutive: int = 2
+    # good probes in a row that end a slow-probe cut, and the latency cut of a node without data (its probes below
+    # live_cut_ratio x its peers')
+    probe_ok_to_clear: int = 3
+    # errors: the share of finished requests that ended in an error, over the control window (one value a sample)
+    error_ratio: float = 0.01  # above it the weight is cut by cut_factor
+    circuit_error_ratio: float = 0.5  # at or above it the node's circuit opens: drained, half-open (canaries)
     # KV-cache saturation: load, not sickness (no quarantine, no page)
     kv_saturated: float = 0.95  # usage at which the node gets no new traffic...
     kv_drained: float = 0.85  # ...until it falls below this
-    # a KV cache far fuller than the peers' at a like share of traffic: less room for it (GPU memory taken by
-    # something else, a KV budget that shrank), so requests queue for a slot. Quarantined after kv_outlier_ticks
-    # ticks in a row at least kv_outlier_min full and kv_outlier_ratio times the median of its peers' usage
-    # (controller/signals.py: kv_outlier; 0 ticks: off)
+    # a KV cache at least kv_outlier_min full and kv_outlier_ratio times its peers' usage at a like share of traffic,
+    # held for one observation (the live window's 5 ticks): less room for it (GPU memory taken by something else, a
+    # KV budget that shrank), so requests queue for a slot: quarantined (controller/signals.py: kv_outlier; 0: off)
     kv_outlier_ratio: float = 4.0
     kv_outlier_min: float = 0.3
-    kv_outlier_ticks: int = 5
     # live signals (controller/live.py): the exporter's live ITL at the node's load against its peers', judged by one
     # sequential test over the ticks: the evidence that it sits above live_drift x the peers', in noise widths
     live_cut_ratio: float = 1.5  # cuts at the evidence of one tick at this ratio in a pool as quiet as min_spread
@@ -303,32 +306,28 @@ class ThresholdsConfig:
     def validate(self, path: str) -> None:
         """Raise ConfigError naming the first bad field under path."""
         p = f"{path}."
-        _check(self.degrade_score > 0, p + "degrade_score", "must be > 0")
-        _check(self.quarantine_score >= self.degrade_score, p + "quarantine_score", f"must be >= {p}degrade_score")
-        _check(self.recover_ticks >= 1, p + "recover_ticks", "must be >= 1")
+        _check(self.quarantine_score >= DEGRADE_AT, p + "quarantine_score",
+               "must be >= 2 (the score, in noise widths, from which a cut's weight falls)")
         _check(self.min_spread > 0, p + "min_spread", "must be > 0")
         _check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
         _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
         _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
-        _check(0 <= self.min_degraded_weight <= 256, p + "min_degraded_weight", "must be in 0..256")
         for name in ("live_cut_ratio", "live_drift", "live_probe_confirm"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift")
         _check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope", "must be in [0, 1] (a share of a batch-1 step)")
-        for name in ("probe_slow_factor", "error_factor"):
-            _check(0 < getattr(self, name) <= 1, p + name, "must be in (0, 1]")
+        _check(0 < self.cut_factor <= 1, p + "cut_factor", "must be in (0, 1]")
         _check(self.probe_slow_ratio >= self.live_probe_confirm, p + "probe_slow_ratio",
                f"must be >= {p}live_probe_confirm")
-        for name in ("probe_failures_to_quarantine", "probe_ok_to_clear", "probe_slow_consecutive", "error_ticks",
-                     "circuit_ticks"):
+        for name in ("probe_consecutive", "probe_ok_to_clear"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1")
         _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
                f"must be in ({p}error_ratio, 1]")
         _check(0 < self.kv_drained < self.kv_saturated <= 1, p + "kv_drained", f"must be in (0, {p}kv_saturated)")
-        _check(self.kv_outlier_ratio > 1, p + "kv_outlier_ratio", "must be > 1 (times the peers' usage)")
+        _check(self.kv_outlier_ratio == 0 or self.kv_outlier_ratio > 1, p + "kv_outlier_ratio",
+               "must be > 1 (times the peers' usage), or 0 (off)")
         _check(0 < self.kv_outlier_min <= 1, p + "kv_outlier_min", "must be in (0, 1]")
-        _check(self.kv_outlier_ticks >= 0, p + "kv_outlier_ticks", "must be >= 0 (0: off)")
         _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
         _check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
         _check_finite(self, path)
@@ -698,6 +697,22 @@ REMOVED_FIELDS = {
                                   "the peers' (the same allowance); ignored",
     "thresholds.live_prefill_gate": "the load model compares each node's live latencies with what its peers predict "
                                     "at its own decode batch and prompt tokens (docs/architecture.md); ignored",
+    **{f"thresholds.{k}": "replaced by probe_consecutive (slow probes in a row that cut, failed probes in a row that "
+                          "quarantine); ignored" for k in ("probe_slow_consecutive", "probe_failures_to_quarantine")},
+    "thresholds.recover_ticks": "a cut node without data is released after probe_ok_to_clear probes like its peers' "
+                                "(the count that ends a slow-probe cut); ignored",
+    **{f"thresholds.{k}": "replaced by cut_factor (the cut of a finding that does not measure the node's speed: "
+                          "slow probes, errors); ignored" for k in ("probe_slow_factor", "error_factor")},
+    **{f"thresholds.{k}": "the error share is a rate over the control window, judged on each new sample: a tick "
+                          "count only counted the same sample again; ignored"
+       for k in ("error_ticks", "circuit_ticks")},
+    "thresholds.kv_outlier_ticks": "a KV outlier is held for one observation of the live window (5 ticks), as every "
+                                   "live finding; kv_outlier_ratio: 0 turns it off; ignored",
+    "thresholds.degrade_score": "a cut's weight falls as 2^-(score-2) from 2 noise widths (controller/scoring.py: "
+                                "DEGRADE_AT; the weight curve never read this field), a canary below it is good; "
+                                "ignored",
+    "thresholds.min_degraded_weight": "a cut node keeps at least weight 1 (HAProxy's least weight that still serves), "
+                                      "so that it stays measured; ignored",
 }
 
 

@@ -16,22 +16,22 @@ THERMAL = next(s for n, s in SCN.items() if n.startswith("thermal/"))
 
 
 def test_a_variant_is_grayguard_with_its_overrides():
-    p = grayguard_variant("live_batch_slope=0~shadow=live+probe~recover_ticks=5", THERMAL)
-    assert p.thresholds.live_batch_slope == 0 and p.thresholds.recover_ticks == 5
+    p = grayguard_variant("live_batch_slope=0~shadow=live+probe~probe_ok_to_clear=5", THERMAL)
+    assert p.thresholds.live_batch_slope == 0 and p.thresholds.probe_ok_to_clear == 5
     assert p.shadow == {"live", "probe"} and p.window_s == THERMAL.window_s
     assert p.window_samples == round(THERMAL.window_s / THERMAL.rule_eval_s)  # the window's samples: one observation
-    det, lb = make_policy("grayguard~degrade_score=3@roundrobin", THERMAL.nodes, THERMAL)
-    assert isinstance(det, Grayguard) and lb == "roundrobin" and det.policy.thresholds.degrade_score == 3.0
-    assert not is_peer("grayguard~degrade_score=3") and is_peer("linkerd")
+    det, lb = make_policy("grayguard~quarantine_score=3@roundrobin", THERMAL.nodes, THERMAL)
+    assert isinstance(det, Grayguard) and lb == "roundrobin" and det.policy.thresholds.quarantine_score == 3.0
+    assert not is_peer("grayguard~quarantine_score=3") and is_peer("linkerd")
 
 
 @pytest.mark.parametrize("name, says", [
     ("grayguard~nope=1", "no numeric thresholds field"),
-    ("grayguard~recover_ticks=two", "not a number"),
+    ("grayguard~probe_ok_to_clear=two", "not a number"),
     ("grayguard~shadow=livee", "unknown detector"),
-    ("grayguard~degrade_score", "expected name=value"),
+    ("grayguard~quarantine_score", "expected name=value"),
     ("grayguard~min_spread=-1", "min_spread"),
-    ("leastconn~degrade_score=3", "only grayguard"),
+    ("leastconn~quarantine_score=3", "only grayguard"),
 ])
 def test_a_bad_variant_is_refused_with_what_is_wrong(name, says):
     with pytest.raises(ValueError, match=says):

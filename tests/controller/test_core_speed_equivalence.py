@@ -266,7 +266,7 @@ def _target_weight_plain(s, base, now, p, kv_zero=False):
     share = policy.slow_start_share(s, now, p.recovery) if s.state == policy.SLOW_START else 1.0
     w = base * share * product
     if product < 1.0:
-        return max(min(p.thresholds.min_degraded_weight, base), min(base, round(w)))
+        return max(1, min(base, round(w)))
     return max(1, math.ceil(w)) if s.state == policy.SLOW_START else min(base, round(w))
 
 

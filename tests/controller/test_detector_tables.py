@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from controller.live import WINDOW_TICKS
 from controller.loadmodel import PRIOR_PREFILL_SLOPE
 from controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
 from grayguard.config import ThresholdsConfig
@@ -155,7 +156,7 @@ def longest_cut_of_others(timeline: list[dict]) -> int:
     return longest
 
 
-LATENCY_ROWS = [  # the 30 s window (rules 1-8)
+LATENCY_ROWS = [  # the 30 s window (docs/architecture.md's rules 1-4, 6)
     Row("window alone: 3x", "without the fast path, the window alone cuts and drains a slow node",
         both(no_live, slower(0, 3.0, live=False, probes=False)), cut_by=6, drain_by=25, drain_cause="latency"),
     Row("window alone: 1.08x", "a gap within the allowance (live_drift) gathers no evidence",
@@ -164,7 +165,7 @@ LATENCY_ROWS = [  # the 30 s window (rules 1-8)
         slower(0, 3.0, live=False, probes=False), never_cut=True, never_drained=True),
 ]
 
-LIVE_ROWS = [  # the live ITL at each node's load (rules 9-13)
+LIVE_ROWS = [  # the live ITL at each node's load (rules 5-8)
     Row("2x", "a node twice as slow is cut within seconds and drained with its probes agreeing",
         slower(0, 2.0), cut_by=3, drain_by=10, drain_cause="live ITL"),
     Row("1.5x", "the live cut ratio", slower(0, 1.5), cut_by=4, never_drained=False),
@@ -209,7 +210,7 @@ LIVE_ROWS = [  # the live ITL at each node's load (rules 9-13)
         slower(0, 1.8), ticks=8, cut_by=1, drain_by=5, drain_cause="live ITL"),
 ]
 
-PROBE_ROWS = [  # the micro-probe (rules 14-19)
+PROBE_ROWS = [  # the micro-probe (rules 8-12)
     Row("hung", "a node that answers /health but decodes nothing: its probes time out",
         only_n0(probe_result="timeout", probe_ttft=None, probe_failures=3, live_itl=None, live_ttft=None,
                 live_decode_batch=None), ticks=5, drain_by=2, drain_cause="probe"),
@@ -225,18 +226,18 @@ PROBE_ROWS = [  # the micro-probe (rules 14-19)
         drain_cause="probe"),
 ]
 
-ERRORS_ROWS = [  # the error share (rules 20-21)
+ERRORS_ROWS = [  # the error share (rule 13)
     Row("5 % errors", "an error share above error_ratio cuts the weight",
-        only_n0(error_ratio=0.05), ticks=10, cut_by=T.error_ticks + 1, never_drained=True),
+        only_n0(error_ratio=0.05), ticks=10, cut_by=1, never_drained=True),
     Row("80 % errors", "a high error share opens the node's circuit", only_n0(error_ratio=0.8), ticks=10,
-        drain_by=T.circuit_ticks + 1),
+        drain_by=1),
     Row("0.5 % errors", "below error_ratio is nothing", only_n0(error_ratio=0.005), never_cut=True,
         never_drained=True),
 ]
 
-KV_ROWS = [  # the KV cache (rules 23, 25)
+KV_ROWS = [  # the KV cache (rules 15, 17)
     Row("far fuller than its peers", "a cache filled by a fraction of its peers' traffic: its memory went elsewhere",
-        only_n0(kv_cache_usage=0.9, live_prefill_rate=PREFILL), ticks=12, drain_by=T.kv_outlier_ticks + 2,
+        only_n0(kv_cache_usage=0.9, live_prefill_rate=PREFILL), ticks=12, drain_by=WINDOW_TICKS + 2,
         drain_cause="KV"),
     Row("every cache busy", "a pool whose caches are all full is load: nobody is 4x the others",
         everyone(kv_cache_usage=5.0), never_drained=True),
@@ -244,14 +245,14 @@ KV_ROWS = [  # the KV cache (rules 23, 25)
         both(everyone(kv_cache_usage=3.3), only_n0(kv_cache_usage=0.97)), ticks=12, cut_by=1, never_drained=True),
 ]
 
-EVIDENCE_ROWS = [  # GPU evidence (rule 22)
+EVIDENCE_ROWS = [  # GPU evidence (rule 14)
     Row("2x with its PCIe link degraded", "the GPU's own evidence drains at once",
         both(slower(0, 2.0, probes=False), only_n0(pcie_degraded=True)), ticks=6, drain_by=2),
     Row("evidence, no slowness", "evidence alone never drains a fast node (its alert pages)",
         only_n0(gpu_throttled=True), never_cut=True, never_drained=True),
 ]
 
-GATEWAY_ROWS = [  # HAProxy's reflexes (rule 24)
+GATEWAY_ROWS = [  # HAProxy's reflexes (rule 16)
     Row("agent mark-down", "the exporter's agent saw a hang: quarantined, outranking all",
         only_n0(agent_down=True, down=True, agent_why="hang: no token in 2.0s"), ticks=3, drain_by=0),
     Row("error-limit mark-down", "HAProxy's own error limit fired: quarantined so its health check cannot return it",

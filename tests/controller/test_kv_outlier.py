@@ -2,6 +2,7 @@
 
 import pytest
 
+from controller.live import WINDOW_TICKS as HELD
 from controller.policy import NodeInput, NodeState, Policy, decide_pool
 from controller.signals import SignalMemory, kv_outlier
 from grayguard.config import ConfigError, RecoveryConfig, ThresholdsConfig
@@ -17,11 +18,13 @@ def run(usages, peer, t=T, m=None):
     return m, why
 
 
-def test_quarantine_reason_after_the_ticks_in_a_row():
-    m, why = run([0.6] * (T.kv_outlier_ticks - 1), 0.1)
-    assert m.kv_hot == T.kv_outlier_ticks - 1 and why is None
+def test_quarantine_reason_after_one_observation_in_a_row():
+    """Held for one observation of the live window (its 5 ticks), as every live finding."""
+    assert HELD == 5
+    m, why = run([0.6] * (HELD - 1), 0.1)
+    assert m.kv_hot == HELD - 1 and why is None
     m, why = run([0.6], 0.1, m=m)
-    assert why and "KV cache 60% full vs its peers' 10%" in why and f"for {T.kv_outlier_ticks} ticks" in why
+    assert why and "KV cache 60% full vs its peers' 10%" in why and f"for {HELD} ticks" in why
 
 
 @pytest.mark.parametrize("usage, peer", [
@@ -44,13 +47,13 @@ def test_one_tick_below_the_bar_starts_over_and_absent_holds():
     assert reset.kv_hot == 0
 
 
-def test_zero_ticks_switches_it_off():
-    off = ThresholdsConfig(kv_outlier_ticks=0)
+def test_ratio_zero_switches_it_off():
+    off = ThresholdsConfig(kv_outlier_ratio=0)
     assert run([1.0] * 50, 0.01, t=off) == (SignalMemory(), None)
 
 
-@pytest.mark.parametrize("field, value", [("kv_outlier_ratio", 1.0), ("kv_outlier_min", 0.0), ("kv_outlier_min", 1.5),
-                                          ("kv_outlier_ticks", -1)])
+@pytest.mark.parametrize("field, value", [("kv_outlier_ratio", 1.0), ("kv_outlier_ratio", -1), ("kv_outlier_min", 0.0),
+                                          ("kv_outlier_min", 1.5)])
 def test_bad_thresholds_name_the_field(field, value):
     with pytest.raises(ConfigError, match=f"thresholds.{field}"):
         ThresholdsConfig(**{field: value}).validate("thresholds")
@@ -64,10 +67,10 @@ def pool(usages, prev=None, now=0.0):
 def test_decide_pool_quarantines_the_node_holding_its_cache_full_for_a_share_of_traffic():
     usages = {"a": 0.08, "b": 0.1, "c": 0.12, "d": 0.09, "x": 0.7}
     prev: dict[str, NodeState] = {}
-    for k in range(T.kv_outlier_ticks):
+    for k in range(HELD):
         d = pool(usages, prev, float(k))
         prev = {n: nd.state for n, nd in d.nodes.items()}
-        assert (prev["x"].state == State.QUARANTINED) == (k == T.kv_outlier_ticks - 1), (k, prev["x"])
+        assert (prev["x"].state == State.QUARANTINED) == (k == HELD - 1), (k, prev["x"])
     x = d.nodes["x"]
     assert x.drain and x.weight == 0 and x.state.cause == DrainCause.KV_CACHE and "KV cache 70% full" in x.state.reason
     assert all(d.nodes[n].state.state == State.HEALTHY for n in "abcd")
@@ -75,7 +78,7 @@ def test_decide_pool_quarantines_the_node_holding_its_cache_full_for_a_share_of_
 
 def test_decide_pool_leaves_a_pool_whose_caches_are_all_busy_alone():
     prev: dict[str, NodeState] = {}
-    for k in range(3 * T.kv_outlier_ticks):
+    for k in range(3 * HELD):
         d = pool({"a": 0.5, "b": 0.6, "c": 0.55, "x": 0.9}, prev, float(k))
         prev = {n: nd.state for n, nd in d.nodes.items()}
     assert all(nd.state.state == State.HEALTHY for nd in d.nodes.values())
@@ -86,7 +89,7 @@ def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
     its cache is 63 % full against its peers' 4 %, because it holds contexts 40x theirs. It prefills far more prompt
     tokens than they do, 10x here: its peers' usage scaled by that share is what its load holds, and 63 % is below
     kv_outlier_ratio times it. Load, not a shrunk KV budget."""
-    m, why = run([0.6] * (T.kv_outlier_ticks - 1), 0.04)
+    m, why = run([0.6] * (HELD - 1), 0.04)
     held, why = kv_outlier(m, 0.63, 0.04, T, load_share=10.0)
     assert held.kv_hot == 0 and why is None  # the loaded tick starts the count over
     assert kv_outlier(m, 0.63, 0.04, T, load_share=2.0)[1] is not None  # 2x the prompts do not hold 16x the cache
@@ -94,7 +97,7 @@ def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
     def ticks(prefill_x):
         usages = {"a": 0.04, "b": 0.05, "c": 0.04, "x": 0.63}
         prev: dict[str, NodeState] = {}
-        for k in range(3 * T.kv_outlier_ticks):
+        for k in range(3 * HELD):
             inputs = {n: NodeInput(100, 0.02, request_rate=5.0, kv_cache_usage=u, live_itl=0.02,
                                    live_prefill_rate=1000.0 * (prefill_x if n == "x" else 1.0))
                       for n, u in usages.items()}

@@ -102,7 +102,7 @@ def test_a_cut_without_live_data_ends_once_the_probes_are_like_the_peers():
     m, *_ = assess(LiveMemory(), _live(10.0), T, "live ITL", noise=0.4)
     held, f, why, _ = assess(m, None, T, "live ITL", noise=0.4)
     assert held.cut and f < 1.0 and why == "live ITL (held)"  # absent is not zero
-    for _ in range(T.recover_ticks):
+    for _ in range(T.probe_ok_to_clear):
         m, f, why, _ = assess(m, None, T, "live ITL", noise=0.4, probe_ratio=1.0)
     assert not m.cut and f == 1.0 and why == ""
     # a cut node without data whose probes are slow, or unknown, holds its cut

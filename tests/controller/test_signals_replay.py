@@ -80,11 +80,14 @@ def test_slow_probes_degrade_and_good_probes_clear():
 
 
 def test_errors_cut_weight_and_a_high_error_share_opens_the_circuit():
-    recs = by_node(trace(n1=lambda t: {"error_ratio": 0.05} if t >= 50 else {"error_ratio": 0.0}), "n1")
-    assert [r["weight"] for r in recs if 50 <= r["t"] < 60] == [100, 100]
-    assert all(r["weight"] == 60 and r["state"] == "degraded" for r in recs if r["t"] >= 60)
+    """The error share is a rate over the control window's requests: its first sample above error_ratio cuts (a
+    tick count would only count the same sample again), and a sample below it ends the cut."""
+    recs = by_node(trace(n1=lambda t: {"error_ratio": 0.05} if 50 <= t < 100 else {"error_ratio": 0.0}), "n1")
+    assert all(r["weight"] == 100 for r in recs if r["t"] < 50)
+    assert all(r["weight"] == 30 and r["state"] == "degraded" for r in recs if 50 <= r["t"] < 100)
+    assert all(r["weight"] == 100 and r["state"] == "healthy" for r in recs if r["t"] >= 100)
     circ = by_node(trace(n1=lambda t: {"error_ratio": 0.8} if t >= 50 else {"error_ratio": 0.0}), "n1")
-    assert first(circ, "quarantined") == 55 and "circuit open" in next(
+    assert first(circ, "quarantined") == 50 and "circuit open" in next(
         r["reason"] for r in circ if r["state"] == "quarantined")
 
 

@@ -204,12 +204,12 @@ def test_gpu_health_covers_every_nvml_signal():
 
 def test_config_knobs_reach_the_dashboards():
     cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}],
-                        "thresholds": {"degrade_score": 2.5, "quarantine_score": 4.0},
+                        "thresholds": {"quarantine_score": 4.0},
                         "rules": {"control_window": "10s", "human_window": "1m", "controller_job": "ctl",
                                   "vllm_prefix": "vllm_"}})
     doc = docs(DashboardConfig.from_config(cfg))["grayguard-pool-overview.json"]
     steps = [s["value"] for s in panel(doc, "Peer score")["fieldConfig"]["defaults"]["thresholds"]["steps"]]
-    assert steps == [None, 2.5, 4.0]
+    assert steps == [None, 2.0, 4.0]
     exprs = "\n".join(e for _, e in expressions(doc))
     assert "rate10s" in exprs and "rate1m" in exprs and "rate30s" not in exprs and "rate5m" not in exprs
     assert 'job="ctl"' in exprs and "vllm_time_to_first_token_seconds_bucket" in exprs and "vllm:" not in exprs

@@ -14,7 +14,7 @@ def base():
 def test_example_config_loads():
     cfg = load_config("grayguard.example.yaml")
     assert cfg.pools[0].backend == "vllm_chat"
-    assert cfg.thresholds.degrade_score == 2.0 and cfg.thresholds.quarantine_score == 3.5
+    assert cfg.thresholds.quarantine_score == 3.5
     assert cfg.thresholds.max_ejected_fraction == 0.3 and cfg.recovery.canary_interval_s == 10
 
 
@@ -23,7 +23,7 @@ def test_example_config_loads():
     (lambda d: d["pools"][0].pop("backend"), "pools[0].backend", "required"),
     (lambda d: d.update(thresholds={"live_drift": 0.5}), "thresholds.live_drift", ">= 1"),
     (lambda d: d.update(thresholds={"quarantine_score": 1.0}), "thresholds.quarantine_score", ">="),
-    (lambda d: d.update(thresholds={"recover_ticks": "three"}), "thresholds.recover_ticks", "integer"),
+    (lambda d: d.update(thresholds={"probe_ok_to_clear": "three"}), "thresholds.probe_ok_to_clear", "integer"),
     (lambda d: d.update(tresholds={}), "tresholds", "unknown field"),
     (lambda d: d.update(haproxy={"endpoints": ["nohost"]}), "haproxy.endpoints[0]", "host:port"),
     (lambda d: d.update(prometheus={"url": "localhost:9090"}), "prometheus.url", "http://"),
@@ -46,10 +46,10 @@ def test_a_removed_field_loads_with_a_warning_that_names_it(caplog):
     loads: the field is dropped with a warning naming it and what replaced it, not an error that stops the
     controller on upgrade; a misspelled field is still an error."""
     d = base()
-    d["thresholds"] = {"live_prefill_gate": 1.5, "degrade_score": 2.5}
+    d["thresholds"] = {"live_prefill_gate": 1.5, "quarantine_score": 4.5}
     with caplog.at_level("WARNING", logger="grayguard.config"):
         cfg = parse_config(d)
-    assert cfg.thresholds.degrade_score == 2.5 and not hasattr(cfg.thresholds, "live_prefill_gate")
+    assert cfg.thresholds.quarantine_score == 4.5 and not hasattr(cfg.thresholds, "live_prefill_gate")
     assert any("thresholds.live_prefill_gate was removed" in r.getMessage() and "load model" in r.getMessage()
                for r in caplog.records)
     d["thresholds"] = {"live_prefill_gates": 1.5}
@@ -76,9 +76,19 @@ def test_cli_exits_2_naming_the_field(tmp_path):
     assert ok.returncode == 0 and "OK" in ok.stdout
 
 
-def test_example_shows_the_defaults():
+def test_example_shows_the_defaults(caplog):
+    """Every default, and no field a release removed: the example is what a new install copies (a removed field would
+    load with a warning, ignored, and the example would still show a knob that does nothing)."""
+    import dataclasses
+
+    import yaml
+
     from grayguard.config import RecoveryConfig, SignalsConfig, ThresholdsConfig
     cfg = load_config("grayguard.example.yaml")
+    assert "was removed" not in caplog.text
+    with open("grayguard.example.yaml") as f:
+        shown = set(yaml.safe_load(f)["thresholds"])
+    assert shown == {f.name for f in dataclasses.fields(ThresholdsConfig)}
     assert cfg.thresholds == ThresholdsConfig()
     assert cfg.recovery == RecoveryConfig()
     assert cfg.signals == SignalsConfig()
@@ -92,7 +102,10 @@ def test_duration_seconds():
 @pytest.mark.parametrize("field", ["live_confirm_ticks", "live_quarantine_ratio", "live_sustain_ticks",
                                    "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio", "live_prefill_gate",
                                    "ema_alpha", "sustain_ticks", "evidence_sustain_ticks", "hysteresis",
-                                   "min_relative_gap", "live_veto_ratio"])
+                                   "min_relative_gap", "live_veto_ratio", "probe_slow_consecutive",
+                                   "probe_failures_to_quarantine", "recover_ticks", "probe_slow_factor", "error_factor",
+                                   "error_ticks", "circuit_ticks", "kv_outlier_ticks",
+                                   "min_degraded_weight", "degrade_score"])
 def test_a_field_a_release_removed_loads_with_a_warning_that_says_what_replaced_it(field, caplog):
     """A config written for an older release still loads for one release: the field is ignored, and the log says
     why (the live ITL's fields, then the 30 s window's, went to one sequential test, issue 33), not a silent
@@ -107,3 +120,14 @@ def test_a_live_cut_ratio_at_or_below_the_allowance_is_refused():
     with pytest.raises(ConfigError, match=r"thresholds\.live_cut_ratio: must be > thresholds\.live_drift"):
         parse_config({"pools": [{"name": "chat", "backend": "b"}],
                       "thresholds": {"live_cut_ratio": 1.1, "live_drift": 1.1}})
+
+
+def test_every_removed_field_is_listed_for_upgrades():
+    """docs/operations.md ("Upgrade") lists every field a release took out, with what took its place: the warning a
+    config that still sets one gets is the same text, so an operator can read it before the upgrade."""
+    from pathlib import Path
+
+    from grayguard.config import REMOVED_FIELDS
+    doc = Path("docs/operations.md").read_text()
+    for field, why in REMOVED_FIELDS.items():
+        assert f"| `{field}` | {why.removesuffix('; ignored')} |" in doc, field

@@ -48,12 +48,8 @@ def with_override(where: str, override: dict) -> dict:
      "live_ttft_query, "
      "pcie_degraded_query, peer_group_query, probe_failures_query, probe_result_query, probe_ttft_median_query, "
      "probe_ttft_query, request_rate_query)"),
-    ("thresholds", {"degrade_score": 0},
-     "thresholds.degrade_score: must be > 0"),
     ("thresholds", {"quarantine_score": 1.5},
-     "thresholds.quarantine_score: must be >= thresholds.degrade_score"),
-    ("thresholds", {"recover_ticks": 0},
-     "thresholds.recover_ticks: must be >= 1"),
+     "thresholds.quarantine_score: must be >= 2 (the score, in noise widths, from which a cut's weight falls)"),
     ("thresholds", {"min_spread": 0},
      "thresholds.min_spread: must be > 0"),
     ("thresholds", {"window_noise_cv": -0.5},
@@ -64,24 +60,18 @@ def with_override(where: str, override: dict) -> dict:
      "thresholds.min_peers: must be >= 3 (no median of two means anything)"),
     ("thresholds", {"min_request_rate": -1},
      "thresholds.min_request_rate: must be >= 0"),
-    ("thresholds", {"min_degraded_weight": 257},
-     "thresholds.min_degraded_weight: must be in 0..256"),
-    ("thresholds", {"probe_slow_factor": 0},
-     "thresholds.probe_slow_factor: must be in (0, 1]"),
-    ("thresholds", {"error_factor": 1.1},
-     "thresholds.error_factor: must be in (0, 1]"),
+    ("thresholds", {"cut_factor": 0},
+     "thresholds.cut_factor: must be in (0, 1]"),
+    ("thresholds", {"cut_factor": 1.1},
+     "thresholds.cut_factor: must be in (0, 1]"),
     ("thresholds", {"probe_slow_ratio": 1.0},
      "thresholds.probe_slow_ratio: must be >= thresholds.live_probe_confirm"),
-    ("thresholds", {"probe_failures_to_quarantine": 0},
-     "thresholds.probe_failures_to_quarantine: must be >= 1"),
+    ("thresholds", {"probe_consecutive": 0},
+     "thresholds.probe_consecutive: must be >= 1"),
     ("thresholds", {"probe_ok_to_clear": 0},
      "thresholds.probe_ok_to_clear: must be >= 1"),
-    ("thresholds", {"probe_slow_consecutive": 0},
-     "thresholds.probe_slow_consecutive: must be >= 1"),
-    ("thresholds", {"error_ticks": 0},
-     "thresholds.error_ticks: must be >= 1"),
-    ("thresholds", {"circuit_ticks": 0},
-     "thresholds.circuit_ticks: must be >= 1"),
+    ("thresholds", {"kv_outlier_ratio": 0.5},
+     "thresholds.kv_outlier_ratio: must be > 1 (times the peers' usage), or 0 (off)"),
     ("thresholds", {"circuit_error_ratio": 0.01},
      "thresholds.circuit_error_ratio: must be in (thresholds.error_ratio, 1]"),
     ("thresholds", {"error_ratio": 0},
@@ -172,8 +162,8 @@ def test_each_check_names_its_field(where, override, message):
 
 def test_sections_validate_themselves_under_the_path_given():
     with pytest.raises(ConfigError) as e:
-        ThresholdsConfig(recover_ticks=0).validate("thresholds")
-    assert str(e.value) == "thresholds.recover_ticks: must be >= 1"
+        ThresholdsConfig(probe_ok_to_clear=0).validate("thresholds")
+    assert str(e.value) == "thresholds.probe_ok_to_clear: must be >= 1"
     with pytest.raises(ConfigError) as e:
         PoolConfig(name="chat", backend="vllm chat").validate("pools[3]")
     assert e.value.path == "pools[3].backend"
@@ -183,11 +173,11 @@ def test_sections_validate_themselves_under_the_path_given():
 
 def test_type_errors_come_before_range_errors():
     # The whole document is read into dataclasses before any section checks its values.
-    d = with_override("thresholds", {"recover_ticks": "three"})
+    d = with_override("thresholds", {"probe_ok_to_clear": "three"})
     d["pools"][0]["name"] = "chat room"
     with pytest.raises(ConfigError) as e:
         parse_config(d)
-    assert e.value.path == "thresholds.recover_ticks"
+    assert e.value.path == "thresholds.probe_ok_to_clear"
 
 
 def test_sections_are_checked_in_document_order():
