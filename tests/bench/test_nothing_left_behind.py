@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,35 @@ def test_the_benchmark_stopped_mid_suite_ends_its_workers(group, tmp_path):
     still = left(workers)
     assert not still, f"still running after SIGTERM: {still}\n{out[-2000:]}"
     assert not (tmp_path / "r" / "report.json").exists()  # stopped, not finished
+
+
+def test_the_cross_check_stopped_on_the_live_stack_leaves_nothing_behind():
+    """`grayguard bench --cross-check` runs each scenario on the real local stack (HAProxy, Prometheus, Alertmanager,
+    the simulated fleet, exporters, the controller): stopped by SIGTERM while that stack runs, it exits 143 with none
+    of them left and no work dir under TMPDIR (issue 34's nothing left behind, for the last command that starts
+    processes without a test of its own)."""
+    require("haproxy", "prometheus", "alertmanager")
+    tmp = Path(tempfile.mkdtemp(prefix="gg-"))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench", "--cross-check",
+                                 "--cross-scenarios", "thermal"], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+        watch = OutputWatch(proc, "live: thermal on the local stack")
+        started: list[tuple[int, str]] = []
+        try:
+            assert watch.seen.wait(300), "the live run never started:\n" + "".join(watch.lines[-40:])
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not {"haproxy", "prometheus"} <= {n for _, n in started}:
+                time.sleep(0.5)
+                started = children(proc.pid)
+            names = {n for _, n in started}
+            assert {"haproxy", "prometheus"} <= names, f"the stack never came up: {sorted(names)}"
+        finally:
+            rc, out = stopped(proc, watch, lambda: proc.send_signal(signal.SIGTERM))
+        assert rc == 143, out[-3000:]
+        still = left(started)
+        assert not still, f"still running after SIGTERM: {still}\n{out[-2000:]}"
+        assert not any(tmp.iterdir()), f"left behind: {sorted(p.name for p in tmp.iterdir())}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
