@@ -317,6 +317,8 @@ def hint(detail: str) -> str:
                 "against etcd's --trusted-ca-file; or etcd does not serve TLS there)")
     if "SSL" in detail:
         return " (TLS: check registry.ca_file, cert_file and key_file)"
-    if "Remote end closed connection without response" in detail:
-        return " (does etcd serve https:// there?)"  # what etcd's TLS port does to a plain HTTP request
+    if "Remote end closed connection without response" in detail or "Connection reset by peer" in detail:
+        # what etcd's TLS port does to a plain HTTP request: it closes the connection, cleanly or with a reset,
+        # as the timing goes (a reset was seen in CI, 2026-12-05)
+        return " (does etcd serve https:// there?)"
     return ""

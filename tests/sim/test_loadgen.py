@@ -7,7 +7,6 @@ import json
 import math
 import random
 import statistics
-import time
 from dataclasses import replace
 
 import pytest
@@ -118,9 +117,9 @@ def test_run_against_a_small_fleet(fleet, tmp_path):
     url = fleet.nodes[0].url
     cfg = LoadConfig(url=url, rate=40, duration_s=2.5, seed=5, timeout_s=5,
                      phases=(Phase("first", 0, 1.25), Phase("second", 1.25, 2.5)), **SMALL)
-    t0 = time.monotonic()
-    res = fleet.run(run_load(cfg), timeout=20)  # in the fleet's own loop, as the demo does
-    assert time.monotonic() - t0 < 5
+    # in the fleet's own loop, as the demo does; the deadline (20 s for 2.5 s of load) is the bound, not a speed
+    # measurement: a wall-clock bar of 5 s failed on a loaded CI machine (5.4 s, 2026-12-05)
+    res = fleet.run(run_load(cfg), timeout=20)
     assert len(res.records) == len(list(arrival_plan(cfg)))
     assert all(r.status == "ok" for r in res.records), res.errors()
     assert {r.backend for r in res.records} == {"node1"}
