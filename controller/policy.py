@@ -439,7 +439,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_consecutive, probed))
             mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
-                                             _share(prefill.get(n), peer_prefill.get(n)), live.WINDOW_TICKS)
+                                             _share(prefill.get(n), peer_prefill.get(n)))
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
             if kv_why and Detector.KV_OUTLIER in policy.shadow:

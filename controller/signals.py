@@ -16,6 +16,7 @@ from grayguard.frozen import evolve as evolve  # re-exported: the controller's m
 from grayguard.vocab import PROBE_ANSWERED as PROBE_ANSWERED  # re-exported: the old name
 from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, ProbeResult
 
+WINDOW_TICKS = 5  # the exporter's live window (exporters/live.py, 5 s) over the tick (1 s): one live observation
 PROBE_CUDA = ProbeResult.CUDA_ERROR  # quarantines at once
 PROBE_BAD = ProbeResult.BAD_RESPONSE  # quarantines at once when hardware evidence corroborates it
 
@@ -152,7 +153,8 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
 
 
 def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
-               t: ThresholdsConfig, load_share: float = 1.0, held: int = 5) -> tuple[SignalMemory, str | None]:
+               t: ThresholdsConfig, load_share: float = 1.0,
+               held: int = WINDOW_TICKS) -> tuple[SignalMemory, str | None]:
     """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, held for
     `held` ticks in a row (one observation of the live window, WINDOW_TICKS): a quarantine reason, else None.
 
