@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,8 +31,35 @@ class ProcessExited(WaitAborted, RuntimeError):
     """The process died before it became ready."""
 
 
+LISTEN_PORTS_FROM = 20000  # free_port picks below the kernel's ephemeral range, from here up
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (and to bind port 0); Linux's default when unreadable."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port free a moment ago, for a server started soon after.
+
+    Picked at random below the ephemeral range: a port the kernel chose (bind to port 0) comes from the same range
+    as every outgoing connection's local port, and on a busy machine one of those took it before the server bound
+    it (seen in CI: etcd's "bind: address already in use"). Falls back to the kernel's pick when that range is
+    too small or nothing in it is free.
+    """
+    lo = ephemeral_range()[0]
+    for _ in range(64 if lo - LISTEN_PORTS_FROM >= 1000 else 0):
+        port = random.randrange(LISTEN_PORTS_FROM, lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -93,7 +93,10 @@ def test_a_tiny_run_reports_memory_and_the_rule_groups(tiny):
     assert all(m.rss_bytes > 0 and m.blocks > 0 and m.kept_bytes > 0 for m in c.memory)
     assert set(c.prom.groups) == {"grayguard-control", "grayguard-human", "grayguard-controller.alerts",
                                   "grayguard-node.alerts"}
-    assert all(g.last_duration_s and g.last_duration_s > 0 for g in c.prom.groups.values())
+    ran = {name for name, g in c.prom.groups.items() if g.last_duration_s and g.last_duration_s > 0}
+    assert "grayguard-control" in ran  # the warm-up waited for its recorded latency
+    # Prometheus runs a group first at an offset within its interval: a group slower than the run may not have yet
+    assert all(g.interval_s > c.prom.data_span_s - 1 for name, g in c.prom.groups.items() if name not in ran)
     assert {"controller (this process)", "Prometheus", "HAProxy", "stand-in"} <= set(c.cores)
     text = "\n".join(format_tick(c))
     assert f"{NODES} nodes in 3 backends" in text and "verdict: whole tick median" in text

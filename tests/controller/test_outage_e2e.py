@@ -439,14 +439,25 @@ def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_
         replicas.append(b)
         wait_until(lambda: b.status()["leadership"]["leaders"].get(SCOPE_ALL) == "a", 10, what="b sees a lead")
 
+        def unconfirmed_and_writes() -> tuple[bool, float] | None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                return a.status()["leadership"]["steering_without_registry"], a.metric("grayguard_haproxy_writes_total")
+            return None
+
         path.cut()
         cut = time.monotonic()
-        wait_until(lambda: a.status()["leadership"]["steering_without_registry"], TTL + TICK + SLACK,
-                   what="a's lease unconfirmed")
-        steered = a.metric("grayguard_haproxy_writes_total")
-        wait_until(b.leads, TTL + TICK + SLACK + 5, what="b elected after a's lease expired in etcd")
-        assert a.metric("grayguard_haproxy_writes_total") > steered, "a stopped steering before anyone else could"
-        wait_until(lambda: gateway_epoch(rc) == b.epoch(), 5, interval_s=0.02, what="b claims HAProxy")
+        # sampled all along, not read once after a poll: on two loaded cores a's status can come back late enough
+        # that b is elected the next moment, which says nothing about whether a steered meanwhile
+        watch_a = Sampler(unconfirmed_and_writes, 0.05)
+        try:
+            wait_until(lambda: any(r and r[0] for _, r in list(watch_a.rows)), TTL + TICK + SLACK,
+                       what="a's lease unconfirmed")
+            wait_until(b.leads, TTL + TICK + SLACK + 5, what="b elected after a's lease expired in etcd")
+            wait_until(lambda: gateway_epoch(rc) == b.epoch(), 5, interval_s=0.02, what="b claims HAProxy")
+        finally:
+            watch_a.close()
+        unconfirmed = [r[1] for _, r in watch_a.rows if r and r[0]]
+        assert max(unconfirmed) > unconfirmed[0], "a stopped steering before anyone else could"
         claimed = time.monotonic()
         assert claimed - cut >= TTL * 0.9  # not before a's lease could have ended
         wait_until(lambda: not a.leads(), CLAIM_WAIT_S + 2 * TICK + SLACK, what="a stops at the sight of b's epoch")

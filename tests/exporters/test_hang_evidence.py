@@ -140,9 +140,3 @@ def test_the_agent_answers_at_once_while_a_probe_hangs(backend):
             assert time.monotonic() - t0 < 0.5
             assert reply.startswith(b"down #hang: no token in ")
             time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -10,7 +10,6 @@ model, against a small local backend.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +19,7 @@ import requests
 
 from exporters.prober import ProbeConfig, Prober
 from exporters.server import Exporter
+from localstack.procs import free_port
 from sim.fleet import FleetThread
 from sim.node import DEFAULT_MODEL
 
@@ -27,12 +27,6 @@ from sim.node import DEFAULT_MODEL
 CFG = ProbeConfig(interval=0.1, jitter=0.1, slow_threshold=0.3, deadline=0.5, api_key_env=None)
 assert CFG.startup_grace == ProbeConfig().startup_grace == 1800.0
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Backend:

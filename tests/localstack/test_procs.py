@@ -6,9 +6,11 @@ import time
 import pytest
 
 from localstack.procs import (
+    LISTEN_PORTS_FROM,
     BinaryMissing,
     ManagedProcess,
     ProcessExited,
+    ephemeral_range,
     find_binary,
     free_port,
     install_hint,
@@ -31,11 +33,31 @@ def test_find_binary_takes_the_first_present():
     assert find_binary("no-such-binary-x", sys.executable) == sys.executable
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_range_outgoing_connections_take():
     import socket
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    lo, hi = ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(LISTEN_PORTS_FROM <= p < lo for p in ports) and len(ports) > 1  # a random pick, not one port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_free_port_skips_a_port_in_use_and_falls_back_to_the_kernel_when_the_range_is_too_small(monkeypatch):
+    import socket
+
+    import localstack.procs as procs
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        picks = iter([taken, taken, taken + 1 if taken + 1 < 65536 else taken - 1])
+        monkeypatch.setattr(procs.random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(procs, "ephemeral_range", lambda: (65000, 65535))
+        assert free_port() != taken
+    monkeypatch.setattr(procs, "ephemeral_range", lambda: (LISTEN_PORTS_FROM + 10, 65535))
+    port = free_port()  # 10 ports below the range: too few to pick from, the kernel picks
+    assert port >= LISTEN_PORTS_FROM + 10
 
 
 def test_wait_until_returns_the_value_or_times_out():
