@@ -109,7 +109,7 @@ class ControllerMetrics:
                                  ["pool"], registry=r),
             pool_nodes_with_data=Gauge("grayguard_pool_nodes_with_data",
                                        "Nodes the controller can score this tick: one fresh latency series of the "
-                                       "pool and enough requests (below thresholds.min_peers: unprotected)",
+                                       "pool and enough requests (below 3 nodes with data: unprotected)",
                                        ["pool"], registry=r),
             pool_nodes_without_data=Gauge("grayguard_pool_nodes_without_data",
                                           "Nodes without usable data by reason: conflict (two series), stale "

@@ -24,7 +24,7 @@ from controller import live, loadmodel, peers, signals
 from controller.live import LiveMemory
 from controller.scoring import DEGRADE_AT, against_noise, pool_noise, sampled_noise, usable, weight_factor
 from controller.signals import SignalMemory, dict_init, evolve
-from grayguard.config import Config, RecoveryConfig, ThresholdsConfig, duration_seconds
+from grayguard.config import MIN_PEERS, Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
 from grayguard.vocab import EJECTED, IN_ROTATION, Detector, DrainCause, ProbeResult, Signal, State
 
@@ -217,9 +217,9 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     itl_spread = None
     for name, values in raw.items():  # a node at capacity by its load (g infinite) is neither scored nor a peer
         vals = {n: v / g[n] for n, v in values.items() if g[n] < math.inf}
-        out[name] = peers.scores(vals, groups, t.min_peers, t.min_spread, policy.group_speed)
+        out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed)
         if name == LIVE_ITL:
-            itl_spread = peers.spread(vals, groups, t.min_peers, policy.group_speed)
+            itl_spread = peers.spread(vals, groups, MIN_PEERS, policy.group_speed)
     at_capacity = {n for n, x in g.items() if x == math.inf}
     return out, {n: g[n] for n in raw[PROBE_MEDIAN] if n not in at_capacity}, itl_spread, at_capacity
 
@@ -361,10 +361,10 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             fresh[n] = i.latency  # type: ignore[assignment]
         else:
             fresh[n] = s.ema
-    scored = peers.scores(fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
+    scored = peers.scores(fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     # the window's noise, learned from its spread on each new sample (scoring.Noise), and each node's: the pool's,
     # widened by the sampling noise of the requests in its own window (a thin window is a noisy mean)
-    window_spread = peers.spread(fresh, groups, t.min_peers, policy.group_speed)
+    window_spread = peers.spread(fresh, groups, MIN_PEERS, policy.group_speed)
     lat_noise = pool_noise([st[n].window.noise for n in scored])
     window_noise: dict[str, float] = {}
     for n, sc in scored.items():
@@ -397,13 +397,13 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             peer_probe[n] *= g
     # what each node prefills over its peers (at least 1): its KV cache holds its prompts' tokens
     prefill = {n: p for n in rotating if usable(p := inputs[n].live_prefill_rate) or p == 0.0}
-    peer_prefill = peers.peer_medians(rotating, prefill, groups) if len(prefill) >= t.min_peers else {}
+    peer_prefill = peers.peer_medians(rotating, prefill, groups) if len(prefill) >= MIN_PEERS else {}
     live_of: dict[str, dict[str, peers.Score]] = {}  # each node's live scores; one it lacks is absent (get: None)
     for what, sc_of in live_scores.items():
         for n, x in sc_of.items():
             live_of.setdefault(n, {})[what] = x
-    peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= t.min_peers else {}
-    queued = pool_queued(inputs, rotating, t.min_peers)
+    peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= MIN_PEERS else {}
+    queued = pool_queued(inputs, rotating, MIN_PEERS)
     slow_share = peer_slow_shares(inputs, rotating)
     probed = sum(1 for n in rotating if inputs[n].probe_result is not None)  # the nodes a run could come by luck to
 
@@ -787,7 +787,8 @@ def _candidacy(s: NodeState, i: NodeInput, pf: float, p_quarantine: str | None, 
         if p_quarantine and e_quarantine:  # both ask: the errors' comes next, should the probe's be shadowed
             asks.append((Detector.ERRORS, (math.inf, DrainCause.ERRORS, e_quarantine)))
     if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
-        ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.probe_slow_ratio
+        # its priority: how much slower than its peers' probes, or the least a slow probe is (peers unmeasured)
+        ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.live_probe_confirm
         asks.append((Detector.PROBE, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")))
     if l_quarantine is not None:
         asks.append((Detector.LIVE, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)))
@@ -810,7 +811,7 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     # the interval counts from when the round was sent, as when the tick waited for it: a round decided a tick
     # later does not delay the next one
     sent = now if sent is None else sent
-    base = peers.canary_baseline(n, fresh, groups, t.min_peers, t.min_spread, policy.group_speed)
+    base = peers.canary_baseline(n, fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     if base is None:
         return evolve(s, last_canary=sent, reason="canary ran but no peers with data to compare")
     b, coef = base

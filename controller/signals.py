@@ -75,14 +75,14 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         if bad >= t.probe_consecutive:
             return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
         return m, 1.0, "", None
-    # answered: slow when the exporter says so and it is slower than the peers' probes, or when it is far
-    # slower than the peers (the exporter's threshold is absolute); a run of them cuts the weight
+    # answered: slow when the exporter says so (its threshold is absolute) and it is slower than the peers' probes;
+    # a run of them cuts the weight. A probe far slower than its peers' that the exporter calls ok is left to the
+    # live signals, which measure the node's speed (on the real fleet it was one probe queued behind a long prompt)
     slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
-    far = ttft is not None and peer_ttft is not None and ttft >= t.probe_slow_ratio * peer_ttft
-    if ((result == ProbeResult.SLOW and slower) or far) and (median_calm or like_peers) and not corroborated \
-            and not m.probe_slow:
+    slow = result == ProbeResult.SLOW and slower
+    if slow and (median_calm or like_peers) and not corroborated and not m.probe_slow:
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
-    elif (result == ProbeResult.SLOW and slower) or far:
+    elif slow:
         run = m.probe_slow_run + 1
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run,
                    probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_consecutive))

@@ -251,6 +251,11 @@ class SignalsConfig:
 # curve never read)
 DEGRADE_AT = 2.0
 
+# nodes with data in a scoring group, the node included, before anyone in it is scored: the node and two peers, the
+# fewest whose leave-one-out median is not one other node's value (it was thresholds.min_peers, which accepted only
+# this or more; a pool's few peers are already in its score through their spread, scoring.Noise)
+MIN_PEERS = 3
+
 
 @dataclass(frozen=True)
 class ThresholdsConfig:
@@ -261,14 +266,12 @@ class ThresholdsConfig:
     # noise joins the peers' spread in the node's score (a node finishing 30 requests: +/-18 %); 0: not counted
     window_noise_cv: float = 1.0
     max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
-    min_peers: int = 3  # nodes with data in a scoring group, the node included, before anyone is scored
     # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
     # low: a badly slowed node finishes few requests (the probes cover a node that finishes none).
     min_request_rate: float = 0.1
     # the weight factor of a cut whose finding does not measure how slow the node is (slow probes, errors)
     cut_factor: float = 0.3
     # probes (the exporter's 1-token micro-probe)
-    probe_slow_ratio: float = 10.0  # a probe this many times the peers' probe TTFT is slow, whatever the exporter says
     # slow probes in a row that cut (one spike is noise; more where the peers' probes are slow too), failed probes in a
     # row that quarantine (a CUDA error: one)
     probe_consecutive: int = 2
@@ -311,15 +314,12 @@ class ThresholdsConfig:
         _check(self.min_spread > 0, p + "min_spread", "must be > 0")
         _check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
         _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
-        _check(self.min_peers >= 3, p + "min_peers", "must be >= 3 (no median of two means anything)")
         _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         for name in ("live_cut_ratio", "live_drift", "live_probe_confirm"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         _check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift")
         _check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope", "must be in [0, 1] (a share of a batch-1 step)")
         _check(0 < self.cut_factor <= 1, p + "cut_factor", "must be in (0, 1]")
-        _check(self.probe_slow_ratio >= self.live_probe_confirm, p + "probe_slow_ratio",
-               f"must be >= {p}live_probe_confirm")
         for name in ("probe_consecutive", "probe_ok_to_clear"):
             _check(getattr(self, name) >= 1, p + name, "must be >= 1")
         _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
@@ -711,6 +711,10 @@ REMOVED_FIELDS = {
     "thresholds.degrade_score": "a cut's weight falls as 2^-(score-2) from 2 noise widths (controller/scoring.py: "
                                 "DEGRADE_AT; the weight curve never read this field), a canary below it is good; "
                                 "ignored",
+    "thresholds.probe_slow_ratio": "a probe is slow when the exporter says so and it is live_probe_confirm x its "
+                                   "peers'; one the exporter calls ok is left to the live signals; ignored",
+    "thresholds.min_peers": "a scoring group needs 3 nodes with data, the node and two peers (grayguard.config: "
+                            "MIN_PEERS, the least the field accepted); ignored",
     "thresholds.min_degraded_weight": "a cut node keeps at least weight 1 (HAProxy's least weight that still serves), "
                                       "so that it stays measured; ignored",
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from grayguard.config import Config, ConfigError
+from grayguard.config import MIN_PEERS, Config, ConfigError
 
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"
@@ -170,7 +170,7 @@ def _env() -> jinja2.Environment:
 def _context(cfg: Config) -> dict:
     ws = windows(cfg)
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
-            "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega),
+            "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers)}
 
 

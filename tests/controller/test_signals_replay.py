@@ -149,11 +149,13 @@ def test_a_backend_that_is_starting_is_not_a_fault():
     assert all(r["state"] == "healthy" and r["weight"] == 100 for r in recs)
 
 
-def test_probes_far_slower_than_peers_count_even_under_the_exporters_threshold():
-    recs = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.4} if t >= 50 else {}), "n3")
-    assert [r["state"] for r in recs if 50 <= r["t"] < 60] == ["healthy", "degraded"]  # 13x the peers
-    spiky = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.12} if t >= 50 else {}), "n3")
-    assert all(r["state"] == "healthy" for r in spiky)  # 4x the peers under the exporter's threshold: noise
+def test_probes_the_exporter_calls_ok_cut_nothing_however_far_above_the_peers_those_it_calls_slow_do():
+    # 13x the peers' probes, under the exporter's absolute threshold: one probe queued behind a long prompt looks so
+    # on a fast engine (the real fleet: 135 ms against 13 ms); the node's speed is the live signals' to judge
+    ok = by_node(trace(n3=lambda t: {"probe_result": "ok", "probe_ttft": 0.4} if t >= 50 else {}), "n3")
+    assert all(r["state"] == "healthy" and r["weight"] == 100 for r in ok)
+    slow = by_node(trace(n3=lambda t: {"probe_result": "slow", "probe_ttft": 0.4} if t >= 50 else {}), "n3")
+    assert [r["state"] for r in slow if 50 <= r["t"] < 60] == ["healthy", "degraded"]  # a run of two cuts
 
 
 def test_slow_probes_with_gpu_evidence_quarantine_slow_probes_alone_only_degrade():
