@@ -99,13 +99,12 @@ def test_duration_seconds():
     assert duration_seconds("10s") == 10 and duration_seconds("1m30s") == 90 and duration_seconds("500ms") == 0.5
 
 
-@pytest.mark.parametrize("field", ["live_confirm_ticks", "live_quarantine_ratio", "live_sustain_ticks",
-                                   "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio", "live_prefill_gate",
-                                   "ema_alpha", "sustain_ticks", "evidence_sustain_ticks", "hysteresis",
-                                   "min_relative_gap", "live_veto_ratio", "probe_slow_consecutive",
-                                   "probe_failures_to_quarantine", "recover_ticks", "probe_slow_factor", "error_factor",
-                                   "error_ticks", "circuit_ticks", "kv_outlier_ticks",
-                                   "min_degraded_weight", "degrade_score"])
+def _removed_thresholds() -> list[str]:
+    from grayguard.config import REMOVED_FIELDS
+    return sorted(k.removeprefix("thresholds.") for k in REMOVED_FIELDS if k.startswith("thresholds."))
+
+
+@pytest.mark.parametrize("field", _removed_thresholds())
 def test_a_field_a_release_removed_loads_with_a_warning_that_says_what_replaced_it(field, caplog):
     """A config written for an older release still loads for one release: the field is ignored, and the log says
     why (the live ITL's fields, then the 30 s window's, went to one sequential test, issue 33), not a silent
