@@ -93,7 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe.jitter", dest="probe_jitter", type=float, default=0.2, metavar="FRACTION",
                    help="random +- fraction of the interval, so a fleet's probes do not align (default 0.2)")
     g.add_argument("--probe.slow-threshold", dest="probe_slow", type=parse_duration, default="300ms",
-                   metavar="DURATION", help="a first chunk later than this is 'slow' (default %(default)s)")
+                   metavar="DURATION", help="a first chunk later than this is 'slow' (default %(default)s); "
+                   "the controller counts a probe slow only when this says so and it is also slower than its peers' "
+                   "probes, so set it to a few times a healthy node's probe under load")
     g.add_argument("--probe.deadline", dest="probe_deadline", type=parse_duration, default="2s",
                    metavar="DURATION", help="no first chunk by then is 'timeout'; the connection is closed "
                    "(default %(default)s)")
