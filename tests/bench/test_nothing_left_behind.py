@@ -52,7 +52,7 @@ def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
     flags, marker = PHASES[phase]
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench-controller", *SMALL, *flags], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     watch = OutputWatch(proc, marker)
     try:
         assert watch.seen.wait(180), f"{phase} never ran:\n" + "".join(watch.lines[-40:])
@@ -77,7 +77,8 @@ def test_the_benchmark_stopped_mid_suite_ends_its_workers(group, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench", "--suite", "default", "--workers", "2",
                              "--policies", "grayguard", "--filter", "n32", "--report-dir", str(tmp_path / "r")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            start_new_session=True)
     watch = OutputWatch(proc, "bench [")
     workers: list[tuple[int, str]] = []
     try:
@@ -104,7 +105,8 @@ def test_the_cross_check_stopped_on_the_live_stack_leaves_nothing_behind():
         proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench", "--cross-check",
                                  "--cross-scenarios", "thermal"], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
+                                     "PYTHONFAULTHANDLER": "1"})
         watch = OutputWatch(proc, "live: thermal on the local stack")
         started: list[tuple[int, str]] = []
         try:

@@ -124,7 +124,7 @@ def test_the_soak_stopped_by_sigterm_stops_its_stack():
     proc = subprocess.Popen([sys.executable, "-m", "localstack.soak", "--minutes", "5", "--nodes", "3",
                              "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     watch = OutputWatch(proc, "[soak] running", at_start=True)
     started: list[tuple[int, str]] = []
     try:

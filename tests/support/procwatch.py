@@ -3,6 +3,8 @@ whether the processes it started are still alive afterwards."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import threading
 import time
@@ -42,10 +44,21 @@ class OutputWatch:
 
 
 def stopped(proc: subprocess.Popen, watch: OutputWatch, send: Callable[[], object]) -> tuple[int, str]:
-    """Send the signal (send()) and wait for the command (killed after 60 s); (its exit status, its output)."""
+    """Send the signal (send()) and wait for the command; (its exit status, its output).
+
+    A command still running 60 s on fails the test with its output's tail, and with every thread's stack when it
+    runs with PYTHONFAULTHANDLER set: SIGABRT makes faulthandler print them before it dies (where it was stuck is
+    what a hang that comes once in a CI run needs)."""
     try:
         send()
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            watch.thread.join(10)
+            raise AssertionError("still running 60 s after the signal:\n" + "".join(watch.lines[-200:])) from None
     finally:
         if proc.poll() is None:
             proc.kill()
