@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from localstack.vllmserver import children
-from tests.support.procwatch import OutputWatch, left, stopped
+from tests.support.procwatch import OutputWatch, left, signals_at_default, stopped
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,19 +52,39 @@ def _stop_mid_phase(phase: str, sig: signal.Signals, tmp: Path) -> None:
     flags, marker = PHASES[phase]
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "bench-controller", *SMALL, *flags], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=signals_at_default)
     watch = OutputWatch(proc, marker)
+    masks = "not read"
     try:
         assert watch.seen.wait(180), f"{phase} never ran:\n" + "".join(watch.lines[-40:])
         started = children(proc.pid)
         assert started, f"{phase}: no child process while it runs"
         assert any(tmp.iterdir()), f"{phase}: its temp dir is not under TMPDIR"
+        masks = signal_masks(proc.pid)  # was the signal blocked, ignored or caught (the one hang seen: SIGINT)
     finally:
-        rc, out = stopped(proc, watch, lambda: proc.send_signal(sig))
+        try:
+            rc, out = stopped(proc, watch, lambda: proc.send_signal(sig))
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nits signal masks before {sig.name}: {masks}") from None
     assert rc == (143 if sig == signal.SIGTERM else 130), out[-3000:]
     still = left(started)
     assert not still, f"{phase}: still running after {sig.name}: {still}\n{out[-2000:]}"
     assert not any(tmp.iterdir()), f"{phase}: left behind: {sorted(p.name for p in tmp.iterdir())}"
+
+
+def signal_masks(pid: int) -> str:
+    """/proc's SigBlk, SigIgn and SigCgt of a process (hex masks: bit n-1 is signal n; SIGINT 0x2, SIGTERM 0x4000)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as e:
+        return f"unreadable: {e}"
+    return ", ".join(ln.replace("\t", " ") for ln in lines if ln.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
+def test_signal_masks_reads_the_running_process():
+    masks = signal_masks(os.getpid())
+    assert masks.count("Sig") == 3 and int(masks.split("SigCgt:")[1], 16) & 0x2  # Python catches SIGINT
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["to the command", "to its process group"])
@@ -78,7 +98,7 @@ def test_the_benchmark_stopped_mid_suite_ends_its_workers(group, tmp_path):
                              "--policies", "grayguard", "--filter", "n32", "--report-dir", str(tmp_path / "r")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=signals_at_default)
     watch = OutputWatch(proc, "bench [")
     workers: list[tuple[int, str]] = []
     try:
@@ -106,7 +126,7 @@ def test_the_cross_check_stopped_on_the_live_stack_leaves_nothing_behind():
                                  "--cross-scenarios", "thermal"], cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
-                                     "PYTHONFAULTHANDLER": "1"})
+                                     "PYTHONFAULTHANDLER": "1"}, preexec_fn=signals_at_default)
         watch = OutputWatch(proc, "live: thermal on the local stack")
         started: list[tuple[int, str]] = []
         try:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from localstack.vllmserver import children
-from tests.support.procwatch import OutputWatch, alive
+from tests.support.procwatch import OutputWatch, alive, signals_at_default
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,8 @@ def test_sigterm_stops_every_process_the_demo_started_and_writes_the_report(tmp_
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "demo", "--nodes", "3", "--duration", "300",
                              "--live", "plain", "--report-dir", str(report)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=signals_at_default)
     watch = OutputWatch(proc, "[run]", at_start=True)
     lines = watch.lines
     try:

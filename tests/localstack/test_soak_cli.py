@@ -15,7 +15,7 @@ import pytest
 
 from localstack.soak import ProcResult, Series, SoakReport, Thresholds, analyze_series, main, render_markdown
 from localstack.vllmserver import children
-from tests.support.procwatch import OutputWatch, left, stopped
+from tests.support.procwatch import OutputWatch, left, signals_at_default, stopped
 from tests.support.stack import require
 
 TH = Thresholds(max_rss_growth_mib=4, max_fd_growth=2)
@@ -124,7 +124,8 @@ def test_the_soak_stopped_by_sigterm_stops_its_stack():
     proc = subprocess.Popen([sys.executable, "-m", "localstack.soak", "--minutes", "5", "--nodes", "3",
                              "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=signals_at_default)
     watch = OutputWatch(proc, "[soak] running", at_start=True)
     started: list[tuple[int, str]] = []
     try:

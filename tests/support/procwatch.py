@@ -43,6 +43,16 @@ class OutputWatch:
         return "".join(self.lines)
 
 
+def signals_at_default() -> None:
+    """A Popen preexec_fn: SIGINT and SIGTERM at their default action and unblocked in the command, whatever the test
+    process inherited (a CI runner or a shell's background job starts it with SIGINT ignored, and an ignored signal
+    stays ignored across exec: Python then never turns SIGINT into KeyboardInterrupt). A stop test sends the command
+    a signal a terminal or `timeout` would, so the command must start as one started from a terminal does."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def stopped(proc: subprocess.Popen, watch: OutputWatch, send: Callable[[], object]) -> tuple[int, str]:
     """Send the signal (send()) and wait for the command; (its exit status, its output).
 
