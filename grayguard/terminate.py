@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 
 
@@ -25,11 +26,41 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+_previous_hook = sys.unraisablehook
+
+
+def _unraisable(u: object) -> None:
+    """sys.unraisablehook: a signal's exception that Python dropped is raised again.
+
+    A Python signal handler runs at the main thread's next bytecode, which can be inside a finalizer (a weakref
+    callback, a __del__ run by the collector), and an exception raised there is printed and dropped. The first
+    SIGTERM then started no cleanup, and its handler had set every later SIGTERM to be ignored: the command ran on
+    until SIGKILL (seen once in CI: the soak, its Terminated dropped in a WeakValueDictionary's callback). So the
+    signal is sent again, with its handler back, from a thread a moment later: sent from here, its handler would run
+    inside this hook, where its exception is dropped too."""
+    exc = getattr(u, "exc_value", None)
+    if isinstance(exc, Terminated):
+        signal.signal(signal.SIGTERM, _terminated)
+        _again(signal.SIGTERM)
+    elif isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _again(signal.SIGINT)
+    else:
+        _previous_hook(u)  # type: ignore[arg-type]
+
+
+def _again(sig: signal.Signals, delay_s: float = 0.01) -> None:
+    timer = threading.Timer(delay_s, signal.pthread_kill, (threading.main_thread().ident, sig))
+    timer.daemon = True
+    timer.start()
+
+
 def install() -> object | None:
-    """Make SIGTERM raise Terminated in the main thread; returns the previous handler (for restore), None off the
-    main thread (only it may set handlers: a caller running a command in a thread keeps its own)."""
+    """Make SIGTERM raise Terminated in the main thread, and a signal's exception dropped in a finalizer come again
+    (_unraisable); returns the previous handler (for restore), None off the main thread (only it may set handlers:
+    a caller running a command in a thread keeps its own)."""
     if threading.current_thread() is not threading.main_thread():
         return None
+    sys.unraisablehook = _unraisable
     return signal.signal(signal.SIGTERM, _terminated)
 
 
@@ -37,6 +68,7 @@ def restore(previous: object | None) -> None:
     """Put back what install() returned (nothing when it installed nothing)."""
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
+        sys.unraisablehook = _previous_hook
 
 
 def exit_status(e: KeyboardInterrupt) -> int:

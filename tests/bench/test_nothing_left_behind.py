@@ -82,9 +82,17 @@ def signal_masks(pid: int) -> str:
     return ", ".join(ln.replace("\t", " ") for ln in lines if ln.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
-def test_signal_masks_reads_the_running_process():
-    masks = signal_masks(os.getpid())
-    assert masks.count("Sig") == 3 and int(masks.split("SigCgt:")[1], 16) & 0x2  # Python catches SIGINT
+def test_signal_masks_reads_a_running_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=signals_at_default)
+    deadline = time.monotonic() + 20
+    try:  # polled until the interpreter has set its SIGINT handler (or the deadline)
+        while not int((masks := signal_masks(proc.pid)).split("SigCgt:")[1], 16) & 0x2 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert masks.count("Sig") == 3 and int(masks.split("SigCgt:")[1], 16) & 0x2, masks  # Python catches SIGINT
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["to the command", "to its process group"])
