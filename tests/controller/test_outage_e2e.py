@@ -427,6 +427,7 @@ def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_
     hap, etcd, prom, lat = static_stack
     rc = RuntimeClient(hap.endpoint)
     path = TcpRelay(etcd.url)  # a's only way to etcd
+    b_path = TcpRelay(etcd.url)  # b's: cut too, until a was seen steering without its lease (below)
     perturb = RuntimeClient(hap.endpoint)
     perturber = Sampler(lambda: perturb.execute(["set server vllm_chat/node5 weight 77"]), 0.2)
     try:
@@ -435,7 +436,7 @@ def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_
         replicas.append(a)
         wait_until(a.leads, 15, what="a leads")
         first = wait_until(lambda: (e := a.epoch()) and gateway_epoch(rc) == e and e, 10, what="a's epoch in HAProxy")
-        b = Replica(tmp_path, "b", config(prom, hap.endpoint, etcd.url, pools))
+        b = Replica(tmp_path, "b", config(prom, hap.endpoint, b_path.url, pools))
         replicas.append(b)
         wait_until(lambda: b.status()["leadership"]["leaders"].get(SCOPE_ALL) == "a", 10, what="b sees a lead")
 
@@ -444,20 +445,27 @@ def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_
                 return a.status()["leadership"]["steering_without_registry"], a.metric("grayguard_haproxy_writes_total")
             return None
 
+        # b is kept from etcd too until a was seen writing with its lease unconfirmed: left to race, b's election
+        # (a's lease expiry, etcd's sweep, b's next tick) can come before a's next tick on two loaded cores (CI saw
+        # it), which says nothing about whether a steers meanwhile. Then b reaches etcd and is elected.
+        b_path.cut()
         path.cut()
         cut = time.monotonic()
-        # sampled all along, not read once after a poll: on two loaded cores a's status can come back late enough
-        # that b is elected the next moment, which says nothing about whether a steered meanwhile
-        watch_a = Sampler(unconfirmed_and_writes, 0.05)
+        watch_a = Sampler(unconfirmed_and_writes, 0.05)  # sampled all along: a status poll can come back late
+
+        def wrote_unconfirmed() -> bool:
+            unconfirmed = [r[1] for _, r in list(watch_a.rows) if r and r[0]]
+            return len(unconfirmed) > 1 and max(unconfirmed) > unconfirmed[0]
+
         try:
             wait_until(lambda: any(r and r[0] for _, r in list(watch_a.rows)), TTL + TICK + SLACK,
                        what="a's lease unconfirmed")
+            wait_until(wrote_unconfirmed, 5 * TICK + SLACK, what="a steers with its lease unconfirmed")
+            b_path.heal()
             wait_until(b.leads, TTL + TICK + SLACK + 5, what="b elected after a's lease expired in etcd")
             wait_until(lambda: gateway_epoch(rc) == b.epoch(), 5, interval_s=0.02, what="b claims HAProxy")
         finally:
             watch_a.close()
-        unconfirmed = [r[1] for _, r in watch_a.rows if r and r[0]]
-        assert max(unconfirmed) > unconfirmed[0], "a stopped steering before anyone else could"
         claimed = time.monotonic()
         assert claimed - cut >= TTL * 0.9  # not before a's lease could have ended
         wait_until(lambda: not a.leads(), CLAIM_WAIT_S + 2 * TICK + SLACK, what="a stops at the sight of b's epoch")
@@ -474,6 +482,7 @@ def test_a_leader_partitioned_from_etcd_steers_until_the_standby_elected_claims_
     finally:
         perturber.close()
         path.cut()
+        b_path.cut()
 
 
 def test_a_standby_alone_restores_a_restarted_haproxy_when_the_leader_died_during_the_outage(tmp_path, replicas):
