@@ -9,8 +9,10 @@ and cheaply as Python allows, with the controller's own building blocks:
     EMA (frozen.replaced, the one copy a tick the decision core makes), one NodeDecision a node;
   * the same with each pool's latencies scored against its peers (scoring.leave_one_out_logs, the core's own);
   * Prometheus' answers: json.loads of the 18 answers the controller's default config asks for, as bench/answers.py
-    serves them for the stand-in fleet (a series a node each), then the same with promclient's checks and Samples;
-    all of a tick's answers held together, as the tick holds them.
+    serves them for the stand-in fleet (a series a node each), then the same with the checks and Samples of
+    promclient's general path (json, element by element: the client's only path before msgspec), then the client's
+    own decoding (promclient.decode_instant: msgspec's typed decoding, the same Samples); all of a tick's answers
+    held together, as the tick holds them.
 Timed with the garbage collector's thresholds of the controller's process (controller/gcpolicy.py).
 The decision core does all of the first two and much more (every signal, the state machine, the safeguard cap,
 the weights, the plan), and the whole tick all of the last and much more (the HAProxy read, the matching, the
@@ -39,7 +41,7 @@ from controller.policy import NodeDecision, NodeInput, NodeState
 from controller.scoring import leave_one_out_logs
 from grayguard.config import load_config
 from grayguard.frozen import replaced
-from grayguard.promclient import _instant
+from grayguard.promclient import _instant, decode_instant
 
 DECISION_TARGET_MS, TICK_TARGET_MS = 100.0, 500.0  # issue 18, at 10,000 nodes
 
@@ -96,8 +98,10 @@ def _measure(inputs: list[dict[str, NodeInput]], states: list[dict[str, NodeStat
         "decision pass": median_ms(lambda: decision_pass(inputs, states, False), repeat),
         "decision pass + peer scoring": median_ms(lambda: decision_pass(inputs, states, True), repeat),
         f"json.loads of {len(bodies)} answers": median_ms(lambda: [json.loads(b) for b in bodies], repeat),
-        f"{len(bodies)} answers decoded and parsed": median_ms(
+        f"{len(bodies)} answers, json + checks": median_ms(
             lambda: [_instant(json.loads(b)["data"]) for b in bodies], repeat),
+        f"{len(bodies)} answers, the client's decoding": median_ms(
+            lambda: [decode_instant(b) for b in bodies], repeat),
         "answer bytes": float(sum(map(len, bodies))),
     }
 

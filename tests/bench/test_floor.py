@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import floor
-from grayguard.promclient import _instant
+from grayguard.promclient import _instant, decode_instant
 
 
 def test_the_decision_pass_visits_every_node_once_with_or_without_scoring():
@@ -21,15 +21,18 @@ def test_the_answers_are_the_default_configs_eighteen_with_a_series_a_node():
     bodies = floor.answer_bodies(40)
     assert len(bodies) == 18
     for b in bodies:
-        samples = _instant(json.loads(b)["data"])  # the client's own parse takes every one
+        samples = _instant(json.loads(b)["data"])  # the general path takes every one
         assert len(samples) == 40 and all(s.timestamp > 0 for s in samples)
+        assert decode_instant(b) == samples or all(  # the client's decoding gives the same (NaN is not NaN)
+            (x.labels, x.timestamp) == (y.labels, y.timestamp) and (x.value == y.value or x.value != x.value != y.value)
+            for x, y in zip(decode_instant(b), samples, strict=True))
 
 
 def test_the_command_prints_each_floor_and_refuses_nonsense(capsys):
     assert floor.main(["--nodes", "40", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     for what in ("decision pass ", "decision pass + peer scoring", "json.loads of 18 answers",
-                 "18 answers decoded and parsed", "40 nodes in pools of 20"):
+                 "18 answers, json + checks", "18 answers, the client's decoding", "40 nodes in pools of 20"):
         assert what in out
     assert "target" not in out  # the shares of the targets are shown at 10,000 nodes only
     with pytest.raises(SystemExit) as e:

@@ -1,6 +1,7 @@
-"""A vector answer is checked in bulk when it is plainly well-formed (promclient._plain_vector) and element by element
-otherwise: on any result the Samples, or the PromError (kind and message), are those of the element-by-element
-parse it replaced, kept here as the reference. Garbage of every kind is still classified."""
+"""An instant query's answer is decoded to typed elements by msgspec (promclient.decode_instant) and, when it is not a
+plain successful vector, by json and the element-by-element checks: on any answer's bytes the Samples, or the
+PromError (kind and message), are those of the json decoding and element-by-element parse it replaced, kept here as
+the reference. Garbage of every kind is still classified."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PROM = "http://prom.test:9090"
 
 
 def _reference(result: list) -> list[Sample]:
-    """The element-by-element parse, as query() did it."""
+    """The element-by-element parse, as query() did it after json.loads."""
     out = []
     for item in result:
         if not isinstance(item, dict) or "value" not in item:
@@ -72,39 +73,67 @@ ELEMENT = st.one_of(GOOD, GOOD, GOOD, st.fixed_dictionaries({"metric": LABELS, "
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(ELEMENT, max_size=6))
-def test_a_vector_parses_as_element_by_element(result):
-    assert _outcome(promclient._vector, result) == _outcome(_reference, result)
+def test_an_answer_decodes_as_json_and_element_by_element(result):
+    body = _body(result)
+    assert _outcome(promclient.decode_instant, body) == _outcome(_reference, json.loads(body)["data"]["result"])
+
+
+def _body(result: list, **top) -> bytes:
+    """The answer's bytes as Prometheus sends them (json.dumps writes NaN and Infinity literals, which only the
+    general path reads: those answers take it)."""
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}, **top}).encode()
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(GOOD, max_size=8))
-def test_a_well_formed_vector_takes_the_bulk_path(result):
-    got = promclient._plain_vector(result)
-    assert got is not None and _outcome(lambda r: got, result) == _outcome(_reference, result)
-    assert all(s.labels is item["metric"] for s, item in zip(got, result, strict=True))  # decoded JSON: no copy
+def test_a_well_formed_answer_takes_the_typed_path(result):
+    body = _body(result, warnings=["extra fields are ignored"])
+    assert _outcome(promclient.decode_instant, body) == _outcome(_reference, result)
+    assert promclient._VECTOR.decode(body).data.result is not None  # msgspec took it: no fallback
+
+
+@pytest.mark.parametrize(("body", "kind", "message"), [
+    (b"<html>", "bad_response", "answered non-JSON: '<html>'"),
+    (b'{"status": "error", "errorType": "bad_data", "error": "parse error"}', "query", "query failed: parse error"),
+    (b'{"status": "success"}', "bad_response", "no data object"),
+    (b'{"status": "success", "data": {"resultType": "matrix", "result": []}}', "bad_response", "expected a vector"),
+    (b"[" * 100_000, "bad_response", "non-JSON"),
+])
+def test_answers_that_are_not_a_vector_are_classified(body, kind, message):
+    with pytest.raises(PromError) as e:
+        promclient.decode_instant(body)
+    assert e.value.kind == kind and message in str(e.value)
+
+
+def test_a_scalar_answer_is_one_sample_without_labels():
+    body = b'{"status": "success", "data": {"resultType": "scalar", "result": [1000, "2.5"]}}'
+    assert promclient.decode_instant(body) == [Sample({}, 2.5, 1000.0)]
 
 
 def test_one_bad_element_among_many_is_named():
     good = [{"metric": {"instance": f"10.0.0.{i}:8000"}, "value": [1000.0, "0.5"]} for i in range(100)]
     for bad, message in (({"metric": {"instance": 7}, "value": [1000.0, "1"]}, "malformed label set"),
-                         ({"metric": {7: "a"}, "value": [1000.0, "1"]}, "malformed label set"),
                          ({"metric": None, "value": [1000.0, "1"]}, "malformed label set"),
                          ({"metric": {}, "value": [1000.0, "x"]}, "unparseable sample value 'x'"),
                          ({"metric": {}, "value": ["NaN", "1"]}, "sample timestamp 'NaN' is not a finite number"),
                          ({"metric": {}, "value": [1000.0]}, "malformed sample"),
-                         # two parts that float() takes, but not a list
-                         ({"metric": {}, "value": (1000.0, "1")}, "malformed sample"),
                          ({"metric": {}, "value": "12"}, "malformed sample"),
                          ({"metric": {}}, "malformed vector element"), ([], "malformed vector element")):
         with pytest.raises(PromError) as e:
-            promclient._vector([*good[:50], bad, *good[50:]])
+            promclient.decode_instant(_body([*good[:50], bad, *good[50:]]))
         assert e.value.kind == "bad_response" and message in str(e.value)
-    # no "metric": an empty label set, as before (the element-by-element path takes it)
-    assert promclient._vector([*good, {"value": [1000.0, "2"]}])[-1] == Sample({}, 2.0, 1000.0)
+    # no "metric": an empty label set, as before
+    assert promclient.decode_instant(_body([*good, {"value": [1000.0, "2"]}]))[-1] == Sample({}, 2.0, 1000.0)
+    # Prometheus' own spellings of the values that are not numbers, and a timestamp beyond any float
+    got = promclient.decode_instant(_body([{"value": [1000, v]} for v in ("NaN", "+Inf", "-Inf")]))
+    assert math.isnan(got[0].value) and got[1:] == [Sample({}, math.inf, 1000.0), Sample({}, -math.inf, 1000.0)]
+    with pytest.raises(PromError, match="not a finite number"):
+        promclient.decode_instant(b'{"status": "success", "data": {"resultType": "vector", "result": '
+                                  b'[{"value": [1e999, "1"]}]}}')
 
 
 @responses.activate
-def test_query_parses_a_large_answer_in_bulk_and_garbage_is_classified():
+def test_query_decodes_a_large_answer_and_garbage_is_classified():
     result = [{"metric": {"__name__": "gg:latency", "instance": f"10.0.{i // 256}.{i % 256}:8000", "pool": f"p{i % 7}"},
                "value": [1700000000.5, repr(i / 7)]} for i in range(2000)]
     result[3]["value"][1] = "NaN"
@@ -121,7 +150,7 @@ def test_query_parses_a_large_answer_in_bulk_and_garbage_is_classified():
 
 
 def test_a_sample_is_an_immutable_named_tuple():
-    """Built with tuple.__new__ in bulk (_plain_vector): the same Sample as its constructor's, fields by name."""
+    """Built with tuple.__new__ (decode_instant): the same Sample as its constructor's, fields by name."""
     s = Sample({"instance": "a"}, 0.5, 1000.0)
     assert s == Sample(labels={"instance": "a"}, value=0.5, timestamp=1000.0) != Sample({}, 0.5, 1000.0)
     assert (s.labels, s.value, s.timestamp) == ({"instance": "a"}, 0.5, 1000.0)
@@ -129,7 +158,7 @@ def test_a_sample_is_an_immutable_named_tuple():
     assert s._replace(value=2.0) == Sample({"instance": "a"}, 2.0, 1000.0)
     with pytest.raises(AttributeError):
         s.value = 1.0  # type: ignore[misc]
-    bulk = promclient._plain_vector([{"metric": {"instance": "a"}, "value": [1000, "0.5"]}])
+    bulk = promclient.decode_instant(_body([{"metric": {"instance": "a"}, "value": [1000, "0.5"]}]))
     assert bulk == [s] and type(bulk[0]) is Sample and repr(bulk[0]) == repr(s)
     with pytest.raises(TypeError):
         Sample({}, 1.0)  # type: ignore[call-arg]  # every field is needed
@@ -148,7 +177,7 @@ def test_concurrent_answers_are_decoded_one_at_a_time(monkeypatch):
                       json={"status": "success", "data": {"resultType": "vector", "result": [
                           {"metric": {"instance": f"n{k}"}, "value": [1000, str(k)]}]}})
     inside, most, lock = [0], [0], threading.Lock()
-    shape = promclient._instant
+    shape = promclient.decode_instant
 
     def counted(data):
         with lock:
@@ -160,7 +189,7 @@ def test_concurrent_answers_are_decoded_one_at_a_time(monkeypatch):
         finally:
             with lock:
                 inside[0] -= 1
-    monkeypatch.setattr(promclient, "_instant", counted)
+    monkeypatch.setattr(promclient, "decode_instant", counted)
     client = PrometheusClient(PrometheusConfig(url=PROM))
     with ThreadPoolExecutor(max_workers=8) as ex:
         got = list(ex.map(client.query, [f"q{k}" for k in range(8)]))
