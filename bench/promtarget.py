@@ -23,6 +23,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def _cdf(slow: float) -> list[float]:
     return [0.5 * (1 + math.erf(math.log(le / (TTFT_S * slow)) / (0.5 * math.sqrt(2)))) for le in TTFT_BUCKETS]
 
 
-Family = tuple[str, str, list[tuple[str, str, str]]]  # name, type, series: (name suffix, extra labels, value key)
+# name, type, series: (name suffix, extra labels (or a function of the node giving them), value key)
+Family = tuple[str, str, list[tuple[str, "str | Callable[[Node], str]", str]]]
 
 
 def vllm_families() -> list[Family]:
@@ -89,8 +91,14 @@ def vllm_families() -> list[Family]:
     return fams
 
 
+def _verdict(n: Node) -> str:
+    """The node's last probe result: slow on a slow node."""
+    return "slow" if n.slow > 1 else "ok"
+
+
 def _verdicts() -> list[Family]:
-    return [("grayguard_probe_last_result", "gauge", [("", f',result="{r}"', f"last_{r}") for r in PROBE_RESULTS]),
+    # the exporter's one series of the last result, labelled with it (a label per node: a callable)
+    return [("grayguard_probe_last_result", "gauge", [("", lambda n: f',result="{_verdict(n)}"', "one")]),
             ("grayguard_probe_consecutive_failures", "gauge", [("", "", "zero")])]
 
 
@@ -113,6 +121,8 @@ def exporter_families() -> list[Family]:
              [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS]),
             *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
                       "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
+            ("grayguard_gpu_slowed_under_load", "gauge", [("", gpu, "slowed")]),
+            ("grayguard_gpu_pcie_degraded_under_load", "gauge", [("", gpu, "zero")]),
             ("grayguard_gpu_ecc_errors", "gauge", ecc),
             *[(name, "counter", [("", "", key)]) for name, key in TRAFFIC]]
 
@@ -124,12 +134,12 @@ def fast_families() -> list[Family]:
 
 def static_values(n: Node) -> dict[str, float]:
     """A node's values that never change: baked into its page's text once."""
-    verdict = "slow" if n.slow > 1 else "ok"
+    verdict = _verdict(n)
     out = {"zero": 0, "one": 1, "pcie_link_generation": 5, "pcie_link_max_generation": 5, "pcie_link_width": 16,
            "pcie_link_max_width": 16, "lost": 0, "row_remap_pending": 0, "row_remap_failure": 0}
-    out.update({f"last_{r}": int(r == verdict) for r in PROBE_RESULTS})
     out.update({f"probes_{r}": 0 for r in PROBE_RESULTS if r != verdict})
     out.update({f"reason_{r}": int(n.slow > 1 and r == "hw_thermal_slowdown") for r in CLOCK_REASONS})
+    out["slowed"] = int(n.slow > 1)  # the exporter's flag: a slowdown reason on a busy GPU
     return out
 
 
@@ -189,7 +199,7 @@ class Page:
                 labels = f'{extra_labels}pool="{n.pool}",instance="{n.instance}"'
                 for suffix, extra, key in series:
                     value = "%r" if key not in fixed else repr(fixed[key])
-                    parts.append(f"{name}{suffix}{{{labels}{extra}}} {value}\n")
+                    parts.append(f"{name}{suffix}{{{labels}{extra(n) if callable(extra) else extra}}} {value}\n")
                     if key not in fixed:
                         self.order.append((i, key))
         self.template = "".join(parts)

@@ -47,6 +47,11 @@ COUNTERS = {
     "energy": ("grayguard_gpu_energy_joules", "Energy consumed since the driver loaded (J)"),
     "pcie_replay": ("grayguard_gpu_pcie_replay", "PCIe replays (link-level retransmissions)"),
 }
+# The slowdowns that make a GPU slower than its peers (not idling, not an application's clock setting), and the load
+# from which they matter: an idle GPU's clocks drop and its link trains down to save power, which is no fault.
+SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+SLOWDOWN_BITS = sum(bit for reason, bit in CLOCK_EVENT_REASONS if reason in SLOWDOWN_REASONS)
+UNDER_LOAD = 0.5  # utilization from which a GPU counts as under load
 ECC_KINDS = tuple((t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate"))
 NVML_ERROR_KINDS = ("timeout", "error")
 
@@ -96,11 +101,35 @@ def _families() -> dict[str, Metric]:
                     labels=GPU_LABELS + ["error_type", "counter_type"])
     fams["remapped"] = g("grayguard_gpu_remapped_rows", "Memory rows remapped, by cause",
                          labels=GPU_LABELS + ["cause"])
+    # derived beside the node, for the controller's hot path: one series a GPU to read instead of a join in Prometheus
+    fams["slowed"] = g("grayguard_gpu_slowed_under_load", "1 while a slowdown reason (hardware, thermal, power brake) "
+                       f"holds the clocks down and the GPU is busy (utilization > {UNDER_LOAD}), else 0",
+                       labels=GPU_LABELS)
+    fams["pcie_degraded"] = g("grayguard_gpu_pcie_degraded_under_load", "1 while the PCIe link runs below its maximum "
+                              f"generation or width and the GPU is busy (utilization > {UNDER_LOAD}), else 0",
+                              labels=GPU_LABELS)
     for key, (name, doc) in COUNTERS.items():
         fams[key] = CounterMetricFamily(name, doc, labels=GPU_LABELS)
     fams["xid"] = CounterMetricFamily("grayguard_gpu_xid_errors", "XID critical-error events seen by the exporter",
                                       labels=GPU_LABELS + ["xid"])
     return fams
+
+
+def under_load(gpu: GpuReading) -> dict[str, int]:
+    """The derived flags of one GPU whose inputs were read: slowed (a slowdown reason under load) and pcie_degraded
+    (a link below its maximum under load); a flag whose inputs are missing is absent (absent is not zero)."""
+    util = gpu.values.get("utilization")
+    if util is None:
+        return {}
+    busy = util > UNDER_LOAD
+    out = {}
+    if gpu.clock_event_reasons is not None:
+        out["slowed"] = int(busy and bool(gpu.clock_event_reasons & SLOWDOWN_BITS))
+    v = gpu.values
+    if all(k in v for k in ("pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max")):
+        below = v["pcie_gen"] < v["pcie_gen_max"] or v["pcie_width"] < v["pcie_width_max"]
+        out["pcie_degraded"] = int(busy and below)
+    return out
 
 
 def describe_families() -> list[Metric]:
@@ -125,6 +154,8 @@ def build_families(snap: NvmlSnapshot) -> Iterator[Metric]:
                 fams["reasons"].add_metric(ids + [reason], 1 if gpu.clock_event_reasons & bit else 0)
         for (etype, ctype), n in gpu.ecc.items():
             fams["ecc"].add_metric(ids + [etype, ctype], n)
+        for key, flag in under_load(gpu).items():
+            fams[key].add_metric(ids, flag)
         if gpu.remapped_rows is not None:
             fams["remapped"].add_metric(ids + ["correctable"], gpu.remapped_rows[0])
             fams["remapped"].add_metric(ids + ["uncorrectable"], gpu.remapped_rows[1])

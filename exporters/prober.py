@@ -342,9 +342,8 @@ class _StateCollector:
         state, ts = self._p.exported()
         fams = self._families()
         last, ttft, fails, stamp = fams
-        if state.last_result is not None:
-            for result in RESULTS:
-                last.add_metric([result], 1 if result == state.last_result else 0)
+        if state.last_result is not None:  # one series, the last result's: not one a result (7 zeros on two pages)
+            last.add_metric([state.last_result], 1)
         if state.last_ttft is not None:
             ttft.add_metric([], state.last_ttft)
         fails.add_metric([], state.consecutive_failures)
@@ -354,8 +353,8 @@ class _StateCollector:
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, ...]:
-        return (GaugeMetricFamily("grayguard_probe_last_result", "1 for the result of the last probe, 0 for the "
-                                  "others", labels=["result"]),
+        return (GaugeMetricFamily("grayguard_probe_last_result", "1, labelled with the last probe's result (the "
+                                  "only series of the family)", labels=["result"]),
                 GaugeMetricFamily("grayguard_probe_last_ttft_seconds", "TTFT of the last ok or slow probe"),
                 GaugeMetricFamily("grayguard_probe_consecutive_failures",
                                   "Probes in a row that failed (timeout, connect, http, cuda, bad response)"),

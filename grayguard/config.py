@@ -222,14 +222,10 @@ class SignalsConfig:
     # the exporter's 1 s fast path first (exporters/fastpath.py), else vLLM's own series at its scrape interval
     kv_cache_query: str = ("max by (pool, instance) (grayguard_live_kv_cache_usage_ratio) "
                            "or instance:vllm_kv_cache_usage_ratio:max")
-    gpu_throttled_query: str = (
-        "max by (pool, instance) (grayguard_gpu_clock_event_reason_active{reason=~\"hw_slowdown|sw_thermal_slowdown|"
-        "hw_thermal_slowdown|hw_power_brake_slowdown\"}) * on (pool, instance) "
-        "(max by (pool, instance) (grayguard_gpu_utilization_ratio) > bool 0.5)")
-    pcie_degraded_query: str = (
-        "max by (pool, instance) ((grayguard_gpu_pcie_link_generation < bool grayguard_gpu_pcie_link_max_generation)"
-        " + (grayguard_gpu_pcie_link_width < bool grayguard_gpu_pcie_link_max_width)) * on (pool, instance) "
-        "(max by (pool, instance) (grayguard_gpu_utilization_ratio) > bool 0.5)")
+    # the exporter derives both flags beside the node (a slowdown reason, or a link below its maximum, while the GPU
+    # is busy: exporters/gpumetrics.py); before 2026-12-05 these were joins in Prometheus (docs/operations.md)
+    gpu_throttled_query: str = "max by (pool, instance) (grayguard_gpu_slowed_under_load)"
+    pcie_degraded_query: str = "max by (pool, instance) (grayguard_gpu_pcie_degraded_under_load)"
     gpu_ecc_query: str = (
         "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
     gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"

@@ -274,6 +274,7 @@ def test_metrics_answers_fast_while_the_backend_hangs(vllm, session):
         assert exporter.prober.wait_for_probes(1, 2)
         _, text = scrape(session, exporter)
         assert sample(text, 'grayguard_probe_last_result{result="timeout"}') == 1
+        assert text.count("grayguard_probe_last_result{") == 1  # the last result's series alone
         assert sample(text, "grayguard_probe_consecutive_failures") >= 1
 
 

@@ -97,6 +97,22 @@ def test_gen1_link_on_a_gen5_gpu_shows_both_numbers():
     assert value(registry, "grayguard_gpu_pcie_replay_total") == 1234
 
 
+@pytest.mark.parametrize(("overrides", "slowed", "pcie"), [
+    ({}, 0, 0),  # busy and healthy
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwThermalSlowdown"]}, 1, 0),
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwPowerBrakeSlowdown"]}, 1, 0),
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonSwPowerCap"]}, 0, 0),  # at its power limit
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwSlowdown"], "utilization_pct": 20}, 0, 0),
+    ({"pcie_gen": 1}, 0, 1), ({"pcie_width": 8}, 0, 1),
+    ({"pcie_gen": 1, "utilization_pct": 0}, 0, 0),  # an idle link trains down: no evidence
+    ({"unsupported": {"clock_event_reasons"}}, None, 0),  # an input unknown: the flag is absent, not 0
+])
+def test_the_derived_flags_say_slowed_or_degraded_only_under_load(overrides, slowed, pcie):
+    registry, _ = make(FakeNvml([healthy_h100(0, **overrides)]))
+    assert value(registry, "grayguard_gpu_slowed_under_load") == slowed
+    assert value(registry, "grayguard_gpu_pcie_degraded_under_load") == pcie
+
+
 def test_not_supported_and_no_permission_fields_are_absent_not_zero_and_logged_once(caplog):
     gpu = healthy_h100(0, unsupported={"memory_temperature_c", "ecc", "remapped_rows", "clock_event_reasons"},
                        no_permission={"pcie_replay", "energy_mj"})

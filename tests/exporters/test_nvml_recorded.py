@@ -142,15 +142,39 @@ def test_the_shipped_gpu_evidence_calls_a_real_h200_healthy_idle_or_at_its_power
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_the_same_busy_page_with_a_hardware_slowdown_is_throttled_evidence(tmp_path):
-    """The check above can fail: the recorded busy page with hw_slowdown set is throttled, and alerts."""
+def _page_with(recording: dict, phase: str, **results: int) -> str:
+    """The collector's page of a phase whose recorded answers of the named NVML calls are replaced: the same
+    driver, a reading it could have given."""
+    calls = [dict(c, result=results[c["fn"]]) if c["phase"] == phase and c["fn"] in results else c
+             for c in recording["calls"]]
+    col = NvmlCollector(nvml=replay_module({**recording, "calls": calls}, phase), xid_events=False)
+    assert col.start()
+    scrapes = sum(1 for c in calls if c["phase"] == phase and c["fn"] == "nvmlSystemGetDriverVersion")
+    for _ in range(scrapes):
+        text = page(col)
+    return text
+
+
+def test_the_same_busy_gpu_with_a_hardware_slowdown_is_throttled_evidence(tmp_path, recording):
+    """The check above can fail: the recorded busy GPU whose clock-event answer adds hw_slowdown (0x8) to its
+    sw_power_cap (0x4) is throttled, by the exporter's flag the controller reads, and alerts; idle, it is not."""
     require("promtool")
-    text = (FIXTURE / "page_load.prom").read_text()
-    res = _evaluate(tmp_path, text, {'grayguard_gpu_clock_event_reason_active{reason="hw_slowdown"}': 1}, 1, 0,
-                    ["GrayguardGpuThrottled"])
+    text = _page_with(recording, "load", nvmlDeviceGetCurrentClocksEventReasons=0x4 | 0x8)
+    assert value(text, "grayguard_gpu_slowed_under_load") == 1
+    assert value(text, "grayguard_gpu_clock_event_reason_active", reason="hw_slowdown") == 1
+    res = _evaluate(tmp_path, text, {}, 1, 0, ["GrayguardGpuThrottled"])
     assert res.returncode == 0, res.stdout + res.stderr
-    wrong = _evaluate(tmp_path, text, {'grayguard_gpu_clock_event_reason_active{reason="hw_slowdown"}': 1}, 0, 0, [])
+    wrong = _evaluate(tmp_path, text, {}, 0, 0, [])
     assert wrong.returncode != 0
+    idle = _page_with(recording, "idle", nvmlDeviceGetCurrentClocksEventReasons=0x1 | 0x8)
+    assert value(idle, "grayguard_gpu_slowed_under_load") == 0  # an idle GPU's slowdown is no evidence
+
+
+def test_a_busy_gpu_on_a_narrower_link_is_pcie_evidence(recording):
+    text = _page_with(recording, "load", nvmlDeviceGetCurrPcieLinkWidth=4)
+    assert value(text, "grayguard_gpu_pcie_degraded_under_load") == 1
+    assert value(_page_with(recording, "idle", nvmlDeviceGetCurrPcieLinkWidth=4),
+                 "grayguard_gpu_pcie_degraded_under_load") == 0
 
 
 def test_a_recording_of_the_fake_replays_to_the_same_pages():
