@@ -40,14 +40,16 @@ def render_rules(config: Path, out: Path) -> list[Path]:
 
 
 def prometheus_setup(ports: list[int], example: Path = EXAMPLE_PROMETHEUS) -> dict:
-    """The example's global section and its vLLM and exporter jobs, pointed at the stand-in's ports."""
+    """The example's global section and its vLLM and exporter jobs (their intervals and what they drop), pointed at
+    the stand-in's ports."""
     ex = yaml.safe_load(example.read_text())
     shipped = {sc["job_name"]: sc for sc in ex["scrape_configs"]}
     jobs = []
     for job, (path, _) in promtarget.pages().items():
         sc = {"job_name": job, "honor_labels": True, "metrics_path": path,
               "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
-        sc.update({k: v for k, v in shipped[job].items() if k in ("scrape_interval", "scrape_timeout")})
+        sc.update({k: v for k, v in shipped[job].items()
+                   if k in ("scrape_interval", "scrape_timeout", "metric_relabel_configs")})
         jobs.append(sc)
     return {"global": ex["global"], "scrape_configs": jobs}
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from exporters.fakenvml import FakeNvml, healthy_h100
@@ -12,7 +14,8 @@ from exporters.nvml import NvmlCollector
 from exporters.prober import Prober
 from exporters.server import Exporter
 
-DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+REPO = Path(__file__).resolve().parents[2]
+DOC = (REPO / "docs" / "metrics.md").read_text()
 
 
 def exposed_names(registry: CollectorRegistry) -> set[str]:
@@ -44,6 +47,28 @@ def test_the_fast_page_carries_the_live_series_and_the_verdict_gauges_only():
                            "grayguard_agent_down"}
     assert live <= exposed_names(exporter.registry)
     assert exposed_names(Exporter("http://127.0.0.1:1", port=0, nvml=None, probe=None).fast_registry) == set()
+
+
+def _drops(relabels: list[dict]) -> re.Pattern:
+    (drop,) = [r for r in relabels if r.get("action") == "drop"]
+    return re.compile(drop["regex"])
+
+
+def test_the_full_job_drops_exactly_the_fast_pages_series_in_the_shipped_scrape_configs():
+    """rules/prometheus.example.yml and the Kubernetes PodMonitor store the fast page's series once, from the 1 s
+    job: the full job drops every one of them and nothing else the exporter exports."""
+    exporter = Exporter("http://127.0.0.1:1", port=0, nvml=FakeNvml([healthy_h100(0)]), agent=("127.0.0.1", 0))
+    fast, full = exposed_names(exporter.fast_registry), exposed_names(exporter.registry)
+    prom = {j["job_name"]: j for j in yaml.safe_load((REPO / "rules" / "prometheus.example.yml").read_text())
+            ["scrape_configs"]}
+    monitor = yaml.safe_load((REPO / "deploy" / "kubernetes" / "base" / "monitoring" / "podmonitor-fleet.yaml")
+                             .read_text())
+    (full_endpoint,) = [e for e in monitor["spec"]["podMetricsEndpoints"]
+                        if e["port"] == "exporter" and e["path"] == "/metrics"]
+    for pattern in (_drops(prom["grayguard-exporter"]["metric_relabel_configs"]),
+                    _drops(full_endpoint["metricRelabelings"])):
+        assert {n for n in full if pattern.fullmatch(n)} == fast  # Prometheus anchors the regex
+    assert "metric_relabel_configs" not in prom["grayguard-exporter-fast"]
 
 
 def test_fixed_names_from_the_issue_are_exported():
