@@ -19,6 +19,7 @@ from dashboards.panels import (
 from dashboards.pool import transitions_expr
 from dashboards.promql import matchers, zero_fill
 from dashboards.promql import series as s
+from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 UID = "grayguard-gpu-health"
 TITLE = "grayguard / GPU health"
@@ -28,7 +29,7 @@ E = matchers(pool="~$pool", instance="~$instance")  # per-exporter series
 L = "{{instance}} GPU {{gpu}}"
 BY = "pool, instance, gpu"
 # Clock-event reasons that explain a slow GPU directly; sw_power_cap is normal at the power limit.
-SLOWDOWN = "hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
+SLOWDOWN = "|".join(GPU_SLOWDOWN_REASONS)
 ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
 
 

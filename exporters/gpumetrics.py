@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from grayguard.vocab import GPU_SLOWDOWN_REASONS
+
 GPU_LABELS = ["gpu", "uuid"]
 
 # Clock-event reason label -> NVML bit (nvmlClocksEventReason*; the same bits as the old throttle reasons).
@@ -47,10 +49,9 @@ COUNTERS = {
     "energy": ("grayguard_gpu_energy_joules", "Energy consumed since the driver loaded (J)"),
     "pcie_replay": ("grayguard_gpu_pcie_replay", "PCIe replays (link-level retransmissions)"),
 }
-# The slowdowns that make a GPU slower than its peers (not idling, not an application's clock setting), and the load
-# from which they matter: an idle GPU's clocks drop and its link trains down to save power, which is no fault.
-SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
-SLOWDOWN_BITS = sum(bit for reason, bit in CLOCK_EVENT_REASONS if reason in SLOWDOWN_REASONS)
+# The slowdowns that make a GPU slower than its peers, and the load from which they matter: an idle GPU's clocks drop
+# and its link trains down to save power, which is no fault.
+SLOWDOWN_BITS = sum(bit for reason, bit in CLOCK_EVENT_REASONS if reason in GPU_SLOWDOWN_REASONS)
 UNDER_LOAD = 0.5  # utilization from which a GPU counts as under load
 ECC_KINDS = tuple((t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate"))
 NVML_ERROR_KINDS = ("timeout", "error")
@@ -118,14 +119,13 @@ def _families() -> dict[str, Metric]:
 def under_load(gpu: GpuReading) -> dict[str, int]:
     """The derived flags of one GPU whose inputs were read: slowed (a slowdown reason under load) and pcie_degraded
     (a link below its maximum under load); a flag whose inputs are missing is absent (absent is not zero)."""
-    util = gpu.values.get("utilization")
-    if util is None:
+    v = gpu.values
+    if "utilization" not in v:
         return {}
-    busy = util > UNDER_LOAD
+    busy = v["utilization"] > UNDER_LOAD
     out = {}
     if gpu.clock_event_reasons is not None:
         out["slowed"] = int(busy and bool(gpu.clock_event_reasons & SLOWDOWN_BITS))
-    v = gpu.values
     if all(k in v for k in ("pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max")):
         below = v["pcie_gen"] < v["pcie_gen_max"] or v["pcie_width"] < v["pcie_width_max"]
         out["pcie_degraded"] = int(busy and below)

@@ -13,6 +13,7 @@ import jinja2
 import yaml
 
 from grayguard.config import MIN_PEERS, Config, ConfigError
+from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"
@@ -171,6 +172,7 @@ def _context(cfg: Config) -> dict:
     ws = windows(cfg)
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
             "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
+            "slowdown": "|".join(GPU_SLOWDOWN_REASONS),
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers)}
 
 

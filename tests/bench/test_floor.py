@@ -23,9 +23,7 @@ def test_the_answers_are_the_default_configs_eighteen_with_a_series_a_node():
     for b in bodies:
         samples = _instant(json.loads(b)["data"])  # the general path takes every one
         assert len(samples) == 40 and all(s.timestamp > 0 for s in samples)
-        assert decode_instant(b) == samples or all(  # the client's decoding gives the same (NaN is not NaN)
-            (x.labels, x.timestamp) == (y.labels, y.timestamp) and (x.value == y.value or x.value != x.value != y.value)
-            for x, y in zip(decode_instant(b), samples, strict=True))
+        assert repr(decode_instant(b)) == repr(samples)  # the client's decoding gives the same (repr: NaN is nan)
 
 
 def test_the_command_prints_each_floor_and_refuses_nonsense(capsys):
