@@ -13,7 +13,7 @@ from pathlib import Path
 import requests
 
 from bench.promcost import measure
-from bench.promresult import format_cost
+from bench.promresult import format_cost, format_side_by_side
 from bench.scale import format_scale, measure_scale
 from bench.ticklocal import format_local
 from bench.ticklocal import measure as measure_local
@@ -49,8 +49,11 @@ Prints measured numbers (this machine, now):
     tick's query time and each query's series and time, samples appended per second against those the
     scrapes offer, head series, resident memory, CPU, and notes on whatever fell behind (skipped
     evaluations, failed or late scrapes, failed queries, a warm-up cut short). The stand-in and the
-    controller's client run on the same machine as Prometheus and take their share of its CPU. About
-    1.5 minutes at 1,000 nodes and 3.5 at 10,000 on 2 cores; --no-prometheus skips it.
+    controller's client run on the same machine as Prometheus and take their share of its CPU. The same is
+    measured first for the signals issue 34 started from (bench/before34: their frozen rules and queries, the
+    exporter's pages of then) and the two are printed side by side with the shipped design's ratios and its
+    1,000-node targets (the control group and the reads <= 150 ms, grayguard's series <= 30 a node). About
+    3 minutes at 1,000 nodes and 7 at 10,000 on 2 cores (half with --no-before); --no-prometheus skips it.
   * the whole tick at scale on real parts (needs the haproxy and prometheus binaries; bench/wholetick.py): the
     same stand-in target and Prometheus at --whole-tick-nodes nodes, a real HAProxy with one backend per pool
     and a server per node (20 per backend: 10,000 servers in 500 backends at 10,000 nodes), and the real
@@ -142,6 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and going, closed loop; 0: skip; memory over 1,000 ticks: python -m bench.scale)")
     p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
     p.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus cost measurement")
+    p.add_argument("--no-before", action="store_true",
+                   help="measure the shipped signals' Prometheus cost alone, not beside those issue 34 started from "
+                        "(bench/before34: their frozen rules, queries and exporter pages; halves that part's time)")
     p.add_argument("--prometheus-nodes", default="1000,10000", metavar="N,N",
                    help="comma-separated simulated node counts for the Prometheus cost (default 1000,10000)")
     p.add_argument("--prometheus-seconds", type=float, default=60.0, metavar="S",
@@ -211,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             rc = 1
     if not args.no_prometheus:
         rc = max(rc, run_prometheus([int(x) for x in args.prometheus_nodes.split(",") if x.strip()],
-                                    args.prometheus_seconds))
+                                    args.prometheus_seconds, before=not args.no_before))
     if not args.no_whole_tick:
         rc = max(rc, run_whole_tick([int(x) for x in args.whole_tick_nodes.split(",") if x.strip()],
                                     args.whole_tick_ticks, args.whole_tick_seconds))
@@ -238,22 +244,29 @@ def run_local_tick(sizes: list[int], ticks: int) -> int:
     return rc
 
 
-def run_prometheus(sizes: list[int], seconds: float) -> int:
-    """Print the Prometheus cost at each size; 1 when a size could not be measured."""
-    print("Prometheus cost of the shipped rules, scrape intervals and controller queries:", flush=True)
+def run_prometheus(sizes: list[int], seconds: float, before: bool = True) -> int:
+    """Print the Prometheus cost at each size, of the signals issue 34 started from and of the shipped ones (before:
+    False, the shipped ones alone), then the two side by side; 1 when a size could not be measured."""
+    print("Prometheus cost of the shipped rules, scrape intervals and controller queries"
+          + (", and of those issue 34 started from (bench/before34), in the same run:" if before else ":"), flush=True)
     rc, header = 0, False
     for n in sizes:
-        try:
-            cost = measure(n, seconds, progress=lambda s: print(f"  prometheus cost: {s}", file=sys.stderr, flush=True))
-        except (OSError, RuntimeError, TimeoutError, requests.RequestException) as e:  # BinaryMissing is an OSError
-            print(f"  {n} nodes: not measured: {e}", flush=True)
-            rc = 1
-            continue
-        if not header:
-            header = True
-            print(f"  (Prometheus {cost.version}; scrape intervals: "
-                  + ", ".join(f"{job} {i}" for job, i in cost.intervals.items()) + ")")
-        print("\n".join(format_cost(cost)), flush=True)
+        costs = {}
+        for design in ("before", "shipped") if before else ("shipped",):
+            try:
+                costs[design] = cost = measure(n, seconds, design=design, progress=lambda s: print(
+                    f"  prometheus cost: {s}", file=sys.stderr, flush=True))
+            except (OSError, RuntimeError, TimeoutError, requests.RequestException) as e:  # BinaryMissing: OSError
+                print(f"  {n} nodes, {design} signals: not measured: {e}", flush=True)
+                rc = 1
+                continue
+            if not header:
+                header = True
+                print(f"  (Prometheus {cost.version}; scrape intervals: "
+                      + ", ".join(f"{job} {i}" for job, i in cost.intervals.items()) + ")")
+            print("\n".join(format_cost(cost)), flush=True)
+        if len(costs) == 2:
+            print("\n".join(format_side_by_side(costs["before"], costs["shipped"])), flush=True)
     return rc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class PromCost:
     load_average: float | None = None  # the machine's 1-minute load average at the end
     cpus: int | None = None
     notes: list[str] = field(default_factory=list)
+    design: str = "shipped"  # the signals measured: shipped, or those issue 34 started from (bench/before34)
 
     @property
     def pools(self) -> int:
@@ -135,7 +137,8 @@ def format_cost(c: PromCost) -> list[str]:
     target = "" if alone.target_cores is None or ticking.target_cores is None else \
         f"; the stand-in target used {alone.target_cores:.2f} / {ticking.target_cores:.2f}"
     load = f"; load average {c.load_average:.1f} on {c.cpus} CPUs" if c.load_average is not None else ""
-    out = [f"  {c.nodes} nodes in {c.pools} pools ({c.targets} target{'s' if c.targets > 1 else ''} per job; "
+    out = [f"  {c.nodes} nodes in {c.pools} pools, {c.design} signals ({c.targets} "
+           f"target{'s' if c.targets > 1 else ''} per job; "
            f"series per node: " + ", ".join(f"{job} {n}" for job, n in c.series_per_node.items())
            + f"; warm-up {c.warmup_s:.0f} s, then {alone.seconds:.0f} s alone and {ticking.seconds:.0f} s with the "
            f"controller ticking{load}):",
@@ -165,3 +168,53 @@ def format_cost(c: PromCost) -> list[str]:
         out.append(f"      {name:<24} {q.series if q.series is not None else '-':>7} {m * 1000:>10.1f} "
                    f"{mx * 1000:>9.1f}")
     return out + [f"    note: {n}" for n in c.notes]
+
+
+def own_series_per_node(c: PromCost) -> float:
+    """grayguard's series per node in Prometheus' head: the head less vLLM's own series (the exporter's stored series
+    and the recording rules' per-node and per-pool outputs, spread over the nodes)."""
+    return c.head_series / c.nodes - c.series_per_node.get("vllm", 0)
+
+
+def format_side_by_side(before: PromCost, shipped: PromCost) -> list[str]:
+    """The same measurements of two designs in one table, and the shipped one against issue 34's 1,000-node targets."""
+    alone_b, tick_b = (before.phases.get(p, Phase()) for p in PHASES)
+    alone_s, tick_s = (shipped.phases.get(p, Phase()) for p in PHASES)
+
+    def row(what: str, b: float, s: float, fmt: str = ",.0f") -> str:
+        ratio = f"{s / b:7.2f}x" if b and math.isfinite(b) and math.isfinite(s) else f"{'-':>8}"
+        return f"    {what:<56} {b:>12{fmt}} {s:>12{fmt}} {ratio}"
+
+    def med(xs: list[float]) -> float:
+        return median_max(xs)[0] * 1000
+
+    def read(c: PromCost) -> float:
+        return float(sum(q.series or 0 for q in c.queries.values() if q.times))
+    out = [f"  {shipped.nodes} nodes, side by side in one run (before: the signals issue 34 started from, "
+           "bench/before34/README.md):",
+           f"    {'':<56} {'before':>12} {'shipped':>12} {'ratio':>8}",
+           row("head series", before.head_series, shipped.head_series),
+           row("grayguard's series per node (head less vLLM's)", own_series_per_node(before),
+               own_series_per_node(shipped), ".1f"),
+           row("samples/s appended, controller ticking", tick_b.samples_per_s, tick_s.samples_per_s),
+           row("Prometheus CPU alone (cores)", alone_b.prometheus_cores, alone_s.prometheus_cores, ".2f"),
+           row("Prometheus CPU, controller ticking (cores)", tick_b.prometheus_cores, tick_s.prometheus_cores, ".2f"),
+           row("resident memory at most (MiB)", before.rss_max / 2**20, shipped.rss_max / 2**20)]
+    for name in dict.fromkeys([*before.groups, *shipped.groups]):
+        gb, gs = before.groups.get(name), shipped.groups.get(name)
+        for phase in PHASES:
+            out.append(row(f"{name} median, {phase} (ms)", med(gb.evals[phase]) if gb else float("nan"),
+                           med(gs.evals[phase]) if gs else float("nan"), ".1f"))
+    out += [row("queries a tick", sum(1 for q in before.queries.values() if q.times),
+                sum(1 for q in shipped.queries.values() if q.times)),
+            row("series read a tick", read(before), read(shipped)),
+            row("the tick's reads (queries + decoding), median (ms)", med(before.ticks), med(shipped.ticks), ".1f")]
+    if shipped.nodes == 1000:
+        control = med(shipped.groups["grayguard-control"].evals["alone"]) if "grayguard-control" in shipped.groups \
+            else float("nan")
+        out.append("    issue 34's targets at 1,000 nodes, shipped: " + "; ".join(
+            f"{what} {v:.1f} {'<=' if v <= t else 'OVER'} {t:g}" for what, v, t in (
+                ("grayguard-control median alone (ms)", control, 150),
+                ("reads median (ms)", med(shipped.ticks), 150),
+                ("own series per node", own_series_per_node(shipped), 30))))
+    return out

@@ -10,7 +10,11 @@ exporter's probe, GPU and live gauges that the controller's queries and the aler
 tenth pool is slow (SLOW x latency, its GPU throttled) and every value moves: counters grow with the
 requests, latencies and live gauges are noisy.
 
-Run as `python -m bench.promtarget --nodes N --ready-file F`: it writes {"ports": [...]} to F once it serves.
+Two designs of the exporter's pages (DESIGNS): "shipped", and "before", the pages as they were when issue 34
+began (the probe's last result one-hot, no GPU flags derived beside the node; bench/before34/README.md).
+
+Run as `python -m bench.promtarget --nodes N --ready-file F [--design before]`: it writes {"ports": [...]} to F once
+it serves.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
 POOL_SIZE = 20  # nodes per pool
 SLOW_EVERY, SLOW = 10, 4.0  # node 0 of every tenth pool is 4x slower
 SHARD_SIZE = 1000  # nodes per port: each port is one scrape target per job
+DESIGNS = ("shipped", "before")  # the exporter's pages now, and when issue 34 began
 RATE, PROMPT, GEN = 2.0, 1000, 200  # finished req/s, prompt and generated tokens per request
 QUEUE_S, PREFILL_S, ITL_S, TTFT_S, PROBE_S = 0.05, 0.0002, 0.03, 0.25, 0.05  # per request, per prompt token, ...
 CLOCK_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
@@ -96,9 +101,12 @@ def _verdict(n: Node) -> str:
     return "slow" if n.slow > 1 else "ok"
 
 
-def _verdicts() -> list[Family]:
-    # the exporter's one series of the last result, labelled with it (a label per node: a callable)
-    return [("grayguard_probe_last_result", "gauge", [("", lambda n: f',result="{_verdict(n)}"', "one")]),
+def _verdicts(design: str) -> list[Family]:
+    # the exporter's one series of the last result, labelled with it (a label per node: a callable); before, one
+    # series a result, 1 for the last one
+    last = ([("", lambda n: f',result="{_verdict(n)}"', "one")] if design == "shipped" else
+            [("", f',result="{r}"', f"last_{r}") for r in PROBE_RESULTS])
+    return [("grayguard_probe_last_result", "gauge", last),
             ("grayguard_probe_consecutive_failures", "gauge", [("", "", "zero")])]
 
 
@@ -106,7 +114,7 @@ def _gauges(names: tuple[str, ...], labels: str = "", prefix: str = "") -> list[
     return [(prefix + n, "gauge", [("", labels, n)]) for n in names]
 
 
-def exporter_families() -> list[Family]:
+def exporter_families(design: str = "shipped") -> list[Family]:
     """The exporter's full page (it carries the live gauges too): probe series, the GPU series grayguard reads."""
     gpu = ',gpu="0",uuid="GPU-0"'  # one GPU per node
     info = f'{gpu},name="NVIDIA H100 80GB HBM3",pci_bus_id="00000000:18:00.0",driver_version="550.54.15"'
@@ -114,22 +122,22 @@ def exporter_families() -> list[Family]:
            for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")]
     return [("grayguard_probe_results_total", "counter", [("", f',result="{r}"', f"probes_{r}")
                                                          for r in PROBE_RESULTS]),
-            *_verdicts(), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]), *_gauges(LIVE),
+            *_verdicts(design), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]), *_gauges(LIVE),
             ("grayguard_exporter_nvml_up", "gauge", [("", "", "one")]),
             ("grayguard_gpu_info", "gauge", [("", info, "one")]),
             ("grayguard_gpu_clock_event_reason_active", "gauge",
              [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS]),
             *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
                       "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
-            ("grayguard_gpu_slowed_under_load", "gauge", [("", gpu, "slowed")]),
-            ("grayguard_gpu_pcie_degraded_under_load", "gauge", [("", gpu, "zero")]),
+            *(() if design == "before" else (("grayguard_gpu_slowed_under_load", "gauge", [("", gpu, "slowed")]),
+                                             ("grayguard_gpu_pcie_degraded_under_load", "gauge", [("", gpu, "zero")]))),
             ("grayguard_gpu_ecc_errors", "gauge", ecc),
             *[(name, "counter", [("", "", key)]) for name, key in TRAFFIC]]
 
 
-def fast_families() -> list[Family]:
+def fast_families(design: str = "shipped") -> list[Family]:
     """The fast path: the live gauges and the probe's and agent's verdicts."""
-    return [*_gauges(LIVE), *_verdicts(), ("grayguard_agent_down", "gauge", [("", "", "zero")])]
+    return [*_gauges(LIVE), *_verdicts(design), ("grayguard_agent_down", "gauge", [("", "", "zero")])]
 
 
 def static_values(n: Node) -> dict[str, float]:
@@ -138,6 +146,7 @@ def static_values(n: Node) -> dict[str, float]:
     out = {"zero": 0, "one": 1, "pcie_link_generation": 5, "pcie_link_max_generation": 5, "pcie_link_width": 16,
            "pcie_link_max_width": 16, "lost": 0, "row_remap_pending": 0, "row_remap_failure": 0}
     out.update({f"probes_{r}": 0 for r in PROBE_RESULTS if r != verdict})
+    out.update({f"last_{r}": int(r == verdict) for r in PROBE_RESULTS})  # the one-hot last result (before)
     out.update({f"reason_{r}": int(n.slow > 1 and r == "hw_thermal_slowdown") for r in CLOCK_REASONS})
     out["slowed"] = int(n.slow > 1)  # the exporter's flag: a slowdown reason on a busy GPU
     return out
@@ -214,13 +223,16 @@ class Page:
             return (self.template % tuple([values[i][k] for i, k in self.order])).encode()
 
 
-def pages() -> dict[str, tuple[str, list[Family]]]:
+def pages(design: str = "shipped") -> dict[str, tuple[str, list[Family]]]:
     """Prometheus job -> (the path that serves it, its families)."""
-    return {"vllm": ("/metrics", vllm_families()), "grayguard-exporter": ("/exporter/metrics", exporter_families()),
-            "grayguard-exporter-fast": ("/metrics/fast", fast_families())}
+    if design not in DESIGNS:
+        raise ValueError(f"design {design!r} is none of {DESIGNS}")
+    return {"vllm": ("/metrics", vllm_families()),
+            "grayguard-exporter": ("/exporter/metrics", exporter_families(design)),
+            "grayguard-exporter-fast": ("/metrics/fast", fast_families(design))}
 
 
-def shard_routes(nodes: list[Node], seed: int) -> dict:
+def shard_routes(nodes: list[Node], seed: int, design: str = "shipped") -> dict:
     """The three pages of one shard as HttpServer routes."""
     dynamic = {"vllm": (traffic, 'engine="0",model_name="bench",'), "grayguard-exporter": (exporter, ""),
                "grayguard-exporter-fast": (live, "")}
@@ -230,19 +242,19 @@ def shard_routes(nodes: list[Node], seed: int) -> dict:
             return 200, "text/plain; version=0.0.4; charset=utf-8", page.render()
         return handle
     return {f"GET {path}": handler(Page(nodes, fams, dynamic[job][0], dynamic[job][1], seed + k))
-            for k, (job, (path, fams)) in enumerate(pages().items())}
+            for k, (job, (path, fams)) in enumerate(pages(design).items())}
 
 
-def series_per_node() -> dict[str, int]:
+def series_per_node(design: str = "shipped") -> dict[str, int]:
     """Series each page carries per node (job name -> count)."""
-    return {job: sum(len(series) for _, _, series in fams) for job, (_, fams) in pages().items()}
+    return {job: sum(len(series) for _, _, series in fams) for job, (_, fams) in pages(design).items()}
 
 
-def serve_fleet(n: int, shard_size: int = SHARD_SIZE, seed: int = 1) -> list[HttpServer]:
+def serve_fleet(n: int, shard_size: int = SHARD_SIZE, seed: int = 1, design: str = "shipped") -> list[HttpServer]:
     """Start one server per shard on 127.0.0.1 (ports chosen by the OS); stop() each when done."""
     nodes = fleet(n)
-    return [HttpServer(("127.0.0.1", 0), shard_routes(nodes[k:k + shard_size], seed + 3 * k), name="promtarget").start()
-            for k in range(0, n, shard_size)]
+    return [HttpServer(("127.0.0.1", 0), shard_routes(nodes[k:k + shard_size], seed + 3 * k, design),
+                       name="promtarget").start() for k in range(0, n, shard_size)]
 
 
 def main() -> None:
@@ -251,8 +263,10 @@ def main() -> None:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--shard-size", type=int, default=SHARD_SIZE)
     p.add_argument("--ready-file", required=True, help="where to write {\"ports\": [...]} once serving")
+    p.add_argument("--design", choices=DESIGNS, default="shipped",
+                   help="the exporter's pages as shipped, or as they were when issue 34 began (bench/before34)")
     args = p.parse_args()
-    servers = serve_fleet(args.nodes, args.shard_size)
+    servers = serve_fleet(args.nodes, args.shard_size, design=args.design)
     tmp = Path(args.ready_file + ".tmp")
     tmp.write_text(json.dumps({"ports": [s.port for s in servers]}))
     os.replace(tmp, args.ready_file)  # whole or absent: the runner never reads half a file

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import promtarget
 from bench.controller import add_arguments
 from bench.promcost import measure
-from bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings, format_cost
+from bench.promresult import (PHASES, GroupCost, Phase, PromCost, QueryCost, findings, format_cost,
+                              format_side_by_side, own_series_per_node)
 from controller.decide import OPTIONAL
 from exporters.gpumetrics import describe_families
 from exporters.server import Exporter
@@ -81,6 +82,7 @@ def test_bench_controller_flags():
     assert p.parse_args([]).no_prometheus is False and p.parse_args([]).prometheus_nodes == "1000,10000"
     a = p.parse_args(["--no-prometheus", "--prometheus-nodes", "40", "--prometheus-seconds", "5"])
     assert a.no_prometheus and a.prometheus_nodes == "40" and a.prometheus_seconds == 5
+    assert p.parse_args([]).no_before is False and p.parse_args(["--no-before"]).no_before
 
 
 def test_a_prometheus_that_cannot_keep_up_is_reported_as_such():
@@ -148,3 +150,39 @@ def test_bench_controller_decision_verdict_and_the_realistic_trace(capsys):
                              "--no-prometheus", "--no-whole-tick"])) == 0
     out = capsys.readouterr().out
     assert "100 / 40 nodes:" in out and "on the realistic trace" in out and "memory after tick    3" in out
+
+
+def test_the_before_design_serves_the_pages_issue_34_started_from():
+    now, before = promtarget.pages("shipped"), promtarget.pages("before")
+
+    def names(job: str, pages: dict) -> set[str]:
+        return {name for name, _, _ in pages[job][1]}
+    # the one-hot last result: one series a result on both exporter pages, one per node now
+    for job in ("grayguard-exporter", "grayguard-exporter-fast"):
+        fams = {name: series for name, _, series in before[job][1]}
+        assert len(fams["grayguard_probe_last_result"]) == len(promtarget.PROBE_RESULTS)
+        assert len({name: series for name, _, series in now[job][1]}["grayguard_probe_last_result"]) == 1
+    derived = {"grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load"}
+    assert derived <= names("grayguard-exporter", now) and not derived & names("grayguard-exporter", before)
+    with pytest.raises(ValueError, match="design"):
+        promtarget.pages("after")
+
+
+@pytest.fixture(scope="module")
+def tiny_before():
+    return measure(NODES, seconds=14, design="before")
+
+
+def test_a_tiny_run_of_the_before_design_answers_its_own_queries_and_prints_beside_the_shipped(tiny_before, tiny):
+    b = tiny_before
+    assert b.design == "before" and b.nodes_with_data == NODES and not b.held
+    assert "grayguard-control" in b.groups and all(not g.failures for g in b.groups.values())
+    for name, q in b.queries.items():  # the frozen queries (GPU joins, the one-hot result) on the frozen pages
+        assert not q.errors, name
+        assert q.series == (0 if name == "gpu_xid" else NODES), name
+    assert "pcie_link_generation" in b.queries["pcie_degraded"].promql  # the join, not the derived flag
+    # the fast series' copies on the full page are stored before, dropped now
+    assert own_series_per_node(b) > own_series_per_node(tiny) > 0
+    text = "\n".join(format_side_by_side(b, tiny))
+    assert "side by side" in text and "grayguard-control median, alone (ms)" in text
+    assert "queries a tick" in text and "targets at 1,000 nodes" not in text  # the targets are said at 1,000 only
