@@ -36,6 +36,7 @@ from localstack.services import start_prometheus
 EXAMPLE_PROMETHEUS = Path(__file__).resolve().parents[1] / "rules" / "prometheus.example.yml"
 BEFORE = Path(__file__).resolve().parent / "before34"  # the signals issue 34 started from (frozen)
 DESIGNS = promtarget.DESIGNS
+FUSED_ROUNDS = 20  # rounds of the fused query against the separate ones, after the shipped design's window
 
 
 def render_rules(config: Path, out: Path) -> list[Path]:
@@ -99,7 +100,8 @@ def measure(nodes: int, seconds: float = 60.0, progress: Callable[[str], None] =
             prom = start_prometheus(setup, rule_files, workdir=wd / "prometheus", port=port)
             try:
                 run_window(cost, cfg, prom, target.pid, seconds, progress,
-                           warmup_timeout_s if warmup_timeout_s is not None else 30 + nodes / 100)
+                           warmup_timeout_s if warmup_timeout_s is not None else 30 + nodes / 100,
+                           fused_rounds=FUSED_ROUNDS if design == "shipped" else 0)
             finally:
                 prom.stop()
     return cost

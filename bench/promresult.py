@@ -74,6 +74,9 @@ class PromCost:
     cpus: int | None = None
     notes: list[str] = field(default_factory=list)
     design: str = "shipped"  # the signals measured: shipped, or those issue 34 started from (bench/before34)
+    # the one-metric signals fused into one query against one query each (bench/promwindow.fused_against_separate):
+    # (signals, series, fused wall seconds, separate wall seconds)
+    fused: tuple[int, int, list[float], list[float]] | None = None
 
     @property
     def pools(self) -> int:
@@ -167,6 +170,13 @@ def format_cost(c: PromCost) -> list[str]:
         m, mx = median_max(q.times)
         out.append(f"      {name:<24} {q.series if q.series is not None else '-':>7} {m * 1000:>10.1f} "
                    f"{mx * 1000:>9.1f}")
+    if c.fused:
+        n, series, fused, separate = c.fused
+        f, s = median_max(fused)[0], median_max(separate)[0]
+        out.append(f"    the {n} signals that read one metric each, after the window ({len(fused)} rounds, "
+                   f"alternating): fused into one query (max by (__name__, pool, instance), {series:,} series) median "
+                   f"{f * 1000:.1f} ms, as {n} concurrent queries (the controller's way) {s * 1000:.1f} ms: fused "
+                   f"{f / s:.2f}x")
     return out + [f"    note: {n}" for n in c.notes]
 
 

@@ -8,9 +8,11 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -155,9 +157,47 @@ def tick(ctl: Controller, cost: PromCost) -> None:
     cost.ticks.append(time.perf_counter() - t0)
 
 
+# a signal that reads one metric's series: `max by (pool, instance) (<name>)`, fusable with the others into one query
+ONE_METRIC = re.compile(r"max by \(pool, instance\) \(([a-zA-Z_:][a-zA-Z0-9_:]*)\)")
+
+
+def fused_query(queries: dict[str, str]) -> tuple[str, dict[str, str]] | None:
+    """The signals among queries that read one metric each, as one query that keeps each series' name: (the fused
+    query, metric -> signal); None when fewer than two can be fused."""
+    names = {m[1]: signal for signal, q in queries.items() if (m := ONE_METRIC.fullmatch(q))}
+    if len(names) < 2:
+        return None
+    return f'max by (__name__, pool, instance) ({{__name__=~"{"|".join(sorted(names))}"}})', names
+
+
+def fused_against_separate(cfg: Config, rounds: int) -> tuple[int, int, list[float], list[float]] | None:
+    """The issue's one query a tick, measured: the one-metric signals of cfg fused into one query against the same
+    signals as one query each, sent concurrently as the controller sends them, alternating, each answer decoded by the
+    controller's client. (signals, series, fused wall seconds, separate wall seconds); None when nothing fuses."""
+    queries = {f.name: getattr(cfg.signals, f.name) for f in dataclasses.fields(cfg.signals)}
+    got = fused_query(queries)
+    if got is None:
+        return None
+    fused, names = got
+    client, separate = PrometheusClient(cfg.prometheus), [queries[s] for s in names.values()]
+    times: dict[str, list[float]] = {"fused": [], "separate": []}
+    series = 0
+    with ThreadPoolExecutor(max_workers=len(separate)) as ex:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            series = len(client.query(fused))
+            t1 = time.perf_counter()
+            list(ex.map(client.query, separate))
+            times["fused"].append(t1 - t0)
+            times["separate"].append(time.perf_counter() - t1)
+            time.sleep(0.2)
+    return len(names), series, times["fused"], times["separate"]
+
+
 def run_window(cost: PromCost, cfg: Config, prom: Prometheus, target_pid: int, seconds: float,
-               progress: Callable[[str], None], warmup_timeout_s: float) -> None:
-    """Warm up, watch Prometheus alone for half of seconds, then with the controller ticking; fill cost."""
+               progress: Callable[[str], None], warmup_timeout_s: float, fused_rounds: int = 0) -> None:
+    """Warm up, watch Prometheus alone for half of seconds, then with the controller ticking; fill cost. After the
+    window, fused_rounds rounds of fused_against_separate (0: none)."""
     started = time.monotonic()
     cost.version = prom.get("/api/v1/status/buildinfo").get("version", "")
     progress(f"{cost.nodes} nodes: waiting until the rules and the fast path have data for every node")
@@ -189,6 +229,10 @@ def run_window(cost: PromCost, cfg: Config, prom: Prometheus, target_pid: int, s
         g.last_duration_s = total(last, "prometheus_rule_group_last_duration_seconds", name)
     cost.scrapes = scrape_health(prom, cost.window_s)
     cost.load_average, cost.cpus = os.getloadavg()[0], os.cpu_count()
+    if fused_rounds:
+        progress(f"{cost.nodes} nodes: the one-metric signals fused into one query against one query each "
+                 f"({fused_rounds} rounds)")
+        cost.fused = fused_against_separate(cfg, fused_rounds)
     cost.notes += findings(cost)
 
 

@@ -354,7 +354,8 @@ class LocalStack:
             # compressed recovery so a 150 s demo shows the whole cycle
             "recovery": {"min_quarantine_s": 10, "canary_interval_s": 5, "canary_successes": 3,
                          "canary_timeout_s": 3, "slow_start_initial": 0.1, "slow_start_step_per_min": 3.0},
-            "rules": {"control_window": w, "control_interval": "1s", "human_window": "1m",
+            # the human group at the global interval (the stack's Prometheus: 1 s): a 150 s demo's 1m window
+            "rules": {"control_window": w, "control_interval": "1s", "human_window": "1m", "human_interval": None,
                       "output_dir": str(self.dir / "rules"), "rerender_interval_s": 30,
                       "alert_for": dict(DEMO_ALERT_FOR)},
             "tick_interval_s": self.spec.tick_s,

@@ -70,7 +70,7 @@ def windows(cfg: Config) -> list[Window]:
     if r.control_window == r.human_window:
         return [Window("grayguard-control", r.control_window, r.control_interval, True, True)]
     return [Window("grayguard-control", r.control_window, r.control_interval, True, False),
-            Window("grayguard-human", r.human_window, None, False, True)]
+            Window("grayguard-human", r.human_window, r.human_interval, False, True)]
 
 
 def signal_names(cfg: Config) -> dict[str, str]:

@@ -32,8 +32,8 @@ RUNBOOK = "https://github.com/grayguard/grayguard/blob/main/docs/runbook.md"
 def e2e_config(**rules):
     return parse_config({
         "pools": [{"name": "chat", "backend": "vllm_chat"}, {"name": "code", "backend": "vllm_code"}],
-        # Seconds, not minutes: the controller alerts fire at once, the control group runs every second.
-        "rules": {"control_interval": "1s",
+        # Seconds, not minutes: the controller alerts fire at once, the control and human groups run every second.
+        "rules": {"control_interval": "1s", "human_interval": "1s",
                   "alert_for": {"GrayguardNodeQuarantined": "0s", "GrayguardSafeguardEngaged": "0s"},
                   **rules},
     })

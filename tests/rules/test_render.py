@@ -99,6 +99,13 @@ def test_omega_and_interval_are_rendered():
     assert "interval" not in yaml.safe_load(render_recording(cfg_with(control_interval=None)))["groups"][0]
 
 
+def test_the_human_group_runs_every_minute_off_the_hot_path():
+    groups = {g["name"]: g for g in yaml.safe_load(render_recording(cfg_with()))["groups"]}
+    assert (groups["grayguard-control"]["interval"], groups["grayguard-human"]["interval"]) == ("5s", "1m")
+    groups = {g["name"]: g for g in yaml.safe_load(render_recording(cfg_with(human_interval=None)))["groups"]}
+    assert "interval" not in groups["grayguard-human"]  # null: Prometheus' global evaluation_interval
+
+
 def test_ratios_are_guarded_against_no_traffic():
     for r in yaml.safe_load(render_recording(load_config(EXAMPLE)))["groups"][0]["rules"]:
         if r["record"].startswith("instance:") and "/" in r["expr"]:
@@ -173,6 +180,7 @@ def test_unknown_alert_override_names_the_field(section):
     ({"alert_severity": {"GrayguardNodeDegraded": "urgent"}}, "rules.alert_severity.GrayguardNodeDegraded"),
     ({"controller_job": 'a"b'}, "rules.controller_job"),
     ({"control_interval": "fast"}, "rules.control_interval"),
+    ({"human_interval": "hourly"}, "rules.human_interval"),
     ({"runbook_url": "docs/runbook.md"}, "rules.runbook_url"),
     ({"load_gpu_utilization": 0}, "rules.load_gpu_utilization"),
     ({"probe_failures": 0}, "rules.probe_failures"),
