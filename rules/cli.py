@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import requests
+import yaml
 
 from grayguard.binaries import install_hint
 from grayguard.config import ConfigError, load_config
 from grayguard.promclient import PromError, PrometheusClient
+from rules import shards
 from rules.render import recording_rule_names, render_all
 from rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
@@ -27,11 +29,16 @@ render  writes grayguard-recording.rules.yml and grayguard-alerts.rules.yml from
 check   runs `promtool check rules` on every *.rules.yml, `promtool test rules` on tests/*.test.yml,
         `promtool check config` on prometheus*.yml and `amtool check-config` on alertmanager*.yml
         of a rules directory.
+shards  splits the config's pools over N Prometheus servers by Prometheus' own hashmod of the pool
+        label, and prints each shard's pools (what its controllers list), the relabel_configs its
+        Prometheus adds to every grayguard scrape job, and a warning for a shard without pools
+        (docs/operations.md, "Sharding"; rules/shards.py).
 
 examples:
   grayguard rules render --config grayguard.yaml --out /etc/prometheus/rules
   grayguard rules render --config grayguard.yaml --out rules --prometheus-baselines
   grayguard rules check
+  grayguard rules shards --config grayguard.yaml --shards 2
 """
 
 
@@ -48,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rules directory with *.rules.yml and tests/*.test.yml (default: %(default)s)")
     c.add_argument("--promtool", default="promtool", metavar="BIN")
     c.add_argument("--amtool", default="amtool", metavar="BIN")
+    s = sub.add_parser("shards", help="split the pools over N Prometheus servers (hashmod of the pool label)")
+    s.add_argument("--config", required=True, metavar="FILE", help="YAML config listing every pool")
+    s.add_argument("--shards", required=True, type=int, metavar="N", help="Prometheus servers (>= 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return render_cmd(args)
     if args.rules_action == "check":
         return check_cmd(args)
-    print("grayguard rules: choose an action: render or check (see --help)", file=sys.stderr)
+    if args.rules_action == "shards":
+        return shards_cmd(args)
+    print("grayguard rules: choose an action: render, check or shards (see --help)", file=sys.stderr)
     return 2
 
 
@@ -124,3 +136,29 @@ def check_cmd(args: argparse.Namespace) -> int:
         ok = _run_tool([amtool, "check-config", str(c)]) and ok
     print("rules check: " + ("OK" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+def shards_cmd(args: argparse.Namespace) -> int:
+    """Print each shard's pools and its Prometheus' relabel_configs; exit 2 for a bad config or --shards."""
+    if args.shards < 1:
+        print(f"grayguard: --shards: must be >= 1, got {args.shards}", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"grayguard: config error: {e}", file=sys.stderr)
+        return 2
+    split = shards.assign([p.name for p in cfg.pools], args.shards)
+    print(f"# {len(cfg.pools)} pools in {args.shards} shards by Prometheus' hashmod of the {shards.POOL_LABEL!r} "
+          "label (docs/operations.md, \"Sharding\")")
+    for k, pools in enumerate(split):
+        print(f"\nshard {k}: {len(pools)} pools: {', '.join(pools) or '(none)'}\n"
+              f"# its controllers list these pools (their pools[] entries), with prometheus.url: shard {k}'s "
+              "Prometheus and registry.shard_pools: true\n"
+              "# its Prometheus adds to every grayguard scrape job (vllm, grayguard-exporter, "
+              "grayguard-exporter-fast):")
+        print(yaml.safe_dump({"relabel_configs": shards.relabel_configs(k, args.shards)}, sort_keys=False), end="")
+        if not pools:
+            print(f"grayguard: warning: shard {k} has no pool: its Prometheus would scrape nothing; use fewer "
+                  "shards", file=sys.stderr)
+    return 0
