@@ -18,6 +18,7 @@ from bench.scale import format_scale, measure_scale
 from bench.ticklocal import format_local
 from bench.ticklocal import measure as measure_local
 from bench.tickresult import format_tick
+from bench.vmcost import format_vm_cost, measure_victoria
 from bench.wholetick import measure_tick
 from controller import gcpolicy
 from controller.haproxy import Command, RuntimeClient, ServerState
@@ -52,8 +53,11 @@ Prints measured numbers (this machine, now):
     controller's client run on the same machine as Prometheus and take their share of its CPU. The same is
     measured first for the signals issue 34 started from (bench/before34: their frozen rules and queries, the
     exporter's pages of then) and the two are printed side by side with the shipped design's ratios and its
-    1,000-node targets (the control group and the reads <= 150 ms, grayguard's series <= 30 a node). About
-    3 minutes at 1,000 nodes and 7 at 10,000 on 2 cores (half with --no-before); --no-prometheus skips it.
+    1,000-node targets (the control group and the reads <= 150 ms, grayguard's series <= 30 a node). Then the
+    shipped signals on VictoriaMetrics, the single-engine alternative (bench/vmcost.py: it scrapes the same
+    stand-in with the same jobs, vmalert evaluates the same rules, the controller queries it), beside Prometheus:
+    CPU, memory, samples/s, each rule group's evaluation, the tick's reads (--no-victoria skips it). About
+    4.5 minutes at 1,000 nodes and 10 at 10,000 on 2 cores; --no-prometheus skips it all.
   * the whole tick at scale on real parts (needs the haproxy and prometheus binaries; bench/wholetick.py): the
     same stand-in target and Prometheus at --whole-tick-nodes nodes, a real HAProxy with one backend per pool
     and a server per node (20 per backend: 10,000 servers in 500 backends at 10,000 nodes), and the real
@@ -145,6 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and going, closed loop; 0: skip; memory over 1,000 ticks: python -m bench.scale)")
     p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
     p.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus cost measurement")
+    p.add_argument("--no-victoria", action="store_true",
+                   help="skip the shipped signals' cost on VictoriaMetrics + vmalert (beside Prometheus' at each "
+                        "--prometheus-nodes size; needs the victoria-metrics and vmalert binaries)")
     p.add_argument("--no-before", action="store_true",
                    help="measure the shipped signals' Prometheus cost alone, not beside those issue 34 started from "
                         "(bench/before34: their frozen rules, queries and exporter pages; halves that part's time)")
@@ -217,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
             rc = 1
     if not args.no_prometheus:
         rc = max(rc, run_prometheus([int(x) for x in args.prometheus_nodes.split(",") if x.strip()],
-                                    args.prometheus_seconds, before=not args.no_before))
+                                    args.prometheus_seconds, before=not args.no_before,
+                                    victoria=not args.no_victoria))
     if not args.no_whole_tick:
         rc = max(rc, run_whole_tick([int(x) for x in args.whole_tick_nodes.split(",") if x.strip()],
                                     args.whole_tick_ticks, args.whole_tick_seconds))
@@ -244,9 +252,10 @@ def run_local_tick(sizes: list[int], ticks: int) -> int:
     return rc
 
 
-def run_prometheus(sizes: list[int], seconds: float, before: bool = True) -> int:
+def run_prometheus(sizes: list[int], seconds: float, before: bool = True, victoria: bool = True) -> int:
     """Print the Prometheus cost at each size, of the signals issue 34 started from and of the shipped ones (before:
-    False, the shipped ones alone), then the two side by side; 1 when a size could not be measured."""
+    False, the shipped ones alone), then the two side by side, then the shipped ones on VictoriaMetrics beside
+    Prometheus (victoria: False, not); 1 when a size could not be measured."""
     print("Prometheus cost of the shipped rules, scrape intervals and controller queries"
           + (", and of those issue 34 started from (bench/before34), in the same run:" if before else ":"), flush=True)
     rc, header = 0, False
@@ -267,6 +276,15 @@ def run_prometheus(sizes: list[int], seconds: float, before: bool = True) -> int
             print("\n".join(format_cost(cost)), flush=True)
         if len(costs) == 2:
             print("\n".join(format_side_by_side(costs["before"], costs["shipped"])), flush=True)
+        if victoria:
+            try:
+                vm = measure_victoria(n, seconds, progress=lambda s: print(f"  victoria cost: {s}", file=sys.stderr,
+                                                                          flush=True))
+            except (OSError, RuntimeError, TimeoutError, requests.RequestException) as e:  # BinaryMissing: OSError
+                print(f"  {n} nodes on VictoriaMetrics: not measured: {e}", flush=True)
+                rc = 1
+                continue
+            print("\n".join(format_vm_cost(vm, costs.get("shipped"))), flush=True)
     return rc
 
 

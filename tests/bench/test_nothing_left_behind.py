@@ -30,6 +30,9 @@ SMALL = ["--nodes", "100", "--ticks", "1", "--scale-ticks", "0", "--haproxy-batc
 PHASES = {
     "prometheus": (["--prometheus-nodes", "100", "--prometheus-seconds", "600", "--no-whole-tick", "--no-local-tick"],
                    "prometheus cost: 100 nodes: alone for"),
+    # the shipped signals on Prometheus for 20 s, then on VictoriaMetrics + vmalert (bench/vmcost.py)
+    "victoria": (["--prometheus-nodes", "100", "--prometheus-seconds", "20", "--no-before", "--no-whole-tick",
+                  "--no-local-tick"], "victoria cost: 100 nodes: alone for"),
     "whole tick": (["--no-prometheus", "--whole-tick-nodes", "100", "--whole-tick-ticks", "600",
                     "--whole-tick-seconds", "600", "--no-local-tick"], "whole tick: 100 nodes: tick"),
     "own tick": (["--no-prometheus", "--no-whole-tick", "--local-tick-nodes", "100", "--local-tick-ticks", "600"],
@@ -37,10 +40,11 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phase, sig", [("prometheus", signal.SIGTERM), ("whole tick", signal.SIGTERM),
-                                        ("own tick", signal.SIGTERM), ("whole tick", signal.SIGINT)])
+@pytest.mark.parametrize("phase, sig", [("prometheus", signal.SIGTERM), ("victoria", signal.SIGTERM),
+                                        ("whole tick", signal.SIGTERM), ("own tick", signal.SIGTERM),
+                                        ("whole tick", signal.SIGINT)])
 def test_a_signal_mid_phase_stops_every_process_and_removes_the_temp_dir(phase, sig):
-    require("haproxy", "prometheus")
+    require("haproxy", "prometheus", *(("victoria-metrics", "vmalert") if phase == "victoria" else ()))
     tmp = Path(tempfile.mkdtemp(prefix="gg-"))  # a unix socket's path takes 107 bytes: not pytest's long tmp_path
     try:
         _stop_mid_phase(phase, sig, tmp)

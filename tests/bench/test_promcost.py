@@ -93,6 +93,7 @@ def test_bench_controller_flags():
     a = p.parse_args(["--no-prometheus", "--prometheus-nodes", "40", "--prometheus-seconds", "5"])
     assert a.no_prometheus and a.prometheus_nodes == "40" and a.prometheus_seconds == 5
     assert p.parse_args([]).no_before is False and p.parse_args(["--no-before"]).no_before
+    assert p.parse_args([]).no_victoria is False and p.parse_args(["--no-victoria"]).no_victoria
 
 
 def test_a_prometheus_that_cannot_keep_up_is_reported_as_such():
@@ -214,3 +215,25 @@ def test_a_tiny_run_of_the_before_design_answers_its_own_queries_and_prints_besi
     text = "\n".join(format_side_by_side(b, tiny))
     assert "side by side" in text and "grayguard-control median, alone (ms)" in text
     assert "queries a tick" in text and "targets at 1,000 nodes" not in text  # the targets are said at 1,000 only
+
+
+def test_a_tiny_run_on_victoria_metrics_measures_real_work_beside_prometheus(tiny):
+    from bench.vmcost import format_vm_cost, measure_victoria
+    from tests.support.stack import require
+    require("victoria-metrics", "vmalert")
+    c = measure_victoria(NODES, seconds=14)
+    assert c.nodes_with_data == NODES and not c.held and c.ticks and all(t > 0 for t in c.ticks)
+    assert all(c.cores[p] > 0 and c.rows_per_s[p] > 0 for p in PHASES) and c.rss_max > 0
+    assert c.groups["grayguard-control"]["alone"] and c.intervals["grayguard-control"] == 5
+    for name, q in c.queries.items():  # every query of the tick answered by VictoriaMetrics, one series a node
+        assert not q.errors and q.series == (0 if name == "gpu_xid" else NODES), name
+    text = "\n".join(format_vm_cost(c, tiny))
+    assert "VictoriaMetrics" in text and "Prometheus" in text and "grayguard-control median, alone (ms)" in text
+
+
+def test_the_ingest_floor_is_prometheus_scraping_alone():
+    from bench import ingestfloor
+    r = ingestfloor.measure(NODES, warmup_s=4, seconds=3, progress=lambda s: None)
+    assert r["cores"] > 0 and r["samples_per_s"] > 0 and r["rss_bytes"] > 0
+    # every node's stored series, and nothing recorded: no rule ran
+    assert NODES * 45 <= r["head_series"] < NODES * sum(promtarget.series_per_node().values()) + 1000
