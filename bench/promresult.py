@@ -163,13 +163,14 @@ def format_cost(c: PromCost) -> list[str]:
             for name, ts in slowest]
     n_queries = sum(1 for q in c.queries.values() if q.times)
     m, mx = median_max(c.ticks)
-    out.append(f"    controller tick, its {n_queries} queries (Controller.read_prometheus + read_optional): median "
-               f"{m * 1000:.1f} ms, max {mx * 1000:.1f} ms over {len(c.ticks)} ticks")
-    out.append(f"      {'query':<24} {'series':>7} {'median ms':>10} {'max ms':>9}")
+    sends = sum(len(q.times) for q in c.queries.values()) / len(c.ticks) if c.ticks else float("nan")
+    out.append(f"    controller tick, its {n_queries} queries (Controller.read_prometheus + read_optional; {sends:.1f} "
+               f"sent a tick on average): median {m * 1000:.1f} ms, max {mx * 1000:.1f} ms over {len(c.ticks)} ticks")
+    out.append(f"      {'query':<24} {'series':>7} {'median ms':>10} {'max ms':>9} {'sent':>5}")
     for name, q in sorted(c.queries.items(), key=lambda kv: -median_max(kv[1].times)[0]):
         m, mx = median_max(q.times)
         out.append(f"      {name:<24} {q.series if q.series is not None else '-':>7} {m * 1000:>10.1f} "
-                   f"{mx * 1000:>9.1f}")
+                   f"{mx * 1000:>9.1f} {len(q.times):>5}")
     if c.fused:
         n, series, fused, separate = c.fused
         f, s = median_max(fused)[0], median_max(separate)[0]
@@ -198,8 +199,12 @@ def format_side_by_side(before: PromCost, shipped: PromCost) -> list[str]:
     def med(xs: list[float]) -> float:
         return median_max(xs)[0] * 1000
 
+    def sends(c: PromCost) -> float:
+        return sum(len(q.times) for q in c.queries.values()) / len(c.ticks) if c.ticks else float("nan")
+
     def read(c: PromCost) -> float:
-        return float(sum(q.series or 0 for q in c.queries.values() if q.times))
+        return sum((q.series or 0) * len(q.times) for q in c.queries.values()) / len(c.ticks) if c.ticks \
+            else float("nan")
     out = [f"  {shipped.nodes} nodes, side by side in one run (before: the signals issue 34 started from, "
            "bench/before34/README.md):",
            f"    {'':<56} {'before':>12} {'shipped':>12} {'ratio':>8}",
@@ -215,9 +220,8 @@ def format_side_by_side(before: PromCost, shipped: PromCost) -> list[str]:
         for phase in PHASES:
             out.append(row(f"{name} median, {phase} (ms)", med(gb.evals[phase]) if gb else float("nan"),
                            med(gs.evals[phase]) if gs else float("nan"), ".1f"))
-    out += [row("queries a tick", sum(1 for q in before.queries.values() if q.times),
-                sum(1 for q in shipped.queries.values() if q.times)),
-            row("series read a tick", read(before), read(shipped)),
+    out += [row("queries sent a tick, on average", sends(before), sends(shipped), ".1f"),
+            row("series read a tick, on average", read(before), read(shipped)),
             row("the tick's reads (queries + decoding), median (ms)", med(before.ticks), med(shipped.ticks), ".1f")]
     if shipped.nodes == 1000:
         control = med(shipped.groups["grayguard-control"].evals["alone"]) if "grayguard-control" in shipped.groups \

@@ -57,7 +57,8 @@ class TimedClient(PrometheusClient):
 def signal_names(cfg: Config) -> Callable[[str], str]:
     """promql -> the signal it is configured as (latency, rate, live_itl, ...; timestamp(x): x_timestamp)."""
     sig = cfg.signals
-    names = {getattr(sig, f.name): f.name.removesuffix("_query") for f in dataclasses.fields(sig)}
+    names = {getattr(sig, f.name): f.name.removesuffix("_query") for f in dataclasses.fields(sig)
+             if f.name.endswith("_query")}
 
     def name(q: str) -> str:
         inner = q.removeprefix("timestamp(").removesuffix(")")
@@ -174,7 +175,8 @@ def fused_against_separate(cfg: Config, rounds: int) -> tuple[int, int, list[flo
     """The issue's one query a tick, measured: the one-metric signals of cfg fused into one query against the same
     signals as one query each, sent concurrently as the controller sends them, alternating, each answer decoded by the
     controller's client. (signals, series, fused wall seconds, separate wall seconds); None when nothing fuses."""
-    queries = {f.name: getattr(cfg.signals, f.name) for f in dataclasses.fields(cfg.signals)}
+    queries = {f.name: getattr(cfg.signals, f.name) for f in dataclasses.fields(cfg.signals)
+               if f.name.endswith("_query")}
     got = fused_query(queries)
     if got is None:
         return None

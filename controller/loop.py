@@ -26,7 +26,7 @@ from controller.metrics import ControllerMetrics
 from controller.plan import Change, plan_backend, tier_view
 from controller.policy import NodeState, PoolDecision, config_policy, pool_policies
 from controller.statefile import StateFile
-from grayguard.config import Config, PoolConfig
+from grayguard.config import HARDWARE_SIGNALS, Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.redact import redact_url
 from grayguard.vocab import EJECTED
@@ -86,6 +86,8 @@ class Controller:
         self.warned: set[str] = set()
         self.node_series = NodeSeries(self.metrics)  # each node's series as last shown: writes only changes
         self._no_data: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, reason) -> nodes last reported
+        # the hardware signals' last answers: name -> (its query as sent, the answer, when the next read is due)
+        self._hardware: dict[str, tuple[str, list[Sample], float]] = {}
         # with a registry (controller/leader.py): only the pools this replica leads are observed, decided and
         # written; None: it runs alone and leads every pool
         self.leadership = leadership
@@ -199,19 +201,43 @@ class Controller:
         else:
             log.info("pool=%s: no node is %s any more", pool, reason)
 
-    def read_optional(self) -> dict[str, list[Sample]]:
-        """The optional signals; a failing query is counted, logged once, and treated as absent."""
+    def read_optional(self, now: float | None = None) -> dict[str, list[Sample]]:
+        """The optional signals; a failing query is counted, logged once, and treated as absent.
+
+        The hardware signals (HARDWARE_SIGNALS) are read once in signals.hardware_every_s: their source, the
+        exporter's full page, changes every scrape (5 s) at most, so reading them every second read the same answer
+        five times. Each is due on its own schedule, spread evenly over the interval after the first tick, so no tick
+        sends them all; between reads its last answer stands. A failed read is absent and due again the next tick; a
+        query that changes (the pools this replica leads) is due at once."""
+        now = self.clock() if now is None else now
+        every = self.cfg.signals.hardware_every_s
         wanted = {name: getattr(self.cfg.signals, f"{name}_query") for name in decide.OPTIONAL}
         if not any(p.peer_group_label for p in self.cfg.pools):
             wanted.pop("peer_group")
-        got, scope = {}, self._read_scope()
-        for name, res in self._query_all({k: readscope.scoped(q, scope) for k, q in wanted.items() if q}).items():
+        scope = self._read_scope()
+        queries = {k: readscope.scoped(q, scope) for k, q in wanted.items() if q}
+        got = {}
+        for name in HARDWARE_SIGNALS:
+            last = self._hardware.get(name)
+            if name in queries and every > 0 and last is not None and last[0] == queries[name] and now < last[2]:
+                del queries[name]  # not due: its last answer stands
+                got[name] = last[1]
+        slots = [n for n in HARDWARE_SIGNALS if n in wanted and wanted[n]]
+        for name, res in self._query_all(queries).items():
             if isinstance(res, PromError):
                 self.metrics.prometheus_errors.labels(res.kind).inc()
                 self._warn_once(f"signal:{name}:{res.kind}", f"signal {name} unavailable ({res.kind}): {res}; "
                                 f"treated as absent (signals.{name}_query)")
+                self._hardware.pop(name, None)
             else:
                 got[name] = res
+                if name in HARDWARE_SIGNALS and every > 0:
+                    last = self._hardware.get(name)
+                    # the next read: one interval on from the last due time (the phase kept), or, at the first read,
+                    # spread: the i-th of n signals due (i + 1) / n of an interval from now
+                    due = last[2] + every if last is not None and last[0] == queries[name] and now - last[2] < every \
+                        else now + every * (slots.index(name) + 1) / len(slots)
+                    self._hardware[name] = (queries[name], res, due)
         return got
 
     def canary_url(self, pool: PoolConfig, server: ServerState) -> str:
@@ -324,8 +350,8 @@ class Controller:
         if why:
             result.held = why
             return None
-        optional = self.read_optional()
         now = self.clock()
+        optional = self.read_optional(now)
         views = list(hap.values())  # first endpoint first
         pools = {}
         held: list[str] = []  # pools without fresh data

@@ -236,9 +236,20 @@ class SignalsConfig:
     probe_ttft_median_query: str = "max by (pool, instance) (grayguard_probe_ttft_median_seconds)"
     live_prefill_rate_query: str = "max by (pool, instance) (grayguard_live_prompt_tokens_per_second)"
     live_decode_batch_query: str = "max by (pool, instance) (grayguard_live_decode_batch)"
+    # the hardware signals (HARDWARE_SIGNALS: GPU evidence and peer groups) come from the exporter's full page, scraped
+    # every 5 s (rules/prometheus.example.yml), and change with it or more slowly: each is read once in this many
+    # seconds, the reads spread over the ticks between, its last answer used until the next (a failed read: absent,
+    # read again the next tick). 0: every tick. Nothing else is cached: the live signals move every second
+    hardware_every_s: float = 5.0
 
     def validate(self, path: str) -> None:
-        """Nothing to check: any string is a query, and an empty one switches an optional signal off."""
+        """Any string is a query, and an empty one switches an optional signal off; the cadence is a duration."""
+        _check(math.isfinite(self.hardware_every_s) and 0 <= self.hardware_every_s <= 300,
+               f"{path}.hardware_every_s", f"must be in [0, 300] seconds (0: every tick), got {self.hardware_every_s}")
+
+
+# the optional signals read once in signals.hardware_every_s, not every tick (controller/loop.py read_optional)
+HARDWARE_SIGNALS = ("gpu_throttled", "pcie_degraded", "gpu_ecc", "gpu_xid", "peer_group")
 
 
 # the score, in noise widths, from which a cut's weight falls (2^-(score-2), controller/scoring.py); a canary scored

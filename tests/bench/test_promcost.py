@@ -145,6 +145,8 @@ def test_a_tiny_run_answers_every_query_of_the_tick_with_one_series_per_node(tin
     for name, q in c.queries.items():
         assert not q.errors, name
         assert q.series == (0 if name == "gpu_xid" else NODES), name  # no XID on a healthy fleet
+    # the hardware signals once in signals.hardware_every_s (5 s), the live ones every tick
+    assert len(c.queries["gpu_ecc"].times) <= len(c.ticks) // 5 + 1 < len(c.queries["live_itl"].times) == len(c.ticks)
     text = "\n".join(format_cost(c))
     assert f"{NODES} nodes in 2 pools" in text and "grayguard-control" in text and "live_itl" in text
     # the fused query answers the same series as the one-metric signals' queries together, every round timed
@@ -214,7 +216,7 @@ def test_a_tiny_run_of_the_before_design_answers_its_own_queries_and_prints_besi
     assert own_series_per_node(b) > own_series_per_node(tiny) > 0
     text = "\n".join(format_side_by_side(b, tiny))
     assert "side by side" in text and "grayguard-control median, alone (ms)" in text
-    assert "queries a tick" in text and "targets at 1,000 nodes" not in text  # the targets are said at 1,000 only
+    assert "queries sent a tick" in text and "targets at 1,000 nodes" not in text  # the targets are said at 1,000 only
 
 
 def test_a_tiny_run_on_victoria_metrics_measures_real_work_beside_prometheus(tiny):

@@ -42,7 +42,7 @@ SHARDS, NODES, TICK = 2, 4, 1.0
 # two pools of each shard, the first names Prometheus' hashmod puts there (p0..p9: both shards have two)
 POOLS = [p for k in range(SHARDS) for p in shards.assign([f"p{i}" for i in range(10)], SHARDS)[k][:2]]
 SPLIT = shards.assign(POOLS, SHARDS)
-BASE_PORT = 9400  # the nodes' addresses (HAProxy's servers, the series' instance label); nothing listens there
+BASE_PORT = 19400  # the nodes' addresses (HAProxy's servers, the series' instance label); nothing listens there
 JOBS = {"vllm": "/metrics", "grayguard-exporter": "/exporter/metrics", "grayguard-exporter-fast": "/metrics/fast"}
 RULES = {"control_window": "10s", "control_interval": "1s", "human_interval": None}
 
@@ -103,7 +103,7 @@ def test_two_prometheus_shards_each_read_by_the_replica_leading_its_pools(tmp_pa
         # each Prometheus holds its shard's pools only: Prometheus' hashmod is rules/shards.py's
         def held(k: int) -> set[str]:
             return {r["metric"].get("pool") for r in proms[k].query("count by (pool) (grayguard_live_itl_seconds)")}
-        wait_until(lambda: all(held(k) == set(SPLIT[k]) for k in range(SHARDS)), 30, 0.5,
+        wait_until(lambda: all(held(k) == set(SPLIT[k]) for k in range(SHARDS)), 60, 0.5,
                    f"each Prometheus holding its shard's pools {SPLIT}")
         for k in range(SHARDS):
             assert held(k) == set(SPLIT[k])
@@ -116,12 +116,19 @@ def test_two_prometheus_shards_each_read_by_the_replica_leading_its_pools(tmp_pa
                 if s.drain or s.weight == 0:
                     out.setdefault(s.backend.removeprefix("vllm_"), set()).add(s.name)
             return out
-        wait_until(lambda: drained() == {p: {"node0"} for p in POOLS}, 120, 0.5,
-                   "every pool's slow node drained, and no other")
-        for k, ctl in enumerate(replicas):
-            assert set(ctl.leadership.status()["leads"]) == set(SPLIT[k]), k
-            for p in SPLIT[k]:  # decided from its own Prometheus' data: every node of its pools has some
-                assert ctl.metrics.pool_nodes_with_data.labels(p)._value.get() == NODES, (k, p)
+        try:
+            wait_until(lambda: drained() == {p: {"node0"} for p in POOLS}, 120, 0.5,
+                       "every pool's slow node drained, and no other")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}: drained {drained()}; leads "
+                                 f"{[ctl.leadership.status()['leads'] for ctl in replicas]}") from None
+
+        def each_leads_its_own_from_its_data() -> bool:
+            # each replica leads its shard's pools, decided from its own Prometheus' data (every node has some)
+            return all(set(ctl.leadership.status()["leads"]) == set(SPLIT[k]) and
+                       all(ctl.metrics.pool_nodes_with_data.labels(p)._value.get() == NODES for p in SPLIT[k])
+                       for k, ctl in enumerate(replicas))
+        wait_until(each_leads_its_own_from_its_data, 30, 0.5, "each replica leading its shard's pools, with data")
         time.sleep(3 * TICK)  # and it holds
         assert drained() == {p: {"node0"} for p in POOLS}
     finally:
