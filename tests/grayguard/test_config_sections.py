@@ -44,7 +44,8 @@ def with_override(where: str, override: dict) -> dict:
      "signals.latency_query: expected a string, got 5"),
     ("signals", {"latncy_query": "x"},
      "signals.latncy_query: unknown field (known: error_ratio_query, gpu_ecc_query, gpu_throttled_query, "
-     "gpu_xid_query, hardware_every_s, kv_cache_query, latency_query, live_decode_batch_query, live_itl_query, live_prefill_rate_query, "
+     "gpu_xid_query, hardware_every_s, kv_cache_query, latency_query, live_decode_batch_query, live_itl_query, "
+     "live_prefill_rate_query, "
      "live_ttft_query, "
      "pcie_degraded_query, peer_group_query, probe_failures_query, probe_result_query, probe_ttft_median_query, "
      "probe_ttft_query, request_rate_query)"),
