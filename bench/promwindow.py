@@ -67,7 +67,7 @@ def signal_names(cfg: Config) -> Callable[[str], str]:
 
 
 def prom_metrics(prom: Prometheus) -> dict[str, list[tuple[dict, float]]]:
-    """Prometheus' own /metrics: sample name -> [(labels, value)]."""
+    """A service's own /metrics (Prometheus, VictoriaMetrics, vmalert): sample name -> [(labels, value)]."""
     out: dict[str, list[tuple[dict, float]]] = {}
     for fam in text_string_to_metric_families(requests.get(prom.url + "/metrics", timeout=30).text):
         for s in fam.samples:

@@ -24,7 +24,7 @@ import yaml
 
 from bench.promcost import prometheus_setup, render_rules, stand_in
 from bench.promresult import PHASES, median_max
-from bench.promwindow import TimedClient, cpu_seconds, signal_names, tick, warm_up
+from bench.promwindow import TimedClient, cpu_seconds, prom_metrics, signal_names, tick, total, warm_up
 from controller.loop import Controller
 from grayguard.config import PrometheusConfig, load_config
 from localstack.services import HOST
@@ -49,18 +49,6 @@ class VmCost:
     queries: dict = field(default_factory=dict)  # signal -> QueryCost
     scrape_errors: float = 0.0  # vm_promscrape_scrapes_failed_total over the window
     notes: list[str] = field(default_factory=list)
-
-
-def _metrics(url: str) -> dict[str, float]:
-    """A /metrics page summed by sample name (labels dropped)."""
-    out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            with contextlib.suppress(ValueError):
-                out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 def _poll_groups(vmalert_url: str, cost: VmCost, seen: set, phase: str | None) -> None:
@@ -124,7 +112,7 @@ def _window(cost: VmCost, cfg, vm, alert, seconds: float, progress: Callable[[st
     pids = [vm.proc.pid, alert.proc.pid]
     seen: set = set()
     _poll_groups(alert.url, cost, seen, None)
-    m0 = _metrics(vm.url)
+    m0 = prom_metrics(vm)
     for phase, ticking in zip(PHASES, (None, ctl), strict=True):
         progress(f"{cost.nodes} nodes: {phase} for {seconds / 2:g} s on VictoriaMetrics")
         cpu0, t0, rows0 = sum(cpu_seconds(p) or 0 for p in pids), time.monotonic(), m0
@@ -138,12 +126,12 @@ def _window(cost: VmCost, cfg, vm, alert, seconds: float, progress: Callable[[st
                 _poll_groups(alert.url, cost, seen, phase)
             time.sleep(max(0.0, min(next_tick, end) - time.monotonic()))
         span = time.monotonic() - t0
-        m0 = _metrics(vm.url)
+        m0 = prom_metrics(vm)
         cost.cores[phase] = (sum(cpu_seconds(p) or 0 for p in pids) - cpu0) / span
-        cost.rows_per_s[phase] = (m0.get("vm_rows_inserted_total", 0) - rows0.get("vm_rows_inserted_total", 0)) / span
-    cost.scrape_errors = m0.get("vm_promscrape_scrapes_failed_total", 0.0)
-    cost.rss_max = m0.get("process_resident_memory_bytes", 0.0) + _metrics(alert.url).get(
-        "process_resident_memory_bytes", 0.0)
+        cost.rows_per_s[phase] = (total(m0, "vm_rows_inserted_total") - total(rows0, "vm_rows_inserted_total")) / span
+    cost.scrape_errors = total(m0, "vm_promscrape_scrapes_failed_total")
+    cost.rss_max = total(m0, "process_resident_memory_bytes") + total(prom_metrics(alert),
+                                                                        "process_resident_memory_bytes")
     for name, evals in cost.groups.items():
         if not any(evals.values()):
             cost.notes.append(f"no evaluation of {name} finished within the window")

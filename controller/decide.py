@@ -18,8 +18,7 @@ from controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide
 from controller.scoring import usable
 from grayguard.config import PoolConfig
 from grayguard.promclient import Sample, finite
-
-POOL_LABEL = "pool"  # the target label that names a series' pool (README: Prometheus requirements)
+from grayguard.vocab import POOL_LABEL as POOL_LABEL  # re-exported: the controller's import
 
 # the optional signals (signals.<name>_query); a failing or empty one is absent, never zero
 OPTIONAL = ("probe_result", "probe_ttft", "probe_failures", "error_ratio", "kv_cache", "gpu_throttled",

@@ -46,6 +46,10 @@ PROBE_RESULTS: tuple[ProbeResult, ...] = tuple(ProbeResult)
 # NVML clock-event reasons that make a busy GPU slower than its peers: not idling, not an application's clock setting,
 # not sw_power_cap (a GPU at full load often sits at its power cap, and that is normal). The exporter's slowed flag,
 # the throttling alert and the GPU dashboard read this one list.
+# the target label that names a series' pool (README: Prometheus requirements): the controller matches series to pools
+# by it, Prometheus shards pools by it (rules/shards.py)
+POOL_LABEL = "pool"
+
 GPU_SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 #: the engine answered (a time to first token was measured)
 PROBE_ANSWERED = frozenset({ProbeResult.OK, ProbeResult.SLOW})

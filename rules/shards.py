@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-POOL_LABEL = "pool"
+from grayguard.vocab import POOL_LABEL
+
 HASH_LABEL = "__tmp_grayguard_shard"  # a __tmp label: Prometheus drops it after relabelling
 
 
