@@ -1,5 +1,6 @@
 """Process helpers shared by tests and the demo: binaries, ports, bounded waits, orderly stop."""
 
+import random
 import sys
 import time
 
@@ -51,10 +52,16 @@ def test_free_port_skips_a_port_in_use_and_falls_back_to_the_kernel_when_the_ran
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         held.listen()
-        picks = iter([taken, taken, taken + 1 if taken + 1 < 65536 else taken - 1])
-        monkeypatch.setattr(procs.random, "randrange", lambda a, b: next(picks))
+        real_randrange = random.Random(7).randrange
+        picks = iter([taken, taken])  # the held port twice, then random picks (one of them may be busy too)
+        seen = []
+
+        def pick(a, b):
+            seen.append(port := next(picks, None) or real_randrange(a, b))
+            return port
+        monkeypatch.setattr(procs.random, "randrange", pick)
         monkeypatch.setattr(procs, "ephemeral_range", lambda: (65000, 65535))
-        assert free_port() != taken
+        assert free_port() != taken and seen[:2] == [taken, taken] and len(seen) >= 3
     monkeypatch.setattr(procs, "ephemeral_range", lambda: (LISTEN_PORTS_FROM + 10, 65535))
     port = free_port()  # 10 ports below the range: too few to pick from, the kernel picks
     assert port >= LISTEN_PORTS_FROM + 10
