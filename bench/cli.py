@@ -18,12 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench import report_html
-from bench.engine import run_family
-from bench.metrics import summarize
-from bench.report import add_baselines, markdown, targets
-from bench.scenarios import SuiteError, load_suite, suites
-from bench.spec import Scenario, trace_sources
+from grayguard.bench import report_html
+from grayguard.bench.engine import run_family
+from grayguard.bench.metrics import summarize
+from grayguard.bench.report import add_baselines, markdown, targets
+from grayguard.bench.scenarios import SuiteError, load_suite, suites
+from grayguard.bench.spec import Scenario, trace_sources
 
 HELP = "benchmark grayguard against round robin, least-connections, the seeds' Z-score and Envoy on fault scenarios"
 DESCRIPTION = """\
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only scenarios whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (with --cross-check: "
                    "when a row is DIFF)")
-    from bench.crosscheck import SCENARIOS, VLLM_SCENARIOS
+    from grayguard.bench.crosscheck import SCENARIOS, VLLM_SCENARIOS
     g = p.add_argument_group("cross-check (the benchmark against the real local stack)")
     g.add_argument("--cross-check", action="store_true",
                    help="run the cross-check scenarios in the engine and on the local stack, print the table")
@@ -120,7 +120,7 @@ def model_params(model: str):
     """The engine's ModelParams for --model (None: sim/model.py's defaults)."""
     if model == "shipped":
         return None
-    from sim.calibrate import CALIBRATED
+    from grayguard.sim.calibrate import CALIBRATED
     return CALIBRATED["h100"]
 
 
@@ -194,8 +194,9 @@ def run_cross_check(args: argparse.Namespace) -> int:
     """`--cross-check`: the table of bench.crosscheck; 2 on a bad scenario name, 1 if a binary is missing."""
     import logging
 
-    from bench.crosscheck import VLLM_SETUP, Setup, cross_check, report, scenarios_of
-    from bench.crosslive import run_live
+    from grayguard.bench.crosscheck import VLLM_SETUP, Setup, cross_check, report, scenarios_of
+    from grayguard.bench.crosslive import run_live
+
     from grayguard.binaries import BinaryMissing
 
     setup = replace(VLLM_SETUP if args.fleet == "vllm" else Setup(), seed=args.cross_seed)
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         print("grayguard bench: no scenario left after --filter", file=sys.stderr)
         return 2
     try:
-        from bench.policies import make_policy
+        from grayguard.bench.policies import make_policy
         for pol in override or sorted({p for s in scenarios for p in s.policies}):
             make_policy(pol, scenarios[0].nodes, scenarios[0])
     except ValueError as e:

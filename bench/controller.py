@@ -11,19 +11,18 @@ import time
 from pathlib import Path
 
 import requests
-
-from bench.promcost import measure
-from bench.promresult import format_cost, format_side_by_side
-from bench.scale import format_scale, measure_scale
-from bench.ticklocal import format_local
-from bench.ticklocal import measure as measure_local
-from bench.tickresult import format_tick
-from bench.vmcost import format_vm_cost, measure_victoria
-from bench.wholetick import measure_tick
-from controller import gcpolicy
-from controller.haproxy import Command, RuntimeClient, ServerState
-from controller.plan import plan_backend
-from controller.policy import NodeInput, Policy, decide_pool
+from grayguard.bench.promcost import measure
+from grayguard.bench.promresult import format_cost, format_side_by_side
+from grayguard.bench.scale import format_scale, measure_scale
+from grayguard.bench.ticklocal import format_local
+from grayguard.bench.ticklocal import measure as measure_local
+from grayguard.bench.tickresult import format_tick
+from grayguard.bench.vmcost import format_vm_cost, measure_victoria
+from grayguard.bench.wholetick import measure_tick
+from grayguard.controller import gcpolicy
+from grayguard.controller.haproxy import Command, RuntimeClient, ServerState
+from grayguard.controller.plan import plan_backend
+from grayguard.controller.policy import NodeInput, Policy, decide_pool
 
 HELP = ("benchmark the controller: decision time per tick at scale, HAProxy batch write throughput, "
         "what the shipped rules and queries cost Prometheus")
@@ -114,7 +113,7 @@ def bench_decide(n_nodes: int, per_pool: int, ticks: int, seed: int = 1) -> dict
 
 def bench_haproxy(n: int = 1000, rounds: int = 5) -> dict:
     """One batch of n weight changes on one connection vs n connections (median of rounds)."""
-    from localstack.haproxy import HaproxyProc, haproxy_config
+    from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
     with tempfile.TemporaryDirectory(prefix="grayguard-bench-") as d:
         servers = [(f"n{i}", f"127.0.0.1:{20000 + i}", 100) for i in range(n)]
         hap = HaproxyProc(Path(d), haproxy_config(Path(d) / "admin.sock", {"big": servers}))

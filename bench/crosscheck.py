@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.crosstable import markdown, rows, value
-from bench.engine import Run, RunResult, run
-from bench.metrics import summarize
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
-from sim.model import VLLM_CPU_TINY, ModelParams
+from grayguard.bench.crosstable import markdown, rows, value
+from grayguard.bench.engine import Run, RunResult, run
+from grayguard.bench.metrics import summarize
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+from grayguard.sim.model import VLLM_CPU_TINY, ModelParams
 
 PHASE_DRAWS = 8  # the engine's runs of each scenario over other probe, check and scrape phases
 

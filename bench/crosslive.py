@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from bench.crossload import LoadProcess
-from bench.engine import ERROR, GARBAGE, OK, TIMEOUT, RunResult
-from bench.spec import Scenario, make_arrivals
-from sim.loadstats import RequestRecord
+from grayguard.bench.crossload import LoadProcess
+from grayguard.bench.engine import ERROR, GARBAGE, OK, TIMEOUT, RunResult
+from grayguard.bench.spec import Scenario, make_arrivals
+from grayguard.sim.loadstats import RequestRecord
 
 log = logging.getLogger("grayguard.bench.crosscheck")
 SAMPLE_S = 0.2  # how often HAProxy's weights and the controller's states are read: detection times to ~0.2 s
@@ -125,7 +125,7 @@ def run_live(scn: Scenario, progress: Callable[[str], None] = lambda s: None, ke
     `probe_ttft_median_ms`: the healthy nodes' probe TTFT median over the window; `tick_ms`: the
     controller's mean tick duration (the engine decides in no time).
     """
-    from localstack.stack import LocalStack, StackSpec
+    from grayguard.localstack.stack import LocalStack, StackSpec
 
     names = _check(scn)
     arr = make_arrivals(scn)

@@ -22,9 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
-
-from sim.loadgen import LoadConfig, _first_model, _Run
-from sim.loadstats import RequestRecord
+from grayguard.sim.loadgen import LoadConfig, _first_model, _Run
+from grayguard.sim.loadstats import RequestRecord
 
 Plan = list[tuple[float, int, int]]  # (seconds from the start, prompt tokens, max_tokens)
 
@@ -122,7 +121,7 @@ class LoadProcess:
         """Start the child; returns its zero once the first request is due."""
         repo = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.crossload", str(self.plan_path),
+        self.proc = subprocess.Popen([sys.executable, "-m", "grayguard.bench.crossload", str(self.plan_path),
                                       str(self.out_path)], stdout=subprocess.PIPE, text=True, env=env, cwd=repo)
         threading.Thread(target=self._read, name="cross-check-load", daemon=True).start()
         deadline = time.monotonic() + timeout_s

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from operator import itemgetter
 
-from sim.faults import LATENCY_FAULTS
+from grayguard.sim.faults import LATENCY_FAULTS
 
 by_size = itemgetter("size")
 

@@ -18,11 +18,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.lb import Gateway, make_balancer
-from bench.node import CANARY, PROBE, NodeObs, VirtualNode, observe
-from bench.policies import Assign, make_policy
-from bench.spec import FaultSpec, Scenario, make_arrivals
-from sim.model import Finished, FirstToken, ModelParams, StepDone
+from grayguard.bench.lb import Gateway, make_balancer
+from grayguard.bench.node import CANARY, PROBE, NodeObs, VirtualNode, observe
+from grayguard.bench.policies import Assign, make_policy
+from grayguard.bench.spec import FaultSpec, Scenario, make_arrivals
+from grayguard.sim.model import Finished, FirstToken, ModelParams, StepDone
 
 PENDING, OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER = range(6)
 STATUS_NAMES = ("pending", "ok", "timeout", "error", "garbage", "no_server")

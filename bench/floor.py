@@ -32,13 +32,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import answers
-from bench.controller import noisy_pools
-from bench.promtarget import fleet
-from bench.wholetick import controller_config, fleet_backends
-from controller import gcpolicy
-from controller.policy import NodeDecision, NodeInput, NodeState
-from controller.scoring import leave_one_out_logs
+from grayguard.bench import answers
+from grayguard.bench.controller import noisy_pools
+from grayguard.bench.promtarget import fleet
+from grayguard.bench.wholetick import controller_config, fleet_backends
+from grayguard.controller import gcpolicy
+from grayguard.controller.policy import NodeDecision, NodeInput, NodeState
+from grayguard.controller.scoring import leave_one_out_logs
+
 from grayguard.config import load_config
 from grayguard.frozen import replaced
 from grayguard.promclient import _instant, decode_instant

@@ -10,10 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import promcost
-from bench.promwindow import prom_metrics, total
-from localstack.procs import free_port
-from localstack.services import start_prometheus
+from grayguard.bench import promcost
+from grayguard.bench.promwindow import prom_metrics, total
+from grayguard.localstack.procs import free_port
+from grayguard.localstack.services import start_prometheus
 
 
 def measure(nodes: int, warmup_s: float = 25.0, seconds: float = 30.0, progress=print) -> dict[str, float]:

@@ -249,7 +249,7 @@ BALANCERS = {"leastconn": LeastConn, "roundrobin": RoundRobin}
 
 def make_balancer(name: str, n: int, seed: int = 0) -> _Stat:
     """A balancer for n servers: HAProxy's by name, or a peer's (bench.peers, seeded with the scenario's seed)."""
-    from bench.peers import PEER_BALANCERS  # bench.peers builds on _Stat
+    from grayguard.bench.peers import PEER_BALANCERS  # bench.peers builds on _Stat
 
     if name in PEER_BALANCERS:
         return PEER_BALANCERS[name](n, seed)

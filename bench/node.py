@@ -18,11 +18,12 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from bench.spec import NodeSpec, Scenario
-from controller.policy import NodeInput
+from grayguard.bench.spec import NodeSpec, Scenario
+from grayguard.controller.policy import NodeInput
+from grayguard.sim.faults import THERMAL_FAULTS, FaultState
+from grayguard.sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown, Stallable
+
 from grayguard.vocab import PROBE_AGENT_DOWN
-from sim.faults import THERMAL_FAULTS, FaultState
-from sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown, Stallable
 
 
 class FixedBackend(Stallable):

@@ -18,7 +18,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from bench.lb import _Stat
+from grayguard.bench.lb import _Stat
 
 LINKERD_DEFAULT_RTT_S = 0.030  # linkerd2-proxy's EWMA_DEFAULT_RTT (tower itself takes it as a parameter)
 LINKERD_DECAY_S = 10.0  # linkerd2-proxy's EWMA_DECAY: the Peak-EWMA's time constant

@@ -20,10 +20,11 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from bench.node import NodeObs, node_input
-from bench.spec import NodeSpec, Scenario
-from controller import canary
-from controller.policy import EJECTED, NodeState, Policy, decide_pool, window_samples
+from grayguard.bench.node import NodeObs, node_input
+from grayguard.bench.spec import NodeSpec, Scenario
+from grayguard.controller import canary
+from grayguard.controller.policy import EJECTED, NodeState, Policy, decide_pool, window_samples
+
 from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes

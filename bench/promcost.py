@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
+from grayguard.bench import promtarget
+from grayguard.bench.promresult import PromCost
+from grayguard.bench.promwindow import run_window
+from grayguard.localstack.procs import ManagedProcess, free_port
+from grayguard.localstack.services import start_prometheus
 
-from bench import promtarget
-from bench.promresult import PromCost
-from bench.promwindow import run_window
 from grayguard.config import Config, SignalsConfig, load_config
-from localstack.procs import ManagedProcess, free_port
-from localstack.services import start_prometheus
 
 EXAMPLE_PROMETHEUS = Path(__file__).resolve().parents[1] / "rules" / "prometheus.example.yml"
 BEFORE = Path(__file__).resolve().parent / "before34"  # the signals issue 34 started from (frozen)
@@ -113,7 +113,7 @@ def stand_in(nodes: int, wd: Path, progress: Callable[[str], None] = lambda s: N
     """The stand-in target serving nodes (a child process, its log in wd): (the process, its ports); stopped after."""
     progress(f"{nodes} nodes: starting the stand-in target")
     ready = wd / "ports.json"
-    target = ManagedProcess([sys.executable, "-m", "bench.promtarget", "--nodes", str(nodes),
+    target = ManagedProcess([sys.executable, "-m", "grayguard.bench.promtarget", "--nodes", str(nodes),
                              "--ready-file", str(ready), "--design", design], wd / "promtarget.log")
     try:
         target.wait_for(ready.exists, timeout_s=60 + nodes / 100, what="the stand-in target")

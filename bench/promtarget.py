@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from grayguard.sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
+
 from grayguard.httpserve import HttpServer, Request, Response
 from grayguard.vocab import PROBE_RESULTS
-from sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
 
 POOL_SIZE = 20  # nodes per pool
 SLOW_EVERY, SLOW = 10, 4.0  # node 0 of every tenth pool is 4x slower

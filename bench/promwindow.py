@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
+from grayguard.bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings
+from grayguard.controller.loop import Controller
+from grayguard.localstack.services import Prometheus
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings
-from controller.loop import Controller
 from grayguard.config import Config
 from grayguard.promclient import PromError, PrometheusClient, Sample
-from localstack.services import Prometheus
 
 METRICS_EVERY_S = 5.0  # how often Prometheus' own /metrics is read (resident memory)
 

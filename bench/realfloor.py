@@ -35,9 +35,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.realreplay import RUNS, fault_window
-from controller import loadmodel
-from controller.recorder import read
+from grayguard.bench.realreplay import RUNS, fault_window
+from grayguard.controller import loadmodel
+from grayguard.controller.recorder import read
+
 from grayguard.config import ConfigError, load_config
 
 FAMILIES = ("itl", "probe", "both", "either")

@@ -18,8 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from controller.recorder import read
-from controller.replay import recording_decisions
+from grayguard.controller.recorder import read
+from grayguard.controller.replay import recording_decisions
+
 from grayguard.config import ConfigError, load_config
 from grayguard.vocab import DrainCause, State
 

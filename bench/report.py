@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-from bench.detection import GG, REFERENCES, detection_targets, percentile_table
-from sim.faults import LATENCY_FAULTS
+from grayguard.bench.detection import GG, REFERENCES, detection_targets, percentile_table
+from grayguard.sim.faults import LATENCY_FAULTS
 
 POLICY_ORDER = ("roundrobin", "leastconn", "seeds", "envoy", "envoy-one", "envoy-lr", "linkerd", "epp", "haproxy",
                 "grayguard", "oracle")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from bench.report import _order, markdown_parts
+from grayguard.bench.report import _order, markdown_parts
+
 from grayguard.htmlpage import markdown_html, page
 from grayguard.svgplot import bar_chart
 

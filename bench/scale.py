@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from bench.trace_large import TraceParams, canonical, combine, digest, pool_digests, run
-from controller import gcpolicy
-from controller.export import NodeSeries, node_row
-from controller.metrics import ControllerMetrics
+from grayguard.bench.trace_large import TraceParams, canonical, combine, digest, pool_digests, run
+from grayguard.controller import gcpolicy
+from grayguard.controller.export import NodeSeries, node_row
+from grayguard.controller.metrics import ControllerMetrics
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "decisions_large_trace.json"
 TRACES = {"test": TraceParams(pools=50, ticks=300), "full": TraceParams()}  # 1,000 nodes x 300 s; 10,000 x 1,000 s

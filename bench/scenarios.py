@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario, TracePin, trace_plan
-from sim.faults import FaultError, nominal_slowdown
-from sim.loadgen import LengthDist
-from sim.model import ModelParams
-from sim.traces import FORMATS, TraceError, TraceLoad, parse_window
+from grayguard.bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario, TracePin, trace_plan
+from grayguard.sim.faults import FaultError, nominal_slowdown
+from grayguard.sim.loadgen import LengthDist
+from grayguard.sim.model import ModelParams
+from grayguard.sim.traces import FORMATS, TraceError, TraceLoad, parse_window
 
 SCENARIO_DIR = Path(__file__).parent / "suites"
 _SCENARIO_FIELDS = {f.name for f in fields(Scenario)} - {"name", "nodes", "load", "faults", "policies", "tags", "group"}

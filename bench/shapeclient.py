@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-
-from sim.loadgen import make_prompt
+from grayguard.sim.loadgen import make_prompt
 
 _WORDS = re.compile(r"\w+|[^\w\s]")  # the simulator's vocabulary: one token a word or punctuation mark
 TIMEOUT_S = 180.0  # one request; a throttled (thermal k=10) CPU node takes ~10x a healthy one's time

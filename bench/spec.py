@@ -13,10 +13,10 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
-from sim.faults import ScheduledFault
-from sim.loadgen import LengthDist
-from sim.model import SPEED_CLASSES
-from sim.traces import TraceLoad, TracePlan, mix_tokens, plan_trace
+from grayguard.sim.faults import ScheduledFault
+from grayguard.sim.loadgen import LengthDist
+from grayguard.sim.model import SPEED_CLASSES
+from grayguard.sim.traces import TraceLoad, TracePlan, mix_tokens, plan_trace
 
 # Requests per second one h100-class node serves at saturation with the default request mix
 # (docs/simulator.md, measured in virtual time); slower classes scale by their speed multiplier.

@@ -26,18 +26,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.answers import led_pools
-from bench.promwindow import cpu_seconds
-from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
-from bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
-from bench.wholetick import controller_config, fleet_backends
-from controller import gcpolicy
-from controller.leader import Turn
-from controller.loop import Controller
+from grayguard.bench.answers import led_pools
+from grayguard.bench.promwindow import cpu_seconds
+from grayguard.bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
+from grayguard.bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
+from grayguard.bench.wholetick import controller_config, fleet_backends
+from grayguard.controller import gcpolicy
+from grayguard.controller.leader import Turn
+from grayguard.controller.loop import Controller
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import ManagedProcess
+
 from grayguard.config import load_config
 from grayguard.promclient import PrometheusClient
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import ManagedProcess
 
 TARGET_S = 0.5  # issue 18: the whole tick at 10,000 nodes
 
@@ -73,8 +74,8 @@ def measure(nodes: int, ticks: int, progress: Callable[[str], None] = lambda s: 
         ready = wd / "answers.json"
         progress(f"{nodes} nodes: starting HAProxy ({nodes} servers in {len(backends)} backends) and the answers")
         share = [] if lead_share is None else ["--lead-share", repr(lead_share)]
-        server = ManagedProcess([sys.executable, "-m", "bench.answers", "--config", str(draft), "--nodes", str(nodes),
-                                 "--ready-file", str(ready), *share], wd / "answers.log")
+        server = ManagedProcess([sys.executable, "-m", "grayguard.bench.answers", "--config", str(draft),
+                                 "--nodes", str(nodes), "--ready-file", str(ready), *share], wd / "answers.log")
         try:
             hap.start(timeout_s=30 + nodes / 100)
             try:

@@ -12,11 +12,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from bench.scale import deep_size, rss_bytes
-from bench.tickresult import MemoryMark, TickSample
-from controller.haproxy import Command, CommandResult, RuntimeClient
-from controller.loop import Controller, TickResult
-from controller.ticker import next_slot
+from grayguard.bench.scale import deep_size, rss_bytes
+from grayguard.bench.tickresult import MemoryMark, TickSample
+from grayguard.controller.haproxy import Command, CommandResult, RuntimeClient
+from grayguard.controller.loop import Controller, TickResult
+from grayguard.controller.ticker import next_slot
 
 
 class Stopwatch:

@@ -6,7 +6,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from bench.promresult import PromCost, findings, median_max
+from grayguard.bench.promresult import PromCost, findings, median_max
 
 TARGET_S = 0.5  # issue 18: the whole tick at 10,000 nodes, median
 # the tick's parts, in the order they run: (key, label); "rest" is the tick less every other part

@@ -33,9 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-
-from bench import vllmshapes_report as report
-from bench.shapeclient import Client, Stream, model_id
+from grayguard.bench import vllmshapes_report as report
+from grayguard.bench.shapeclient import Client, Stream, model_id
 
 Note = Callable[[str], None]
 Cpu = Callable[[], "float | None"]  # CPU seconds the engine's processes have used so far (None: not known)
@@ -229,7 +228,7 @@ async def measure(url: str, g: Grid, fault: Fault, note: Note, deadline: float, 
 
 def tree_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process and all its descendants so far (/proc); None when it is gone."""
-    from localstack.vllmserver import children
+    from grayguard.localstack.vllmserver import children
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
     for p in [pid, *(c for c, _ in children(pid))]:
         try:
@@ -242,7 +241,7 @@ def tree_cpu_s(pid: int) -> float | None:
 
 
 def _real(g: Grid, workdir: Path, note: Note, deadline: float, device: str) -> dict:
-    from localstack.vllmfleet import VllmFleetThread
+    from grayguard.localstack.vllmfleet import VllmFleetThread
     note(f"starting one vLLM node on {device} (workdir {workdir})")
     t0 = time.monotonic()
     ft = VllmFleetThread(1, workdir=workdir, device=device)
@@ -270,8 +269,8 @@ def _real(g: Grid, workdir: Path, note: Note, deadline: float, device: str) -> d
 
 
 def _sim(g: Grid, note: Note, deadline: float) -> dict:
-    from sim.fleet import FleetThread
-    from sim.node import VLLM_VERSION
+    from grayguard.sim.fleet import FleetThread
+    from grayguard.sim.node import VLLM_VERSION
     with FleetThread(n=1, seed=1) as ft:
         url = ft.nodes[0].url
 

@@ -15,9 +15,10 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from grayguard.sim.model import ModelParams
+
 from grayguard.config import ThresholdsConfig
 from grayguard.svgplot import bar_chart, line_chart
-from sim.model import ModelParams
 
 ENGINES = {"real": "real vLLM", "sim": "simulator"}
 MODEL = "sim/model.py on paper"

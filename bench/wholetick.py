@@ -21,11 +21,10 @@ from pathlib import Path
 
 import requests
 import yaml
-
-from bench import promtarget
-from bench.promcost import job_intervals, prometheus_setup, render_rules, stand_in
-from bench.promresult import Phase, PromCost
-from bench.promwindow import (
+from grayguard.bench import promtarget
+from grayguard.bench.promcost import job_intervals, prometheus_setup, render_rules, stand_in
+from grayguard.bench.promresult import Phase, PromCost
+from grayguard.bench.promwindow import (
     PoolFull,
     TimedClient,
     cpu_seconds,
@@ -36,16 +35,17 @@ from bench.promwindow import (
     total,
     warm_up,
 )
-from bench.scale import rss_bytes
-from bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
-from bench.tickresult import TickCost, all_notes
-from controller import gcpolicy
-from controller.haproxy import RuntimeClient
-from controller.loop import Controller
+from grayguard.bench.scale import rss_bytes
+from grayguard.bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
+from grayguard.bench.tickresult import TickCost, all_notes
+from grayguard.controller import gcpolicy
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.loop import Controller
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import free_port
+from grayguard.localstack.services import Prometheus, start_prometheus
+
 from grayguard.config import Config, load_config
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import free_port
-from localstack.services import Prometheus, start_prometheus
 
 PROGRESS_EVERY = 10  # ticks between progress lines (and after every tick slower than SLOW_TICK_S)
 SLOW_TICK_S = 5.0

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from grayguard.controller import desired as desired_doc
+from grayguard.controller.haproxy import HaproxyError, RuntimeClient, ServerState
+from grayguard.controller.plan import Change, plan_backend
+from grayguard.controller.runtime_view import RuntimeView, request_counter
+from grayguard.exporters.cli import parse_duration, parse_listen_address
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controller import desired as desired_doc
-from controller.haproxy import HaproxyError, RuntimeClient, ServerState
-from controller.plan import Change, plan_backend
-from controller.runtime_view import RuntimeView, request_counter
-from exporters.cli import parse_duration, parse_listen_address
 from grayguard import etcdconn, terminate
 from grayguard.config import ConfigError
 from grayguard.registry import DEFAULT_PREFIX, Registry, RegistryError, nodes_prefix
@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"plan: {hap.endpoint}: {c.command.render()}    # {c.reason}")
         print(res.error or f"pools: {', '.join(res.pools) or 'none'}; {len(res.changes)} change(s)")
         return 1 if res.error or res.failed else 0
-    from controller.ticker import Periodic
+    from grayguard.controller.ticker import Periodic
+
     from grayguard.httpserve import metrics_handler
     from grayguard.httpserve import serve as serve_routes
 

@@ -16,7 +16,8 @@ import statistics
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from controller.policy import NodeState, canary_due
+from grayguard.controller.policy import NodeState, canary_due
+
 from grayguard.config import RecoveryConfig
 from grayguard.redact import redact_url
 from grayguard.vocab import IN_ROTATION
@@ -77,8 +78,8 @@ def make_canary(r: RecoveryConfig):
     streaming, closed after the first chunk), with no cold-start grace: a node the controller drained
     has answered before, so silence is a failure.
     """
-    from exporters.probe import ANSWERED
-    from exporters.prober import ProbeConfig, Prober
+    from grayguard.exporters.probe import ANSWERED
+    from grayguard.exporters.prober import ProbeConfig, Prober
 
     cfg = ProbeConfig(deadline=r.canary_timeout_s, slow_threshold=r.canary_timeout_s, model=r.canary_model,
                       api_key_env=r.canary_api_key_env, startup_grace=0.0)

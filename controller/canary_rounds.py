@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from controller.policy import CANARY, NodeState
+from grayguard.controller.policy import CANARY, NodeState
 
 WORKERS = 32  # canary requests running at once; more wait their turn (a healthy one answers in well under a second)
 CLOSE_WAIT_S = 1.0  # close() waits this long at most for the workers (daemon threads: a hung one never holds exit)

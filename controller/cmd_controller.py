@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from controller import gcpolicy
-from controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
-from controller.loop import Controller, TickResult
-from controller.metrics import ControllerMetrics
-from controller.statefile import StateFile, StateLock, StateLockError
+from grayguard.controller import gcpolicy
+from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
+from grayguard.controller.loop import Controller, TickResult
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.statefile import StateFile, StateLock, StateLockError
+
 from grayguard import terminate
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
@@ -27,8 +28,8 @@ from grayguard.promclient import PromError, PrometheusClient, build_session_head
 from grayguard.redact import redact_url
 
 if TYPE_CHECKING:
-    from controller.discovery import Discovery
-    from controller.leader import Leadership
+    from grayguard.controller.discovery import Discovery
+    from grayguard.controller.leader import Leadership
 
 HELP = "run the control loop: read Prometheus, score nodes, write HAProxy weights"
 DESCRIPTION = """\
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetrics | None = None,
                      replica_id: str | None = None) -> Controller:
     """A Controller wired to the real Prometheus, HAProxy and canary adapters (and the registry when one is set)."""
-    from controller.canary import make_canary  # local: pulls in the exporter's probe code
+    from grayguard.controller.canary import make_canary  # local: pulls in the exporter's probe code
 
     metrics = metrics or ControllerMetrics.create()
     return Controller(
@@ -92,8 +93,8 @@ def build_leadership(cfg: Config, replica_id: str, metrics: ControllerMetrics) -
     A dry run never campaigns: it would hold the leader key while writing nothing."""
     if cfg.registry.url is None:
         return None
-    from controller.leader import Leadership
-    from controller.leader_store import ElectionStore
+    from grayguard.controller.leader import Leadership
+    from grayguard.controller.leader_store import ElectionStore
 
     if not REPLICA_ID_RE.match(replica_id):
         raise ConfigError("--id", f"{replica_id!r} may only hold letters, digits, '-', '_', '.' and ':' (1-128)")
@@ -149,7 +150,7 @@ def fencing_checks(ctl: Controller) -> list[str]:
     admin-level socket): one that cannot keep it would refuse every write."""
     if ctl.leadership is None or ctl.dry_run or ctl.cfg.haproxy.writer == "actuators":
         return []
-    from controller.haproxy import epoch_var
+    from grayguard.controller.haproxy import epoch_var
 
     problems = []
     var = epoch_var(ctl.cfg.registry.prefix, "check")
@@ -248,7 +249,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
         print(f"grayguard: config error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "record", None):
-        from controller.recorder import Recorder
+        from grayguard.controller.recorder import Recorder
         try:
             ctl.recorder = Recorder(args.record)
         except OSError as e:
@@ -274,8 +275,9 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
     pools = [p.name for p in cfg.pools if p.discovery == "registry"]
     if cfg.registry.url is None or not pools:
         return None
-    from controller.discovery import Discovery
-    from controller.membersync import MembershipSync
+    from grayguard.controller.discovery import Discovery
+    from grayguard.controller.membersync import MembershipSync
+
     from grayguard.registry import Registry
 
     r = cfg.registry
@@ -297,7 +299,7 @@ def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> i
         return 1 if result.held or result.errors else 0
     srv = None
     if not args.no_http:
-        from controller.httpserver import serve
+        from grayguard.controller.httpserver import serve
         srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status)
         log.info("serving /metrics and /status on %s", args.listen_address or cfg.listen_address)
     stop = threading.Event()
@@ -311,7 +313,7 @@ def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Call
     """The alert-rule re-render run_loop schedules every rules.rerender_interval_s, or None when it is off."""
     if cfg.rules.rerender_interval_s <= 0:
         return None
-    from rules.rerender import RuleRerenderer
+    from grayguard.rules.rerender import RuleRerenderer
     rr = RuleRerenderer(cfg)
     log.info("re-rendering alert rules into %s every %gs, off the tick; reload: %s", rr.out_dir,
              cfg.rules.rerender_interval_s, rr.reload_url and "POST " + str(redact_url(rr.reload_url)) or "none")
@@ -344,7 +346,7 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
     its own, every rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never
     overlaps itself.
     """
-    from controller.ticker import Periodic
+    from grayguard.controller.ticker import Periodic
 
     beat = [time.monotonic()]  # the tick job's last sign of life: the start or the end of a tick
 

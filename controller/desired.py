@@ -12,7 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from controller.policy import NodeDecision, NodeState, PoolDecision
+from grayguard.controller.policy import NodeDecision, NodeState, PoolDecision
+
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.vocab import STATES
 

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controller.desired import desired_key
-from controller.haproxy import CLI_TIMEOUT_S, Fence, epoch_var
-from controller.leader_store import ElectionStore
-from controller.metrics import ControllerMetrics
-from controller.policy import NodeState
-from controller.statefile import StateError, dump_states, load_states
+from grayguard.controller.desired import desired_key
+from grayguard.controller.haproxy import CLI_TIMEOUT_S, Fence, epoch_var
+from grayguard.controller.leader_store import ElectionStore
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import NodeState
+from grayguard.controller.statefile import StateError, dump_states, load_states
+
 from grayguard.registry import RegistryError
 
 log = logging.getLogger("grayguard.leader")

@@ -43,7 +43,7 @@ import math
 from collections.abc import Iterable, Mapping
 from operator import mul
 
-from controller.scoring import MAD_SCALE, PRIOR_SPREAD, median, median_without
+from grayguard.controller.scoring import MAD_SCALE, PRIOR_SPREAD, median, median_without
 
 PRIOR_NOISE = PRIOR_SPREAD  # the pool's noise on a signal while none is known (scoring.pool_noise's prior)
 PRIOR_NODES = 2.0  # the least the fleet's prior slopes are worth, in nodes of the pool at its own spread of load...

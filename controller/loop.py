@@ -16,25 +16,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controller import canary, canary_rounds, decide, readscope
-from controller.clock import SteadyClock
-from controller.desired import dump as dump_desired
-from controller.desired import from_decision
-from controller.export import NodeSeries, node_row
-from controller.haproxy import Fence, HaproxyError, RuntimeClient, ServerState, epoch_var, write_backend
-from controller.metrics import ControllerMetrics
-from controller.plan import Change, plan_backend, tier_view
-from controller.policy import NodeState, PoolDecision, config_policy, pool_policies
-from controller.statefile import StateFile
+from grayguard.controller import canary, canary_rounds, decide, readscope
+from grayguard.controller.clock import SteadyClock
+from grayguard.controller.desired import dump as dump_desired
+from grayguard.controller.desired import from_decision
+from grayguard.controller.export import NodeSeries, node_row
+from grayguard.controller.haproxy import Fence, HaproxyError, RuntimeClient, ServerState, epoch_var, write_backend
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.plan import Change, plan_backend, tier_view
+from grayguard.controller.policy import NodeState, PoolDecision, config_policy, pool_policies
+from grayguard.controller.statefile import StateFile
+
 from grayguard.config import HARDWARE_SIGNALS, Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.redact import redact_url
 from grayguard.vocab import EJECTED
 
 if TYPE_CHECKING:  # imported by the command only with registry.url set (it pulls in the etcd client)
-    from controller.leader import Leadership
-    from controller.membersync import MembershipSync
-    from controller.recorder import Recorder
+    from grayguard.controller.leader import Leadership
+    from grayguard.controller.membersync import MembershipSync
+    from grayguard.controller.recorder import Recorder
 
 log = logging.getLogger("grayguard.controller")
 

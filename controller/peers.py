@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import NamedTuple
 
-from controller.scoring import (
+from grayguard.controller.scoring import (
     Baseline,
     baseline,
     leave_one_out,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from controller.haproxy import CHK_ST_CONFIGURED, Command, ServerState
-from controller.policy import NodeDecision
+from grayguard.controller.haproxy import CHK_ST_CONFIGURED, Command, ServerState
+from grayguard.controller.policy import NodeDecision
 
 
 @dataclass(frozen=True)

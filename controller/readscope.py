@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from controller.decide import POOL_LABEL
+from grayguard.controller.decide import POOL_LABEL
 
 
 def scoped(expr: str, pools: Collection[str] | None) -> str:

@@ -28,9 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from controller.decide import CanaryRound, Observation, PoolObservation
-from controller.haproxy import ServerState
-from controller.statefile import StateError, node_state
+from grayguard.controller.decide import CanaryRound, Observation, PoolObservation
+from grayguard.controller.haproxy import ServerState
+from grayguard.controller.statefile import StateError, node_state
+
 from grayguard.promclient import Sample
 
 log = logging.getLogger("grayguard.recorder")

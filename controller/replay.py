@@ -21,9 +21,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import IO
 
-from controller.decide import Observation, PoolOutcome, decide_tick
-from controller.haproxy import ADMF_FDRAIN, DRAIN_MASK, ServerState
-from controller.policy import NodeInput, NodeState, Policy, canary_due, config_policy, decide_pool, pool_policies
+from grayguard.controller.decide import Observation, PoolOutcome, decide_tick
+from grayguard.controller.haproxy import ADMF_FDRAIN, DRAIN_MASK, ServerState
+from grayguard.controller.policy import (
+    NodeInput,
+    NodeState,
+    Policy,
+    canary_due,
+    config_policy,
+    decide_pool,
+    pool_policies,
+)
+
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
 
@@ -264,7 +273,7 @@ def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
 
 
 def run_recording(args: argparse.Namespace, cfg: Config) -> int:
-    from controller.recorder import RecordingError, read
+    from grayguard.controller.recorder import RecordingError, read
     out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 (stdout must not be closed)
     decisions: list[dict] = []
     try:
@@ -320,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     if args.recording:
         return run_recording(args, cfg)
     if args.from_prometheus:
-        from controller.trace_builder import build_trace_cli
+        from grayguard.controller.trace_builder import build_trace_cli
         rc = build_trace_cli(cfg, args)
         if rc:
             return rc

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dashboards.config import DashboardConfig
+from grayguard.dashboards.config import DashboardConfig
+
 from grayguard.config import ConfigError, load_config
 
 # The builders (and grafana-foundation-sdk) are imported when a dashboard is rendered, not here: the
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print("grayguard dashboards: choose an action: render (see --help)", file=sys.stderr)
         return 2
     try:
-        from dashboards.render import DashboardError, changed_files, render_all, write_if_changed
+        from grayguard.dashboards.render import DashboardError, changed_files, render_all, write_if_changed
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "grafana_foundation_sdk":
             raise

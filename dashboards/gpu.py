@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dashboards.config import DashboardConfig
-from dashboards.panels import (
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.panels import (
     PromAnnotation,
     Q,
     dashboard,
@@ -16,9 +16,10 @@ from dashboards.panels import (
     timeline,
     ts,
 )
-from dashboards.pool import transitions_expr
-from dashboards.promql import matchers, zero_fill
-from dashboards.promql import series as s
+from grayguard.dashboards.pool import transitions_expr
+from grayguard.dashboards.promql import matchers, zero_fill
+from grayguard.dashboards.promql import series as s
+
 from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 UID = "grayguard-gpu-health"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dashboards.promql import label_values_selector
+from grayguard.dashboards.promql import label_values_selector
 
 GRID_WIDTH = 24
 

@@ -7,9 +7,9 @@ against the peers' median within seconds, long before the 30 s window of "What i
 
 from __future__ import annotations
 
-from dashboards.config import DashboardConfig
-from dashboards.panels import Q, ts
-from dashboards.promql import matchers
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.panels import Q, ts
+from grayguard.dashboards.promql import matchers
 
 TITLE = "Live signals (1 s)"
 

@@ -9,9 +9,9 @@ replica (`id`). Without a registry the row shows no data: absent, not zero.
 
 from __future__ import annotations
 
-from dashboards.config import DashboardConfig
-from dashboards.panels import Q, single, timeline, ts
-from dashboards.promql import matchers, zero_fill
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.panels import Q, single, timeline, ts
+from grayguard.dashboards.promql import matchers, zero_fill
 
 TITLE = "Membership and leadership"
 

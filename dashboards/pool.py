@@ -3,9 +3,9 @@ users see."""
 
 from __future__ import annotations
 
-from dashboards import live, membership
-from dashboards.config import DashboardConfig
-from dashboards.panels import (
+from grayguard.dashboards import live, membership
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.panels import (
     PromAnnotation,
     Q,
     dashboard,
@@ -18,8 +18,9 @@ from dashboards.panels import (
     timeline,
     ts,
 )
-from dashboards.promql import matchers, quantile, vllm, zero_fill
-from dashboards.promql import series as s
+from grayguard.dashboards.promql import matchers, quantile, vllm, zero_fill
+from grayguard.dashboards.promql import series as s
+
 from grayguard.config import DEGRADE_AT
 from grayguard.vocab import State
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from rules.render import vllm_selector
+from grayguard.rules.render import vllm_selector
 
 # Values a test or a linter puts in place of Grafana's template variables.
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h", "__range_s": "3600",

@@ -8,9 +8,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from dashboards import gpu, pool
-from dashboards.config import DashboardConfig
-from dashboards.lint import problems
+from grayguard.dashboards import gpu, pool
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.lint import problems
 
 DASHBOARDS_DIR = Path(__file__).parent
 # file name -> builder; the names are what the provisioning folder and docs/dashboards.md list.

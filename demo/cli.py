@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demo.watch import Watcher
+from grayguard.demo.watch import Watcher
+
 from grayguard import terminate
 from grayguard.config import duration_seconds
 
@@ -194,9 +195,9 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
     """Bring the stack up, run the load and the fault, tear down; return (and write) the report.
 
     records: where the clients' request records go (a new list by default), for a caller that plots them."""
-    from localstack.stack import LocalStack, StackSpec
-    from sim.loadgen import LoadConfig, run_load
-    from sim.loadstats import Phase
+    from grayguard.localstack.stack import LocalStack, StackSpec
+    from grayguard.sim.loadgen import LoadConfig, run_load
+    from grayguard.sim.loadstats import Phase
 
     tty = opts.live == "tty" or (opts.live == "auto" and out.isatty())
     plain = opts.live in ("plain", "auto") and not tty
@@ -302,7 +303,7 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
 
 
 def _finish(opts, report_dir, sampler, records, result, interrupted, out, marks=(), engine=None) -> dict:
-    from demo.report import headline, write_report
+    from grayguard.demo.report import headline, write_report
     if sampler is None:
         raise RuntimeError("the stack did not start")
     # measured from the moment the fault was set, which the loop wakes for (the phases' nominal start)
@@ -410,7 +411,7 @@ def compare(opts: DemoOptions, report_dir: Path, out=sys.stdout, run=run_scenari
     tail of prompt lengths puts a different number of long prompts in each phase of one run, so the
     run's own baseline phase would compare unlike requests.
     """
-    from demo.compare_report import RUNS, figures, render
+    from grayguard.demo.compare_report import RUNS, figures, render
     records: dict[str, list] = {k: [] for k, _, _ in RUNS}
     variants = {"with": opts, "without": DemoOptions(**{**opts.__dict__, "controller": False}),
                 "healthy": DemoOptions(**{**opts.__dict__, "fault": "none"})}
@@ -478,7 +479,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--trace-speedup", type=float, default=None, metavar="X",
                    help="play the trace X times faster instead of compressing it to a mean (--rate, or by default "
                    "the default load's tokens per second)")
-    from demo import membership
+    from grayguard.demo import membership
     membership.add_arguments(p)
 
 
@@ -522,10 +523,10 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         raise ValueError("--fault-until must be after --fault-at and within the run")
     if o.fault != "none":  # an unknown fault or parameter fails here, before anything starts
         if o.fleet == "vllm":
-            from localstack.vllmfleet import make_real_fault
+            from grayguard.localstack.vllmfleet import make_real_fault
             make_real_fault(o.fault, params)
         else:
-            from sim.faults import make_fault
+            from grayguard.sim.faults import make_fault
             make_fault(o.fault, params)
     return o
 
@@ -534,7 +535,7 @@ def trace_from_args(args: argparse.Namespace, o: DemoOptions):
     """The --trace plan for the run (None without one); ValueError (a TraceError) on a bad file or option.
 
     The model's context clips the lengths: the simulator's max_model_len, or the real servers' --max-model-len."""
-    from sim.traces import TraceError, TraceLoad, parse_window, plan_trace
+    from grayguard.sim.traces import TraceError, TraceLoad, parse_window, plan_trace
     if not getattr(args, "trace", None):
         if getattr(args, "trace_speedup", None) is not None:
             raise TraceError("--trace-speedup needs --trace")
@@ -542,9 +543,9 @@ def trace_from_args(args: argparse.Namespace, o: DemoOptions):
     if args.trace_speedup is not None and args.rate is not None:
         raise TraceError("--trace-speedup or --rate: each sets the trace's pace")
     if o.fleet == "vllm":
-        from localstack.vllmserver import MAX_MODEL_LEN as context
+        from grayguard.localstack.vllmserver import MAX_MODEL_LEN as context
     else:
-        from sim.model import ModelParams
+        from grayguard.sim.model import ModelParams
         context = ModelParams().max_model_len
     start, dur = parse_window(args.trace_window)
     load = TraceLoad(args.trace, args.trace_format, start, dur, speedup=args.trace_speedup, rate=args.rate,
@@ -553,8 +554,8 @@ def trace_from_args(args: argparse.Namespace, o: DemoOptions):
     # by default the tokens per second of the fleet's default Poisson load: a trace request is about three times
     # the default mix's (the Azure conversation trace: 1,365 tokens against 424), so its request rate would overload
     # the fleet the default rate was chosen for; an explicit --rate is requests per second
-    from sim.loadgen import LoadConfig
-    from sim.traces import mix_tokens
+    from grayguard.sim.loadgen import LoadConfig
+    from grayguard.sim.traces import mix_tokens
     mix = LoadConfig(url="-")
     return plan_trace(load, o.duration_s, capacity_tps=o.rate * mix_tokens(mix.prompt_tokens, mix.completion_tokens))
 
@@ -565,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
         print("grayguard demo: --trace: the membership scenario runs its own Poisson load", file=sys.stderr)
         return 2
     if args.scenario == "membership":
-        from demo import membership
+        from grayguard.demo import membership
         return membership.run(args)
     try:
         opts = options_from_args(args)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from demo.report import rolling_percentile
-from demo.report_html import (
+from grayguard.demo.report import rolling_percentile
+from grayguard.demo.report_html import (
     after,
     fault_label,
     lat,
@@ -18,6 +18,7 @@ from demo.report_html import (
     timeline,
     verdict_class,
 )
+
 from grayguard.htmlpage import Html, e, page, table, value
 from grayguard.svgplot import line_chart
 

@@ -96,7 +96,7 @@ class Observer:
     """HAProxy's servers every 0.1 s and the registry's watch, each change timed from t0 (the load's start)."""
 
     def __init__(self, stack: Any, t0: float, every_s: float = 0.1):
-        from controller.haproxy import RuntimeClient
+        from grayguard.controller.haproxy import RuntimeClient
         self.stack, self.t0, self.every_s = stack, t0, every_s
         self.rc = RuntimeClient(stack.haproxy.endpoint, 1.0)
         self.haproxy: list[dict] = []  # {t, node, present, weight, admin, op, status}, on every change
@@ -127,8 +127,8 @@ class Observer:
             t.join(5)
 
     def _poll(self) -> None:
-        from controller.haproxy import HaproxyError
-        from localstack.stack import BACKEND
+        from grayguard.controller.haproxy import HaproxyError
+        from grayguard.localstack.stack import BACKEND
         while not self._stop.wait(self.every_s):
             try:
                 servers = {s.name: s for s in self.rc.show_servers_state(BACKEND)}
@@ -204,11 +204,11 @@ class Observer:
 
 def run_scenario(opts: MembershipOptions, report_dir: Path | None, out=sys.stdout) -> dict:
     """Bring the registry stack up, run the load, the join and the crash, tear down; return (and write) the report."""
-    from localstack.procs import wait_until
-    from localstack.registrystack import RegistryStack, RegistryTiming
-    from localstack.stack import StackSpec
-    from sim.loadgen import LoadConfig, run_load
-    from sim.loadstats import Phase
+    from grayguard.localstack.procs import wait_until
+    from grayguard.localstack.registrystack import RegistryStack, RegistryTiming
+    from grayguard.localstack.stack import StackSpec
+    from grayguard.sim.loadgen import LoadConfig, run_load
+    from grayguard.sim.loadstats import Phase
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -275,9 +275,9 @@ def run_scenario(opts: MembershipOptions, report_dir: Path | None, out=sys.stdou
 
 
 def _all_up(stack: Any, names: list[str]) -> bool:
-    from controller.haproxy import RuntimeClient
-    from demo.membership_report import in_rotation
-    from localstack.stack import BACKEND
+    from grayguard.controller.haproxy import RuntimeClient
+    from grayguard.demo.membership_report import in_rotation
+    from grayguard.localstack.stack import BACKEND
     servers = {s.name: s for s in RuntimeClient(stack.haproxy.endpoint, 1.0).show_servers_state(BACKEND)}
     return all(n in servers and in_rotation({"present": True, "weight": servers[n].weight,
                                              "admin": servers[n].admin_state, "op": servers[n].op_state})
@@ -376,7 +376,7 @@ def _show(opts: MembershipOptions, observer: Observer, s: dict, records: list, s
 
 
 def _finish(opts, report_dir, stack, observer, samples, records, result, marks, leader, interrupted, out) -> dict:
-    from demo.membership_report import (
+    from grayguard.demo.membership_report import (
         client_failures,
         crash_milestones,
         join_milestones,
@@ -414,7 +414,8 @@ def _finish(opts, report_dir, stack, observer, samples, records, result, marks, 
 
 def run(args: argparse.Namespace) -> int:
     """`grayguard demo --scenario membership`: 0 when it ran, 2 on a bad flag, 1 when a binary is missing."""
-    from demo.cli import add_arguments as demo_arguments
+    from grayguard.demo.cli import add_arguments as demo_arguments
+
     from grayguard.binaries import BinaryMissing
     p = argparse.ArgumentParser()
     demo_arguments(p)

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from controller.haproxy import DRAIN_MASK, MAINT_MASK
-from demo.report import rolling_percentile
-from demo.report_html import phases_table, timeline, verdict_class
+from grayguard.controller.haproxy import DRAIN_MASK, MAINT_MASK
+from grayguard.demo.report import rolling_percentile
+from grayguard.demo.report_html import phases_table, timeline, verdict_class
+
 from grayguard.htmlpage import e, kv_table, page
 from grayguard.reflexes import DEFAULT
 from grayguard.svgplot import line_chart

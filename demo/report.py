@@ -67,7 +67,7 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 def write_report(report: dict, samples: Sequence[dict], records: Sequence[Any], out_dir: Path) -> None:
     """report.json (figures, phases, events, time series) and report.html (demo/report_html.py)."""
-    from demo.report_html import render  # it imports this module's figures
+    from grayguard.demo.report_html import render  # it imports this module's figures
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps({**report, "samples": list(samples)}, indent=1, default=str))
     (out_dir / "report.html").write_text(render(report, samples, records))

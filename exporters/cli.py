@@ -10,10 +10,10 @@ import threading
 from urllib.parse import urlsplit
 
 import pynvml
+from grayguard.exporters.prober import ProbeConfig
+from grayguard.exporters.registration import RegistrationConfig
+from grayguard.exporters.server import AgentListenError, Exporter
 
-from exporters.prober import ProbeConfig
-from exporters.registration import RegistrationConfig
-from exporters.server import AgentListenError, Exporter
 from grayguard import etcdconn
 from grayguard.config import ConfigError
 from grayguard.reflexes import DEFAULT as REFLEXES

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from exporters.engineload import EngineLoad
+from grayguard.exporters.engineload import EngineLoad
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from exporters.engineload import EngineLoad
-from exporters.synthetic import NONE, Tally
+from grayguard.exporters.engineload import EngineLoad
+from grayguard.exporters.synthetic import NONE, Tally
 
 LIVE_WINDOW_S = 5.0  # W: the span the live values are measured over (--live.window)
 MEDIAN_PROBES = 5  # the probe median takes the last this many answered probes ...

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pynvml
+from grayguard.exporters.gpumetrics import GpuReading, NvmlSnapshot, build_families, describe_families
+from grayguard.exporters.nvmlfields import READERS, Unsupported, text
+from grayguard.exporters.xid import XidWatcher
 from prometheus_client.core import Metric
-
-from exporters.gpumetrics import GpuReading, NvmlSnapshot, build_families, describe_families
-from exporters.nvmlfields import READERS, Unsupported, text
-from exporters.xid import XidWatcher
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-
-from exporters.engineload import EngineLoad, parse_engine_load
-from exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
+from grayguard.exporters.engineload import EngineLoad, parse_engine_load
+from grayguard.exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
 
 log = logging.getLogger(__name__)
 METRICS_LIMIT = 16 * 1024 * 1024  # bytes of vLLM's /metrics read at most (a few hundred kB in practice)

@@ -14,14 +14,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-
-from exporters.engineload import EngineLoad
-from exporters.fastpath import LiveCollector
-from exporters.hang import Progress, Stalls, judged, token_progress
-from exporters.live import LIVE_WINDOW_S, Answer, LiveSignals, Reading, add_answer, add_reading, live_signals
-from exporters.probe import (
+from grayguard.exporters.engineload import EngineLoad
+from grayguard.exporters.fastpath import LiveCollector
+from grayguard.exporters.hang import Progress, Stalls, judged, token_progress
+from grayguard.exporters.live import LIVE_WINDOW_S, Answer, LiveSignals, Reading, add_answer, add_reading, live_signals
+from grayguard.exporters.probe import (
     ANSWERED,
     RESULTS,
     Observation,
@@ -34,9 +31,12 @@ from exporters.probe import (
     not_ready_reason,
     settle,
 )
-from exporters.probehttp import VllmClient
-from exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
-from exporters.traffic import TrafficCollector
+from grayguard.exporters.probehttp import VllmClient
+from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
+from grayguard.exporters.traffic import TrafficCollector
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from grayguard.vocab import ProbeResult
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import requests
+from grayguard.exporters.gpumetrics import NvmlSnapshot
+from grayguard.exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporters.gpumetrics import NvmlSnapshot
-from exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
 from grayguard.etcdconn import EtcdSettings
 from grayguard.registry import (
     DEFAULT_PREFIX,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from exporters.engineload import EngineLoad
+from grayguard.exporters.engineload import EngineLoad
 
 
 @dataclass(frozen=True)

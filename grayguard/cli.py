@@ -11,17 +11,17 @@ from grayguard import __version__, terminate
 
 # subcommand -> module providing HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
-    "controller": "controller.cmd_controller",
-    "actuator": "controller.actuator",
-    "replay": "controller.replay",
-    "bench-controller": "bench.controller",
-    "exporter": "exporters.cli",
-    "rules": "rules.cli",
-    "fleet": "sim.cli_fleet",
-    "loadgen": "sim.cli_loadgen",
-    "demo": "demo.cli",
-    "bench": "bench.cli",
-    "dashboards": "dashboards.cli",
+    "controller": "grayguard.controller.cmd_controller",
+    "actuator": "grayguard.controller.actuator",
+    "replay": "grayguard.controller.replay",
+    "bench-controller": "grayguard.bench.controller",
+    "exporter": "grayguard.exporters.cli",
+    "rules": "grayguard.rules.cli",
+    "fleet": "grayguard.sim.cli_fleet",
+    "loadgen": "grayguard.sim.cli_loadgen",
+    "demo": "grayguard.demo.cli",
+    "bench": "grayguard.bench.cli",
+    "dashboards": "grayguard.dashboards.cli",
 }
 
 

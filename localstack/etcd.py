@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from localstack.procs import ManagedProcess, find_binary, free_port, start_process
+from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process
 
 
 def etcd_healthy(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = None) -> bool:

@@ -151,7 +151,7 @@ def replay_module(recording: dict, phase: str | None = None) -> SimpleNamespace:
     """A pynvml-like module answering from a recording: each (function, arguments) gives its recorded answers in
     order (the last one repeats), from `phase` on when given. The NVML error classes are the test fake's, matched by
     name, so the collector's except clauses see what the real one raised."""
-    from exporters import fakenvml
+    from grayguard.exporters import fakenvml
 
     queues: dict[str, list] = {}
     started = phase is None
@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import pynvml
-
-    from exporters.nvml import NvmlCollector
+    from grayguard.exporters.nvml import NvmlCollector
 
     a.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(pynvml)

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from localstack.etcd import EtcdProc
-from localstack.procs import ManagedProcess, free_port, http_ok, wait_until
-from localstack.stack import BACKEND, POOL, REPO, LocalStack, StackSpec, _child_env
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import ManagedProcess, free_port, http_ok, wait_until
+from grayguard.localstack.stack import BACKEND, POOL, REPO, LocalStack, StackSpec, _child_env
 
 log = logging.getLogger("grayguard.stack")
 
@@ -68,8 +67,8 @@ class NodeHost:
         self.name, self.host = name, "127.0.0.1"
         self.port, exporter_port, self.agent_port = free_port(), free_port(), free_port()
         self.url = f"http://{self.host}:{exporter_port}"  # the exporter, as LocalStack's exporters have it
-        argv = [sys.executable, "-m", "localstack.registrystack", "host", "--name", name, "--port", str(self.port),
-                "--seed", str(seed), "--gpu-index", str(index),
+        argv = [sys.executable, "-m", "grayguard.localstack.registrystack", "host", "--name", name,
+                "--port", str(self.port), "--seed", str(seed), "--gpu-index", str(index),
                 "--vllm.url", f"http://{self.host}:{self.port}", "--web.listen-address", f"{self.host}:{exporter_port}",
                 "--agent.listen-address", f"{self.host}:{self.agent_port}", "--probe.interval", f"{probe_interval_s:g}",
                 "--probe.deadline", "2s", "--probe.api-key-env", "",
@@ -87,7 +86,7 @@ class NodeHost:
 
     def info(self) -> Any:
         """The node as sim.fleet.NodeInfo, like the fleet's own."""
-        from sim.fleet import NodeInfo
+        from grayguard.sim.fleet import NodeInfo
         return NodeInfo(self.name, self.host, self.port, "h100")
 
     def wait_ready(self, timeout_s: float = 30.0) -> NodeHost:
@@ -132,10 +131,10 @@ class RegistryStack(LocalStack):
         return []  # the controller adds each node once it registers
 
     def _start_exporters(self) -> None:
-        from exporters.fakenvml import FakeNvml, healthy_h100
-        from exporters.prober import ProbeConfig
-        from exporters.registration import RegistrationConfig
-        from exporters.server import Exporter
+        from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+        from grayguard.exporters.prober import ProbeConfig
+        from grayguard.exporters.registration import RegistrationConfig
+        from grayguard.exporters.server import Exporter
 
         assert self.etcd is not None
         t = self.timing
@@ -244,9 +243,9 @@ def _host_main(argv: list[str]) -> int:
     --registry.* registering the node) until SIGTERM."""
     import argparse
 
-    from exporters import cli
-    from exporters.fakenvml import FakeNvml, healthy_h100
-    from sim.fleet import Fleet, FleetThread
+    from grayguard.exporters import cli
+    from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+    from grayguard.sim.fleet import Fleet, FleetThread
 
     p = argparse.ArgumentParser(prog="python -m localstack.registrystack host")
     p.add_argument("--name", required=True, help="the node's name (its HAProxy server name)")

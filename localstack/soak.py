@@ -204,9 +204,10 @@ def _counter_by(stack, name: str, *labels: str) -> dict[str, float]:
 
 def stack_spec(args: argparse.Namespace):
     """The stack the soak runs: the shipped production timing by default, or the demo's compressed one."""
-    from exporters.prober import ProbeConfig
+    from grayguard.exporters.prober import ProbeConfig
+    from grayguard.localstack.stack import StackSpec
+
     from grayguard.config import RecoveryConfig, ThresholdsConfig
-    from localstack.stack import StackSpec
 
     spec = StackSpec(nodes=args.nodes, seed=args.seed, controller=False, controller_process=True,
                      exporter_processes=True)
@@ -223,8 +224,8 @@ def stack_spec(args: argparse.Namespace):
 
 
 def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
-    from localstack.stack import LocalStack
-    from sim.loadgen import LoadConfig, run_load
+    from grayguard.localstack.stack import LocalStack
+    from grayguard.sim.loadgen import LoadConfig, run_load
 
     def say(msg: str) -> None:
         print(f"[soak] {msg}", file=out, flush=True)

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 import yaml
-
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import ManagedProcess, find_binary, free_port, start_process
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process
 
 if TYPE_CHECKING:  # the exporter child process imports none of the controller
-    from controller.loop import Controller
+    from grayguard.controller.loop import Controller
+
     from grayguard.config import Config
 
 log = logging.getLogger("grayguard.stack")
@@ -131,7 +131,7 @@ class ExporterProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.gpu_file = gpu_file
         self._gpu_seq = 0
-        argv = [sys.executable, "-m", "localstack.stack", "exporter", "--gpu-index", str(gpu_index),
+        argv = [sys.executable, "-m", "grayguard.localstack.stack", "exporter", "--gpu-index", str(gpu_index),
                 "--vllm.url", vllm_url, "--web.listen-address", f"127.0.0.1:{port}",
                 "--agent.listen-address", f"127.0.0.1:{agent_port}",
                 "--probe.interval", f"{probe_interval_s:g}", "--probe.deadline", "2s", "--probe.api-key-env", ""]
@@ -225,9 +225,9 @@ class LocalStack:
         return self
 
     def _start(self) -> None:
-        from localstack.services import WebhookReceiver, prometheus_config, static_job
-        from rules.render import render_all
-        from sim.fleet import FleetThread
+        from grayguard.localstack.services import WebhookReceiver, prometheus_config, static_job
+        from grayguard.rules.render import render_all
+        from grayguard.sim.fleet import FleetThread
 
         s = self.spec
         if s.timing not in ("demo", "shipped"):
@@ -236,7 +236,7 @@ class LocalStack:
             raise ValueError(f"StackSpec.fleet {s.fleet!r}: sim or vllm")
         check_binaries()
         if s.fleet == "vllm":
-            from localstack.vllmfleet import VllmFleetThread
+            from grayguard.localstack.vllmfleet import VllmFleetThread
             self.progress(f"starting {s.nodes} real vLLM servers ({s.vllm_device}; about 40 s each on 2 cores, "
                           "started together)")
             self.fleet = VllmFleetThread(s.nodes, workdir=self.dir / "vllm", device=s.vllm_device)
@@ -302,9 +302,9 @@ class LocalStack:
         return [(n.name, n.address, 100, self.agent_ports[n.name]) for n in self.nodes]
 
     def _start_exporters(self) -> None:
-        from exporters.fakenvml import FakeNvml, healthy_h100
-        from exporters.prober import ProbeConfig
-        from exporters.server import Exporter
+        from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+        from grayguard.exporters.prober import ProbeConfig
+        from grayguard.exporters.server import Exporter
 
         s = self.spec
         if s.exporter_processes:
@@ -374,12 +374,13 @@ class LocalStack:
         if self.spec.controller_process:
             self._start_controller_process()
             return
-        from controller.canary import make_canary
-        from controller.cmd_controller import make_rerender, run_loop, startup_checks
-        from controller.haproxy import RuntimeClient
-        from controller.httpserver import serve
-        from controller.loop import Controller
-        from controller.metrics import ControllerMetrics
+        from grayguard.controller.canary import make_canary
+        from grayguard.controller.cmd_controller import make_rerender, run_loop, startup_checks
+        from grayguard.controller.haproxy import RuntimeClient
+        from grayguard.controller.httpserver import serve
+        from grayguard.controller.loop import Controller
+        from grayguard.controller.metrics import ControllerMetrics
+
         from grayguard.promclient import PrometheusClient
 
         self.progress("starting the controller")
@@ -404,7 +405,7 @@ class LocalStack:
         """The in-process controller's recorder (spec.record), or None."""
         if not self.spec.record:
             return None
-        from controller.recorder import Recorder
+        from grayguard.controller.recorder import Recorder
         Path(self.spec.record).parent.mkdir(parents=True, exist_ok=True)
         return Recorder(self.spec.record)
 
@@ -463,8 +464,8 @@ class LocalStack:
     # ---- faults --------------------------------------------------------------------------------
     def _on_fault(self, node: str, fault: Any) -> None:
         """Keep the fake GPU telling the same story as the fault (called from the fleet's loop)."""
-        from exporters.fakenvml import healthy_h100
-        from sim.faults import gpu_effects
+        from grayguard.exporters.fakenvml import healthy_h100
+        from grayguard.sim.faults import gpu_effects
         ex = self.exporters.get(node)
         if isinstance(ex, ExporterProcess):  # the child's own healthy H100 is the base
             base = {k: v for k, v in vars(healthy_h100(0)).items() if not k.startswith("_")}
@@ -485,13 +486,13 @@ class LocalStack:
     # ---- HAProxy -------------------------------------------------------------------------------
     def haproxy_weights(self, i: int = 0) -> dict[str, tuple[int, bool]]:
         """node -> (weight, drained) as HAProxy instance i has them now."""
-        from controller.haproxy import RuntimeClient
+        from grayguard.controller.haproxy import RuntimeClient
         c = RuntimeClient(self.haproxies[i].endpoint)
         return {s.name: (s.weight, s.drain) for s in c.show_servers_state(BACKEND)}
 
     def haproxy_pid(self, i: int = 0) -> int | None:
         """The pid that answers on instance i's runtime socket (`show info`), None when none answers."""
-        from controller.haproxy import HaproxyError, RuntimeClient
+        from grayguard.controller.haproxy import HaproxyError, RuntimeClient
         try:
             info = RuntimeClient(self.haproxies[i].endpoint, 1.0).execute(["show info"])[0]
         except (HaproxyError, OSError):
@@ -507,7 +508,7 @@ class LocalStack:
         process starts with the weights and drains of the old one; without it, the new process starts
         from the config (every server ready at its configured weight), as after a reload by hand.
         """
-        from controller.haproxy import RuntimeClient
+        from grayguard.controller.haproxy import RuntimeClient
         hp = self.haproxies[i]
         old = hp.proc
         if old is None or not old.running():
@@ -558,7 +559,7 @@ class LocalStack:
 
     def restart_prometheus(self, timeout_s: float = 30.0) -> None:
         """Start Prometheus (again) on its port with its config, rule files and data dir; wait until ready."""
-        from localstack.services import start_prometheus
+        from grayguard.localstack.services import start_prometheus
         assert self._prom_launch is not None and self.cfg is not None
         config, port = self._prom_launch
         if self.prometheus is not None and self.prometheus.proc.running():
@@ -573,7 +574,7 @@ class LocalStack:
 
     def restart_alertmanager(self, timeout_s: float = 30.0) -> None:
         """Start Alertmanager (again) on its port with its config and data dir; wait until ready."""
-        from localstack.services import start_alertmanager
+        from grayguard.localstack.services import start_alertmanager
         assert self._am_launch is not None
         config, port = self._am_launch
         if self.alertmanager is not None and self.alertmanager.proc.running():
@@ -669,8 +670,8 @@ def _exporter_main(argv: list[str]) -> int:
     """The exporter child process: `grayguard exporter`'s flags and Exporter, a fake healthy H100 for NVML."""
     import argparse
 
-    from exporters import cli
-    from exporters.fakenvml import FakeNvml, healthy_h100
+    from grayguard.exporters import cli
+    from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 
     p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")

@@ -17,10 +17,9 @@ from typing import Any
 
 import requests
 import yaml
-
-from localstack.procs import ManagedProcess, find_binary, free_port, start_process
-from localstack.services import HOST, Prometheus, _Service
-from localstack.stack import LocalStack, StackSpec
+from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process
+from grayguard.localstack.services import HOST, Prometheus, _Service
+from grayguard.localstack.stack import LocalStack, StackSpec
 
 log = logging.getLogger("grayguard.stack")
 BINARIES = ("victoria-metrics", "vmagent", "vmalert", "vmauth")

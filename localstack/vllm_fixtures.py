@@ -59,8 +59,8 @@ def _write(out: Path, name: str, how: str, version: str | None, text: str) -> No
 
 
 def record(out: Path) -> None:
-    from localstack.vllmfleet import VllmFleetThread
-    from localstack.vllmserver import model_name
+    from grayguard.localstack.vllmfleet import VllmFleetThread
+    from grayguard.localstack.vllmserver import model_name
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="grayguard-fixtures-") as d:
@@ -88,7 +88,7 @@ def record(out: Path) -> None:
                 t.join()
             ft.set_fault(node.name, "kv_thrash")
             fleet.node(node.name).wait_ready()
-            from sim.loadgen import make_prompt
+            from grayguard.sim.loadgen import make_prompt
             # all four fit at admission (6,000 tokens of 8,192); their decoding outgrows the cache
             threads = [threading.Thread(target=_complete, args=(url, model, make_prompt(1500, seed=i), 2000),
                                         daemon=True) for i in range(4)]

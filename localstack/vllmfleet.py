@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from localstack import cgroups
-from localstack.procs import free_port
-from localstack.vllmserver import START_TIMEOUT_S, RealFleetError, VllmNode, ensure_model, vllm_python
-from sim.fleet import FleetThread, NodeInfo
+from grayguard.localstack import cgroups
+from grayguard.localstack.procs import free_port
+from grayguard.localstack.vllmserver import START_TIMEOUT_S, RealFleetError, VllmNode, ensure_model, vllm_python
+from grayguard.sim.fleet import FleetThread, NodeInfo
 
 log = logging.getLogger("grayguard.vllmfleet")
 

@@ -16,8 +16,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from localstack import cgroups
-from localstack.procs import ManagedProcess, wait_until
+from grayguard.localstack import cgroups
+from grayguard.localstack.procs import ManagedProcess, wait_until
 
 log = logging.getLogger("grayguard.vllmfleet")
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def vllm_python() -> Path:
 def ensure_model(python: Path, folder: Path | None = None) -> Path:
     """The tiny model's folder (GRAYGUARD_VLLM_MODEL_DIR, else .venv-vllm/grayguard-model), built offline with
     localstack/vllm_model.py when it is missing or stale (another fingerprint; a few seconds)."""
-    from localstack.vllm_model import fingerprint
+    from grayguard.localstack.vllm_model import fingerprint
     folder = folder or Path(os.environ.get("GRAYGUARD_VLLM_MODEL_DIR") or VENV / "grayguard-model")
     try:
         built = json.loads((folder / MODEL_STAMP).read_text()).get("fingerprint")
@@ -54,7 +54,7 @@ def ensure_model(python: Path, folder: Path | None = None) -> Path:
         built = None
     if built != fingerprint():  # none yet, or made by an older localstack/vllm_model.py
         log.info("building the tiny random-weight model in %s", folder)
-        r = subprocess.run([str(python), "-m", "localstack.vllm_model", "--out", str(folder)], cwd=REPO,
+        r = subprocess.run([str(python), "-m", "grayguard.localstack.vllm_model", "--out", str(folder)], cwd=REPO,
                            capture_output=True, text=True, timeout=300,
                            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
         if r.returncode != 0:

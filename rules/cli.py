@@ -10,13 +10,13 @@ from pathlib import Path
 
 import requests
 import yaml
+from grayguard.rules import shards
+from grayguard.rules.render import recording_rule_names, render_all
+from grayguard.rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
 from grayguard.binaries import install_hint
 from grayguard.config import ConfigError, load_config
 from grayguard.promclient import PromError, PrometheusClient
-from rules import shards
-from rules.render import recording_rule_names, render_all
-from rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
 RULES_DIR = Path(__file__).parent
 

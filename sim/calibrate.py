@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
-
-from sim.model import EngineModel, Finished, ModelParams, RequestStats
+from grayguard.sim.model import EngineModel, Finished, ModelParams, RequestStats
 
 DATA = Path(__file__).with_name("calibration") / "vllm_published.yaml"
 FIT_ACCEPT = 0.20  # the acceptance bound on |model / published - 1| for fitted points
@@ -215,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--svg", type=Path, help="write the model-vs-published plot here")
     ap.add_argument("--no-fit", action="store_true", help="use the CALIBRATED constants instead of refitting")
     args = ap.parse_args(argv)
-    from sim.calibrate_report import Row, params_table, rows, svg, table  # the report imports this module
+    from grayguard.sim.calibrate_report import Row, params_table, rows, svg, table  # the report imports this module
 
     points = load(args.data)
     fitted = CALIBRATED if args.no_fit else fit_all(points)

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sim.calibrate import EXACT, Point, simulate
-from sim.model import SPEED_CLASSES, ModelParams
+from grayguard.sim.calibrate import EXACT, Point, simulate
+from grayguard.sim.model import SPEED_CLASSES, ModelParams
 
 BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROMPTS = (256, 2000, 4000, 6000, 8000, 10000, 12000, 16000, 20000)

@@ -10,9 +10,9 @@ import signal
 import sys
 from dataclasses import replace
 
-from sim.faults import FAULTS, FaultError, ScheduledFault
-from sim.fleet import Fleet
-from sim.model import SPEED_CLASSES, ModelParams
+from grayguard.sim.faults import FAULTS, FaultError, ScheduledFault
+from grayguard.sim.fleet import Fleet
+from grayguard.sim.model import SPEED_CLASSES, ModelParams
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import asyncio
 import json
 import sys
 
-from sim.loadgen import LengthDist, LoadConfig, run_load
-from sim.loadstats import Phase
-from sim.traces import FORMATS, TraceError, TraceLoad, parse_window, plan_trace
+from grayguard.sim.loadgen import LengthDist, LoadConfig, run_load
+from grayguard.sim.loadstats import Phase
+from grayguard.sim.traces import FORMATS, TraceError, TraceLoad, parse_window, plan_trace
 
 HELP = "open-loop Poisson (or production-trace) load of streaming completions; prints TTFT/e2e percentiles per phase"
 DESCRIPTION = """\

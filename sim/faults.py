@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.model import NO_SLOWDOWN, Slowdown
+from grayguard.sim.model import NO_SLOWDOWN, Slowdown
 
 CUDA_ERROR_TEXT = "CUDA error: an illegal memory access was encountered"
 

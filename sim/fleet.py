@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sim.faults import Fault, FaultError, ScheduledFault, make_fault
-from sim.model import SPEED_CLASSES, ModelParams
-from sim.node import DEFAULT_MODEL, FaultCallback, SimNode
+from grayguard.sim.faults import Fault, FaultError, ScheduledFault, make_fault
+from grayguard.sim.model import SPEED_CLASSES, ModelParams
+from grayguard.sim.node import DEFAULT_MODEL, FaultCallback, SimNode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
-
-from sim.loadstats import LoadResult, Phase, RequestRecord
+from grayguard.sim.loadstats import LoadResult, Phase, RequestRecord
 
 log = logging.getLogger(__name__)
 

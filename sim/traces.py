@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sim.loadgen import PROMPT_WORDS, LengthDist, make_prompt
+from grayguard.sim.loadgen import PROMPT_WORDS, LengthDist, make_prompt
 
 FORMATS = ("azure", "mooncake", "burstgpt")
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake's traces: one hash id is a block of 512 prompt tokens
@@ -341,6 +341,6 @@ def summarize(plan: TracePlan, bin_s: float = 10.0) -> dict[str, Sequence[float]
 
 
 if __name__ == "__main__":
-    from sim.traces_plot import main
+    from grayguard.sim.traces_plot import main
 
     raise SystemExit(main())

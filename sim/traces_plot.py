@@ -11,9 +11,10 @@ import re
 import sys
 from pathlib import Path
 
+from grayguard.sim.loadgen import LoadConfig, arrival_plan
+from grayguard.sim.traces import TraceError, TraceLoad, parse_window, plan_trace, summarize
+
 from grayguard.svgplot import line_chart
-from sim.loadgen import LoadConfig, arrival_plan
-from sim.traces import TraceError, TraceLoad, parse_window, plan_trace, summarize
 
 WIDTH, HEIGHT = 900, 260
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         svg = render(args.trace, args.window, args.rate, args.bin, args.trace_format)
     except TraceError as e:
-        print(f"sim.traces: {e}", file=sys.stderr)
+        print(f"grayguard.sim.traces: {e}", file=sys.stderr)
         return 2
     Path(args.plot).write_text(svg)
     print(f"wrote {args.plot}")

@@ -26,17 +26,27 @@ ALLOWED: dict[str, set[str]] = {
 PACKAGES = set(ALLOWED)
 
 
-def imported_packages(path: Path) -> set[str]:
-    """Top-level grayguard packages a module imports anywhere in its body (absolute imports)."""
-    out = set()
+def imported_names(path: Path) -> list[str]:
+    """Every absolute module name a module imports anywhere in its body (static and function-level imports)."""
+    out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        out |= {n.split(".")[0] for n in names} & PACKAGES
+            out.append(node.module)
+    return out
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level grayguard packages a module imports: grayguard.controller.loop is `controller`, grayguard.config
+    `grayguard` (the wheel maps every component under grayguard., the source tree resolves the same names)."""
+    out = set()
+    for name in imported_names(path):
+        parts = name.split(".")
+        if parts[0] == "grayguard":
+            out.add(parts[1] if len(parts) > 1 and parts[1] in PACKAGES else "grayguard")
+        elif parts[0] in PACKAGES:
+            out.add(parts[0])
     return out
 
 
@@ -101,8 +111,18 @@ def test_find_cycle_finds_one():
 
 def test_checker_sees_function_level_imports(tmp_path):
     (tmp_path / "rules").mkdir()
-    (tmp_path / "rules" / "x.py").write_text("def f():\n    from controller.loop import Controller\n")
-    assert imported_packages(tmp_path / "rules" / "x.py") == {"controller"}
+    (tmp_path / "rules" / "x.py").write_text("def f():\n    from grayguard.controller.loop import Controller\n"
+                                             "import grayguard.config\n")
+    assert imported_packages(tmp_path / "rules" / "x.py") == {"controller", "grayguard"}
+
+
+def test_nothing_imports_a_component_by_its_bare_folder_name():
+    """`import controller` works in the source tree only, and beside grayguard.controller it would load every
+    module twice (two registries, two clocks): the one name is grayguard.<component>, as the wheel installs it."""
+    bare = {str(path.relative_to(REPO)): name for path in sorted(REPO.rglob("*.py"))
+            if not path.relative_to(REPO).parts[0].startswith((".venv", ".git", "build"))
+            for name in imported_names(path) if name.split(".")[0] in PACKAGES - {"grayguard"}}
+    assert not bare, bare
 
 
 def test_architecture_doc_states_the_same_layout():

@@ -7,14 +7,13 @@ import math
 from dataclasses import replace
 
 import pytest
-
-from bench import policies
-from bench.engine import OK, Run, run, run_family
-from bench.metrics import summarize, transitions
-from bench.node import VirtualNode
-from bench.scenarios import MAX_MODEL_LEN, SuiteError, expand, load_suite
-from bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
-from sim.loadgen import LengthDist
+from grayguard.bench import policies
+from grayguard.bench.engine import OK, Run, run, run_family
+from grayguard.bench.metrics import summarize, transitions
+from grayguard.bench.node import VirtualNode
+from grayguard.bench.scenarios import MAX_MODEL_LEN, SuiteError, expand, load_suite
+from grayguard.bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from grayguard.sim.loadgen import LengthDist
 
 
 def pool(n: int) -> tuple[NodeSpec, ...]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from grayguard.bench.policies import Grayguard
+from grayguard.bench.spec import NodeSpec, Scenario
+from grayguard.controller import canary
+from grayguard.controller.policy import NodeState
 
-from bench.policies import Grayguard
-from bench.spec import NodeSpec, Scenario
-from controller import canary
-from controller.policy import NodeState
 from grayguard.config import RecoveryConfig
 from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, tick_settled
 

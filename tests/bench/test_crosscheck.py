@@ -7,15 +7,14 @@ import io
 import math
 
 import pytest
-
-from bench import cli
-from bench.crosscheck import SCENARIOS, PhasedRun, Setup, cross_check, figures, report, scenario
-from bench.crosslive import _result, run_live
-from bench.crosstable import markdown, rows
-from bench.engine import Run
-from bench.spec import make_arrivals
-from sim.loadgen import LoadConfig, arrival_plan
-from sim.loadstats import RequestRecord
+from grayguard.bench import cli
+from grayguard.bench.crosscheck import SCENARIOS, PhasedRun, Setup, cross_check, figures, report, scenario
+from grayguard.bench.crosslive import _result, run_live
+from grayguard.bench.crosstable import markdown, rows
+from grayguard.bench.engine import Run
+from grayguard.bench.spec import make_arrivals
+from grayguard.sim.loadgen import LoadConfig, arrival_plan
+from grayguard.sim.loadstats import RequestRecord
 
 TINY = Setup(nodes=4, rate=8.0, duration_s=30.0, control_start_s=10.0, fault_at_s=15.0, window_s=10.0)
 
@@ -132,9 +131,9 @@ def test_tiny_cross_check_has_real_numbers_on_both_sides(tmp_path):
 
 
 def test_on_the_real_fleet_the_engine_runs_the_measured_equivalent_of_the_physical_fault_without_gpu_evidence():
-    from bench.crosscheck import VLLM_SCENARIOS, VLLM_SETUP, engine_side
-    from bench.engine import run
-    from sim.model import VLLM_CPU_TINY
+    from grayguard.bench.crosscheck import VLLM_SCENARIOS, VLLM_SETUP, engine_side
+    from grayguard.bench.engine import run
+    from grayguard.sim.model import VLLM_CPU_TINY
 
     cs = VLLM_SCENARIOS["thermal"]
     live = scenario(VLLM_SETUP, cs)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from bench.detection import detection_targets, percentile_table, quantile
-from bench.report import _target
+from grayguard.bench.detection import detection_targets, percentile_table, quantile
+from grayguard.bench.report import _target
 
 
 def _row(scenario, policy="grayguard", group="fault", fault="thermal", size=8, slowdown=6.0, cut=3.0, q=5.0,

@@ -7,16 +7,15 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-
-from bench.engine import OK, TIMEOUT, Run, run, run_family
-from bench.lb import LeastConn, RoundRobin, make_balancer
-from bench.metrics import capacity_kept, out_of_full, percentile, summarize, transitions
-from bench.node import CANARY, PROBE, REAL, FixedBackend, NodeObs, VirtualNode, node_input, observe
-from bench.policies import Envoy, Grayguard, Seeds, make_policy
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario, make_arrivals
-from controller.policy import NodeState
-from sim.loadgen import LengthDist
-from sim.model import NO_SLOWDOWN, Finished, FirstToken, Slowdown
+from grayguard.bench.engine import OK, TIMEOUT, Run, run, run_family
+from grayguard.bench.lb import LeastConn, RoundRobin, make_balancer
+from grayguard.bench.metrics import capacity_kept, out_of_full, percentile, summarize, transitions
+from grayguard.bench.node import CANARY, PROBE, REAL, FixedBackend, NodeObs, VirtualNode, node_input, observe
+from grayguard.bench.policies import Envoy, Grayguard, Seeds, make_policy
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario, make_arrivals
+from grayguard.controller.policy import NodeState
+from grayguard.sim.loadgen import LengthDist
+from grayguard.sim.model import NO_SLOWDOWN, Finished, FirstToken, Slowdown
 
 
 def pool(n: int, **kw) -> tuple[NodeSpec, ...]:

@@ -15,9 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from bench.engine import RunResult, run
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+from grayguard.bench.engine import RunResult, run
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
 
 GOLDEN = Path(__file__).with_name("golden_existing_policies.json")
 # grayguard is not among them: its decisions are meant to change as its detector does; what its runs here must keep is

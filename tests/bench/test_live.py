@@ -9,12 +9,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
-from bench.engine import NO_SERVER, Run
-from bench.node import LiveSignals, ProbeLog, observe
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
-from sim.loadgen import LengthDist
-from sim.model import FirstToken, StepDone
+from grayguard.bench.engine import NO_SERVER, Run
+from grayguard.bench.node import LiveSignals, ProbeLog, observe
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from grayguard.sim.loadgen import LengthDist
+from grayguard.sim.model import FirstToken, StepDone
 
 
 class Recorder:

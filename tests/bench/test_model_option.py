@@ -1,8 +1,8 @@
 """grayguard bench --model: the shipped latency model or the one fitted to published vLLM measurements."""
 
-from bench.cli import CALIBRATED_CAPACITY_X, for_model, model_params
-from bench.scenarios import load_suite
-from sim.calibrate import CALIBRATED
+from grayguard.bench.cli import CALIBRATED_CAPACITY_X, for_model, model_params
+from grayguard.bench.scenarios import load_suite
+from grayguard.sim.calibrate import CALIBRATED
 
 
 def test_the_calibrated_model_runs_the_same_share_of_capacity():

@@ -8,12 +8,11 @@ import math
 from collections import Counter
 
 import pytest
-
-from bench import cli as bench
-from bench.engine import Run
-from bench.lb import make_balancer
-from bench.node import VirtualNode
-from bench.peers import (
+from grayguard.bench import cli as bench
+from grayguard.bench.engine import Run
+from grayguard.bench.lb import make_balancer
+from grayguard.bench.node import VirtualNode
+from grayguard.bench.peers import (
     EPP_REFRESH_S,
     LINKERD_DECAY_S,
     LINKERD_DEFAULT_RTT_S,
@@ -21,8 +20,8 @@ from bench.peers import (
     LeastRequest,
     PeakEwma,
 )
-from bench.policies import make_policy
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+from grayguard.bench.policies import make_policy
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
 
 PEER_BALANCERS = ["peak_ewma", "least_request", "epp"]
 

@@ -8,12 +8,10 @@ import re
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench import promcost, promtarget
-from bench.controller import add_arguments
-from bench.promcost import measure
-from bench.promresult import (
+from grayguard.bench import promcost, promtarget
+from grayguard.bench.controller import add_arguments
+from grayguard.bench.promcost import measure
+from grayguard.bench.promresult import (
     PHASES,
     GroupCost,
     Phase,
@@ -24,13 +22,15 @@ from bench.promresult import (
     format_side_by_side,
     own_series_per_node,
 )
-from bench.promwindow import fused_query
-from controller.decide import OPTIONAL
-from exporters.gpumetrics import describe_families
-from exporters.server import Exporter
+from grayguard.bench.promwindow import fused_query
+from grayguard.controller.decide import OPTIONAL
+from grayguard.exporters.gpumetrics import describe_families
+from grayguard.exporters.server import Exporter
+from grayguard.rules.render import render_all
+from grayguard.sim.metrics import VllmMetrics
+from prometheus_client.parser import text_string_to_metric_families
+
 from grayguard.config import SignalsConfig, parse_config
-from rules.render import render_all
-from sim.metrics import VllmMetrics
 
 NODES = 40
 # read by a rule or query but not served: absent on a healthy fleet (no XID yet), and vLLM's old KV-cache name
@@ -178,7 +178,7 @@ def test_the_one_metric_signals_fuse_into_one_query_that_keeps_their_names():
 
 
 def test_bench_controller_decision_verdict_and_the_realistic_trace(capsys):
-    from bench.controller import decision_verdict, run
+    from grayguard.bench.controller import decision_verdict, run
     assert decision_verdict([{"nodes": 1000, "median_s": 0.05}, {"nodes": 10000, "median_s": 0.55}]) == [
         "  10000 / 1000 nodes: 11.0x the median time", "  verdict: median 550 ms at 10000 nodes: OVER the 100 ms "
         "target (5.5x)"]
@@ -230,7 +230,8 @@ def test_a_tiny_run_of_the_before_design_answers_its_own_queries_and_prints_besi
 
 
 def test_a_tiny_run_on_victoria_metrics_measures_real_work_beside_prometheus(tiny):
-    from bench.vmcost import format_vm_cost, measure_victoria
+    from grayguard.bench.vmcost import format_vm_cost, measure_victoria
+
     from tests.support.stack import require
     require("victoria-metrics", "vmalert")
     c = measure_victoria(NODES, seconds=14)
@@ -244,7 +245,7 @@ def test_a_tiny_run_on_victoria_metrics_measures_real_work_beside_prometheus(tin
 
 
 def test_the_ingest_floor_is_prometheus_scraping_alone():
-    from bench import ingestfloor
+    from grayguard.bench import ingestfloor
     r = ingestfloor.measure(NODES, warmup_s=7, seconds=3, progress=lambda s: None)  # every job scraped (5 s) once
     assert r["cores"] > 0 and r["samples_per_s"] > 0 and r["rss_bytes"] > 0
     # every node's stored series, and nothing recorded: no rule ran

@@ -1,4 +1,4 @@
-"""bench.realfloor: the hindsight floor of threshold detectors on the real runs, computed right.
+"""grayguard.bench.realfloor: the hindsight floor of threshold detectors on the real runs, computed right.
 
 The figures themselves are a measurement (docs/realfleet.md, "The floor"); these tests check the arithmetic on
 hand-built ticks whose answer is known, and that the command reads every committed run.
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.realfloor import Run, Tick, benign_floor, cut_after, leave_one_out, measure, onset, trailing_min
+from grayguard.bench.realfloor import Run, Tick, benign_floor, cut_after, leave_one_out, measure, onset, trailing_min
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,8 +81,8 @@ def test_a_fault_that_never_clears_the_benign_floor_has_no_cut():
 
 
 def test_the_command_measures_every_committed_run():
-    p = subprocess.run([sys.executable, "-m", "bench.realfloor", "--json"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([sys.executable, "-m", "grayguard.bench.realfloor", "--json"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     runs = sorted(d.name for d in (REPO / "tests" / "fixtures" / "vllm" / "runs").iterdir()

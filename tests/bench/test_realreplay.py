@@ -1,4 +1,4 @@
-"""bench.realreplay: the committed real-vLLM runs read back whole, and the targets' figures computed right.
+"""grayguard.bench.realreplay: the committed real-vLLM runs read back whole, and the targets' figures computed right.
 
 What today's detector does on those runs is measured (`python -m bench.realreplay`, docs/realfleet.md), not asserted
 here: the runs are evidence for the detector issue, and a new detector changes the figures.
@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from bench.realreplay import RUNS, fault_window, judge, save_run, verdict
-from controller.recorder import read
+from grayguard.bench.realreplay import RUNS, fault_window, judge, save_run, verdict
+from grayguard.controller.recorder import read
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = sorted(d for d in RUNS.iterdir() if (d / "recording.jsonl.gz").exists()) if RUNS.is_dir() else []
@@ -83,7 +82,7 @@ def test_save_keeps_the_recording_and_config_and_drops_the_samples(tmp_path):
 
 
 def test_the_command_prints_each_committed_run_with_its_verdict():
-    p = subprocess.run([sys.executable, "-m", "bench.realreplay"], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "grayguard.bench.realreplay"], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr
     for run in COMMITTED:

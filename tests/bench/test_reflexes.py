@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bench.engine import ERROR, NO_SERVER, OK, Run
-from bench.lb import Gateway
-from bench.policies import Assign, make_policy
-from bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+from grayguard.bench.engine import ERROR, NO_SERVER, OK, Run
+from grayguard.bench.lb import Gateway
+from grayguard.bench.policies import Assign, make_policy
+from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
+
 from grayguard.reflexes import DEFAULT as RX
 
 

@@ -1,6 +1,6 @@
 """The benchmark's report.html: the time to detect per fault type and policy (pure; the page itself: test_smoke)."""
 
-from bench.report_html import detect_s, detect_times
+from grayguard.bench.report_html import detect_s, detect_times
 
 
 def row(fault, policy, cut=None, quarantine=None, group="fault"):

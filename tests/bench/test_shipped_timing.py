@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from grayguard.bench.spec import Scenario
+from grayguard.exporters.live import LIVE_WINDOW_S
+from grayguard.exporters.prober import ProbeConfig
 
-from bench.spec import Scenario
-from exporters.live import LIVE_WINDOW_S
-from exporters.prober import ProbeConfig
 from grayguard.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

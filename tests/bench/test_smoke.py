@@ -7,9 +7,8 @@ import json
 from collections import Counter
 
 import pytest
-
-from bench import cli as bench
-from bench.scenarios import SuiteError, expand, load_suite, suites
+from grayguard.bench import cli as bench
+from grayguard.bench.scenarios import SuiteError, expand, load_suite, suites
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +108,8 @@ def test_bad_suites_name_the_problem():
 
 
 def test_suite_faults_are_the_sim_schedule_entries():
-    from bench.spec import FaultSpec
-    from sim.faults import ScheduledFault
+    from grayguard.bench.spec import FaultSpec
+    from grayguard.sim.faults import ScheduledFault
     assert FaultSpec is ScheduledFault
     scenarios, _ = load_suite("smoke")
     slow = next(s for s in scenarios if s.group == "linkerd")

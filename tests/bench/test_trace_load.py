@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from bench.scenarios import SuiteError, expand, load_suite
-from bench.spec import DEFAULT_MIX_TOKENS, H100_CAPACITY_RPS, make_arrivals, trace_plan
+from grayguard.bench.scenarios import SuiteError, expand, load_suite
+from grayguard.bench.spec import DEFAULT_MIX_TOKENS, H100_CAPACITY_RPS, make_arrivals, trace_plan
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 

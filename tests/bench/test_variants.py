@@ -4,12 +4,11 @@ tried on some seeds and judged on others, runs beside the shipped grayguard on i
 from __future__ import annotations
 
 import pytest
-
-from bench.engine import run
-from bench.metrics import transitions
-from bench.policies import Grayguard, grayguard_variant, make_policy
-from bench.report import is_peer
-from bench.scenarios import load_suite
+from grayguard.bench.engine import run
+from grayguard.bench.metrics import transitions
+from grayguard.bench.policies import Grayguard, grayguard_variant, make_policy
+from grayguard.bench.report import is_peer
+from grayguard.bench.scenarios import load_suite
 
 SCN = {s.name: s for s in load_suite("smoke")[0]}
 THERMAL = next(s for n, s in SCN.items() if n.startswith("thermal/"))

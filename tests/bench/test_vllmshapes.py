@@ -10,11 +10,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict
 
 import pytest
-
-from bench import vllmshapes
-from bench import vllmshapes_report as rep
-from bench.shapeclient import Stream, chunk_tokens, histogram_totals
-from sim.model import ModelParams
+from grayguard.bench import vllmshapes
+from grayguard.bench import vllmshapes_report as rep
+from grayguard.bench.shapeclient import Stream, chunk_tokens, histogram_totals
+from grayguard.sim.model import ModelParams
 
 GRID = asdict(vllmshapes.Grid())
 

@@ -10,10 +10,7 @@ import socket
 import threading
 from dataclasses import replace
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from controller.haproxy import (
+from grayguard.controller.haproxy import (
     CHK_ST_CONFIGURED,
     CHK_ST_ENABLED,
     Command,
@@ -21,13 +18,25 @@ from controller.haproxy import (
     ServerState,
     parse_servers_state,
 )
-from controller.plan import plan_backend
-from controller.policy import EJECTED, HEALTHY, QUARANTINED, NodeInput, NodeState, Policy, decide_pool, max_ejected
+from grayguard.controller.plan import plan_backend
+from grayguard.controller.policy import (
+    EJECTED,
+    HEALTHY,
+    QUARANTINED,
+    NodeInput,
+    NodeState,
+    Policy,
+    decide_pool,
+    max_ejected,
+)
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import free_port, wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.reflexes import DEFAULT, backend_lines
 from grayguard.vocab import DrainCause
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import free_port, wait_until
 from tests.localstack.test_reflexes import Backend
 from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, fake_controller, samples
 
@@ -245,7 +254,7 @@ def test_real_haproxy_agent_down_is_quarantined_and_agents_past_the_cap_are_disa
 
 
 def test_the_agents_words_are_read_from_last_agt():
-    from controller.haproxy import agent_answer
+    from grayguard.controller.haproxy import agent_answer
     assert agent_answer("via agent : down (hang: no token in 2.0s (3 other requests in the engine))") == \
         "hang: no token in 2.0s (3 other requests in the engine)"
     assert agent_answer("via agent : up") == "up"

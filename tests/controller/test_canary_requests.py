@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller.metrics import ControllerMetrics
+from grayguard.controller.metrics import ControllerMetrics
 
 
 def test_a_canary_counts_once_under_each_series_key_of_its_node():

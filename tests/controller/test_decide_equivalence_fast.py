@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+from grayguard.controller import decide
+from grayguard.controller.haproxy import ServerState
+from grayguard.controller.policy import NodeInput
+from grayguard.controller.scoring import usable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import decide
-from controller.haproxy import ServerState
-from controller.policy import NodeInput
-from controller.scoring import usable
 from grayguard.config import PoolConfig, ServerConfig
 from grayguard.promclient import Sample, finite
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 
 PROBE_CLASSES = [None, "ok", "ok", "ok", "slow", "timeout", "hang", "cuda_error", "garbage", "refused"]

@@ -5,11 +5,11 @@ series of other pools, unlabelled series, duplicates (conflicts), timestamps mis
 
 from __future__ import annotations
 
+from grayguard.controller import decide
+from grayguard.controller.haproxy import ServerState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import decide
-from controller.haproxy import ServerState
 from grayguard.config import PoolConfig
 from grayguard.promclient import Sample
 

@@ -11,15 +11,14 @@ import math
 import statistics
 
 import pytest
+from grayguard.bench.scale import load, verify
+from grayguard.controller.live import LiveMemory
+from grayguard.controller.peers import peer_median, peer_medians
+from grayguard.controller.policy import NodeState
+from grayguard.controller.scoring import Baseline, leave_one_out, median
+from grayguard.controller.signals import SignalMemory, evolve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from bench.scale import load, verify
-from controller.live import LiveMemory
-from controller.peers import peer_median, peer_medians
-from controller.policy import NodeState
-from controller.scoring import Baseline, leave_one_out, median
-from controller.signals import SignalMemory, evolve
 
 FIXTURE = load()
 

@@ -8,11 +8,11 @@ import queue
 import threading
 
 import pytest
+from grayguard.controller.discovery import Discovery
+from grayguard.localstack.procs import wait_until
 from prometheus_client import CollectorRegistry
 
-from controller.discovery import Discovery
 from grayguard.registry import Entry, NodeRecord, RegistryError, WatchEvent, node_key
-from localstack.procs import wait_until
 
 PREFIX = "/grayguard/v1"
 
@@ -223,7 +223,7 @@ def test_a_dry_run_never_writes_the_snapshot(disc_factory, tmp_path):
 def test_every_membership_series_is_documented():
     from pathlib import Path
 
-    from controller.membersync import MembershipMetrics
+    from grayguard.controller.membersync import MembershipMetrics
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     r = CollectorRegistry()

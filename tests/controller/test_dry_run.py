@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import free_port
+from grayguard.localstack.services import prometheus_config, start_prometheus
+from grayguard.rules.render import render_all
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.loadgen import LoadConfig, run_load
 
-from controller.haproxy import RuntimeClient
 from grayguard.config import load_config
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import free_port
-from localstack.services import prometheus_config, start_prometheus
-from rules.render import render_all
-from sim.fleet import FleetThread
-from sim.loadgen import LoadConfig, run_load
 
 pytestmark = pytest.mark.e2e
 

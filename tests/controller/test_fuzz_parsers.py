@@ -8,10 +8,7 @@ import json
 import math
 
 import responses
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from controller.haproxy import (
+from grayguard.controller.haproxy import (
     HaproxyError,
     ServerState,
     classify_reply,
@@ -19,6 +16,9 @@ from controller.haproxy import (
     parse_backend_algos,
     parse_servers_state,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from grayguard.config import PrometheusConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 

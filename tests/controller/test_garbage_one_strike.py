@@ -1,9 +1,10 @@
 """A bad probe response quarantines at once when the GPU corroborates it; alone it still takes two strikes."""
 
-from controller import signals
-from controller.policy import Policy
-from controller.replay import Row, replay
-from controller.signals import SignalMemory
+from grayguard.controller import signals
+from grayguard.controller.policy import Policy
+from grayguard.controller.replay import Row, replay
+from grayguard.controller.signals import SignalMemory
+
 from grayguard.config import ThresholdsConfig
 
 

@@ -8,11 +8,8 @@ import http.client
 import math
 from dataclasses import replace
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from controller.haproxy import RuntimeClient, ServerState, parse_servers_state
-from controller.policy import (
+from grayguard.controller.haproxy import RuntimeClient, ServerState, parse_servers_state
+from grayguard.controller.policy import (
     CANARY,
     EJECTED,
     HEALTHY,
@@ -24,11 +21,14 @@ from controller.policy import (
     decide_pool,
     max_ejected,
 )
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
+from grayguard.localstack.procs import wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.reflexes import CHECK_STATUS_HANA, DEFAULT
 from grayguard.vocab import DrainCause
-from localstack.haproxy import HaproxyProc, haproxy_config
-from localstack.procs import wait_until
 from tests.localstack.test_reflexes import Backend
 from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, fake_controller, samples, tick_settled
 
@@ -133,7 +133,7 @@ def test_a_first_sight_or_a_restarted_haproxy_is_no_event():
 
 
 def test_show_stat_hanafail_is_read_per_server():
-    from controller.haproxy import parse_hanafail
+    from grayguard.controller.haproxy import parse_hanafail
     csv = ("# pxname,svname,qcur,hanafail,status\nb,a,0,2,UP\nb,c,0,,UP\nb,BACKEND,0,,UP\n")
     assert parse_hanafail(csv) == {("b", "a"): 2}
     assert parse_hanafail("Unknown command") == {}
@@ -214,7 +214,7 @@ def _post_to(host: str, port: int) -> int:
 
 
 def test_controller_drains_what_haproxy_marked_down_and_keeps_it_drained_until_canaries_pass(tmp_path):
-    from localstack.procs import free_port
+    from grayguard.localstack.procs import free_port
     backends = [Backend("500"), Backend("ok"), Backend("ok")]
     bad = backends[0]
     # fast checks so the test sees the health check put the server back; a small buffer so a large prompt is

@@ -8,8 +8,8 @@ import gc
 import weakref
 
 import pytest
+from grayguard.controller import cmd_controller, gcpolicy
 
-from controller import cmd_controller, gcpolicy
 from grayguard.config import parse_config
 
 

@@ -3,9 +3,9 @@ import threading
 
 import pytest
 import responses
+from grayguard.controller.haproxy import Command, HaproxyError, RuntimeClient, UnsafeNameError, check_name
+from grayguard.controller.statefile import StateFile
 
-from controller.haproxy import Command, HaproxyError, RuntimeClient, UnsafeNameError, check_name
-from controller.statefile import StateFile
 from tests.support.ctl_helpers import make_controller, prom_answers, servers
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]
@@ -99,7 +99,7 @@ def test_unknown_server_is_reported(haproxy_factory, caplog):
 
 
 def test_static_algorithm_is_reported_at_startup(haproxy_factory):
-    from controller.cmd_controller import startup_checks
+    from grayguard.controller.cmd_controller import startup_checks
     hap = haproxy_factory({"vllm_chat": servers(3)}, balance="static-rr")
     ctl = make_controller([hap.endpoint])
     problems = startup_checks(ctl)

@@ -4,9 +4,9 @@ their last answer standing in between; everything else every tick (controller/lo
 from __future__ import annotations
 
 import pytest
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
 
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
 from grayguard.config import HARDWARE_SIGNALS, ConfigError, parse_config
 from grayguard.promclient import PromError, Sample
 from tests.support.ctl_helpers import PROM, FakeProm
@@ -107,5 +107,5 @@ def test_a_bad_cadence_names_the_field(value):
 
 
 def test_the_hardware_signals_are_optional_signals():
-    from controller.decide import OPTIONAL
+    from grayguard.controller.decide import OPTIONAL
     assert set(HARDWARE_SIGNALS) <= set(OPTIONAL)

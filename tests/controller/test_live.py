@@ -7,13 +7,10 @@ import re
 from dataclasses import replace
 
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-
-from controller.live import HORIZONS, WINDOW_TICKS, LiveMemory, assess, evidence
-from controller.loadmodel import PRIOR_PREFILL_SLOPE
-from controller.peers import Score
-from controller.policy import (
+from grayguard.controller.live import HORIZONS, WINDOW_TICKS, LiveMemory, assess, evidence
+from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE
+from grayguard.controller.peers import Score
+from grayguard.controller.policy import (
     DEGRADED,
     HEALTHY,
     QUARANTINED,
@@ -23,6 +20,9 @@ from controller.policy import (
     Policy,
     decide_pool,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from grayguard.config import ThresholdsConfig
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned
@@ -133,7 +133,7 @@ def test_a_whole_pool_slowing_together_is_no_outlier():
 
 
 def test_live_memory_survives_the_state_file(tmp_path):
-    from controller.statefile import StateFile
+    from grayguard.controller.statefile import StateFile
     s = replace(NodeState(since=1.0), live_itl=LiveMemory(cut=True, calm=1, z=4.0, xs=(0.5, 0.7)))
     f = StateFile(tmp_path / "state.json")
     f.save({"chat": {"n0": s}})
@@ -345,7 +345,7 @@ def test_a_slow_probe_on_a_gpu_reporting_trouble_drains_at_once_though_the_probe
 
 
 def test_the_veto_needs_a_measurement_of_the_node_now():
-    from controller.policy import like_peers_now
+    from grayguard.controller.policy import like_peers_now
     calm, hot = Score(z=0.1, ratio=1.0, peer_median=0.02), Score(z=4.0, ratio=1.6, peer_median=0.02)
     assert not like_peers_now({}, 1.1)  # absent vetoes nothing
     assert not like_peers_now({"live_itl": calm}, 1.1)  # decode calm, nothing about the first token

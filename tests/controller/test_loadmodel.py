@@ -6,11 +6,10 @@ import math
 import random
 
 import pytest
+from grayguard.controller import loadmodel as lm
+from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE, at_load, load_of, slopes
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from controller import loadmodel as lm
-from controller.loadmodel import PRIOR_PREFILL_SLOPE, at_load, load_of, slopes
 
 PRIOR_B = 0.028
 

@@ -2,8 +2,8 @@ import json
 import urllib.request
 
 import responses
+from grayguard.controller.haproxy import RuntimeClient
 
-from controller.haproxy import RuntimeClient
 from tests.support.ctl_helpers import make_controller, prom_answers, servers, tick_settled
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]
@@ -57,7 +57,7 @@ def test_quarantine_canary_slow_start_and_back_through_real_haproxy(haproxy_fact
         step(0.02)
     assert seen[-1] == ("healthy", (100, False))
     # /status tells the story
-    from controller.httpserver import serve
+    from grayguard.controller.httpserver import serve
     srv = serve("127.0.0.1:0", ctl.metrics.registry, ctl.status)
     try:
         port = srv.server_address[1]

@@ -1,9 +1,9 @@
 """The live loop reads the optional signals from Prometheus and acts on them (real HAProxy)."""
 
 import responses
+from grayguard.controller.haproxy import RuntimeClient
 from responses import matchers
 
-from controller.haproxy import RuntimeClient
 from grayguard.config import SignalsConfig
 from tests.support.ctl_helpers import PROM, make_controller, prom_answers, servers, vector
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from grayguard.controller import membership as mb
+from grayguard.controller.haproxy import ADMF_FDRAIN, ADMF_FMAINT, CHK_ST_CONFIGURED, CHK_ST_ENABLED, ServerState
+from grayguard.controller.policy import QUARANTINED, NodeState, Policy, max_ejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import membership as mb
-from controller.haproxy import ADMF_FDRAIN, ADMF_FMAINT, CHK_ST_CONFIGURED, CHK_ST_ENABLED, ServerState
-from controller.policy import QUARANTINED, NodeState, Policy, max_ejected
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.registry import NodeRecord
 
@@ -363,7 +363,7 @@ def test_an_ipv6_server_is_matched_by_its_address():
 
 
 def test_rendering_refuses_an_unsafe_name():
-    from controller.haproxy import UnsafeNameError
+    from grayguard.controller.haproxy import UnsafeNameError
     with pytest.raises(UnsafeNameError):
         mb.MemberCommand(BE, "a;shutdown", "del").render()
 

@@ -13,15 +13,14 @@ import random
 import statistics
 
 import pytest
-
-from bench.realreplay import RUNS, fault_window
-from controller import peers
-from controller.live import LiveMemory, assess, in_noise
-from controller.peers import Score
-from controller.policy import DEGRADED, EJECTED, QUARANTINED, NodeInput, NodeState, Policy, decide_pool
-from controller.recorder import read
-from controller.replay import recording_decisions
-from controller.scoring import (
+from grayguard.bench.realreplay import RUNS, fault_window
+from grayguard.controller import peers
+from grayguard.controller.live import LiveMemory, assess, in_noise
+from grayguard.controller.peers import Score
+from grayguard.controller.policy import DEGRADED, EJECTED, QUARANTINED, NodeInput, NodeState, Policy, decide_pool
+from grayguard.controller.recorder import read
+from grayguard.controller.replay import recording_decisions
+from grayguard.controller.scoring import (
     FIRST_DT_S,
     NOISE_CLIP,
     NOISE_S,
@@ -32,6 +31,7 @@ from controller.scoring import (
     pool_noise,
     spread_of,
 )
+
 from grayguard.config import ThresholdsConfig, load_config
 from grayguard.vocab import DrainCause
 

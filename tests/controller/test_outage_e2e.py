@@ -37,12 +37,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grayguard.controller.haproxy import ADMF_FDRAIN, CLAIM_WAIT_S, RuntimeClient, epoch_var, parse_var
+from grayguard.controller.leader import SCOPE_ALL
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import free_port, start_process, wait_until
 
-from controller.haproxy import ADMF_FDRAIN, CLAIM_WAIT_S, RuntimeClient, epoch_var, parse_var
-from controller.leader import SCOPE_ALL
 from grayguard.registry import DEFAULT_PREFIX
-from localstack.etcd import EtcdProc
-from localstack.procs import free_port, start_process, wait_until
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, RATE_Q, Sampler, servers
 from tests.support.registry_rig import BACKEND, Rig
 from tests.support.stack import require
@@ -519,8 +519,8 @@ def test_a_standby_alone_restores_a_restarted_haproxy_when_the_leader_died_durin
 
 
 def etcd_leader(etcd: EtcdProc) -> str | None:
-    from controller.leader import leader_key
-    from controller.leader_store import ElectionStore
+    from grayguard.controller.leader import leader_key
+    from grayguard.controller.leader_store import ElectionStore
 
     e = ElectionStore(etcd.url, timeout=1.0).get(leader_key(DEFAULT_PREFIX, SCOPE_ALL))
     return e.value if e else None

@@ -1,12 +1,9 @@
 import math
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from controller.haproxy import ServerState
-from controller.live import LiveMemory
-from controller.plan import plan_backend
-from controller.policy import (
+from grayguard.controller.haproxy import ServerState
+from grayguard.controller.live import LiveMemory
+from grayguard.controller.plan import plan_backend
+from grayguard.controller.policy import (
     CANARY,
     DEGRADED,
     EJECTED,
@@ -21,6 +18,9 @@ from controller.policy import (
     max_ejected,
     target_weight,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned

@@ -19,20 +19,20 @@ import threading
 import time
 
 import pytest
+from grayguard.bench import promtarget
+from grayguard.controller.cmd_controller import build_leadership, run_loop
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import wait_until
+from grayguard.localstack.services import prometheus_config, start_prometheus
+from grayguard.rules import shards
+from grayguard.rules.render import render_all
 
-from bench import promtarget
-from controller.cmd_controller import build_leadership, run_loop
-from controller.haproxy import RuntimeClient
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
 from grayguard.config import parse_config
 from grayguard.httpserve import HttpServer
 from grayguard.promclient import PrometheusClient
-from localstack.etcd import EtcdProc
-from localstack.procs import wait_until
-from localstack.services import prometheus_config, start_prometheus
-from rules import shards
-from rules.render import render_all
 from tests.support.ctl_helpers import servers
 from tests.support.stack import require
 

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from grayguard.controller.decide import CanaryRound, Observation, PoolObservation
+from grayguard.controller.haproxy import ServerState
+from grayguard.controller.live import LiveMemory
+from grayguard.controller.policy import NodeState
+from grayguard.controller.recorder import Recorder, RecordingError, decode, encode, read
+from grayguard.controller.replay import recording_decisions, summarize
 
-from controller.decide import CanaryRound, Observation, PoolObservation
-from controller.haproxy import ServerState
-from controller.live import LiveMemory
-from controller.policy import NodeState
-from controller.recorder import Recorder, RecordingError, decode, encode, read
-from controller.replay import recording_decisions, summarize
 from grayguard.config import load_config
 from grayguard.promclient import Sample
 
@@ -90,7 +90,7 @@ def test_replay_of_a_bad_recording_exits_2_naming_the_line(tmp_path):
 
 @pytest.mark.e2e
 def test_the_demo_s_recording_replays_to_the_live_controller_s_decisions_tick_for_tick(tmp_path):
-    from demo.cli import CONFIG, RECORDING, DemoOptions, run_scenario
+    from grayguard.demo.cli import CONFIG, RECORDING, DemoOptions, run_scenario
 
     report = tmp_path / "report"
     opts = DemoOptions(nodes=4, rate=20.0, duration_s=40.0, fault_start_s=16.0, fault_end_s=32.0, live="off")
@@ -122,8 +122,8 @@ def test_the_demo_s_recording_replays_to_the_live_controller_s_decisions_tick_fo
 
 
 def test_a_counterfactual_replay_sees_its_own_writes_where_it_parted_from_the_live_controller():
-    from controller.haproxy import ADMF_FDRAIN
-    from controller.replay import _as_written
+    from grayguard.controller.haproxy import ADMF_FDRAIN
+    from grayguard.controller.replay import _as_written
 
     drained = ServerState("chat", "node1", "127.0.0.1:8001", 0, 100, ADMF_FDRAIN, 2, status="DRAIN")
     up = ServerState("chat", "node2", "127.0.0.1:8002", 100, 100, 0, 2, status="UP")

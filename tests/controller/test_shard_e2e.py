@@ -19,19 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from grayguard.controller.cmd_controller import build_leadership, run_loop
+from grayguard.controller.haproxy import HaproxyError, RuntimeClient
+from grayguard.controller.leader import leader_key
+from grayguard.controller.leader_store import ElectionStore
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import SEEDED
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import wait_until
 
-from controller.cmd_controller import build_leadership, run_loop
-from controller.haproxy import HaproxyError, RuntimeClient
-from controller.leader import leader_key
-from controller.leader_store import ElectionStore
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
-from controller.policy import SEEDED
 from grayguard.config import parse_config
 from grayguard.registry import RegistryError
 from grayguard.vocab import State
-from localstack.etcd import EtcdProc
-from localstack.procs import wait_until
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, Sampler, samples, servers
 from tests.support.stack import require
 

@@ -2,8 +2,8 @@
 
 import random
 
-from controller.policy import Policy
-from controller.replay import Row, replay
+from grayguard.controller.policy import Policy
+from grayguard.controller.replay import Row, replay
 
 
 def trace(n=4, ticks=40, step=5.0, seed=1, noise=0.05, **per_node):
@@ -131,7 +131,7 @@ def test_membership_new_node_slow_starts_gone_node_is_remembered():
 
 
 def test_a_quarantined_node_that_leaves_and_returns_is_still_quarantined():
-    from controller.policy import QUARANTINED, NodeInput, NodeState, decide_pool
+    from grayguard.controller.policy import QUARANTINED, NodeInput, NodeState, decide_pool
     pol = Policy()
     prev = {n: NodeState() for n in "abc"} | {"d": NodeState(state=QUARANTINED, since=0.0)}
     d1 = decide_pool(prev, {n: NodeInput(100) for n in "abc"}, pol, 1.0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from controller.cmd_controller import staleness_checks
+from grayguard.controller.cmd_controller import staleness_checks
+
 from grayguard.config import parse_config
 from grayguard.promclient import PromError, Sample
 

@@ -6,9 +6,8 @@ import threading
 import time
 
 import pytest
-
-from controller.ticker import Periodic, next_slot
-from localstack.procs import wait_until
+from grayguard.controller.ticker import Periodic, next_slot
+from grayguard.localstack.procs import wait_until
 
 
 @pytest.mark.parametrize("now, after, want", [

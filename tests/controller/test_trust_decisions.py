@@ -14,10 +14,9 @@ import json
 
 import pytest
 import yaml
-
-from controller import policy, replay
-from controller.haproxy import RuntimeClient
-from controller.policy import (
+from grayguard.controller import policy, replay
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.policy import (
     CANARY,
     HEALTHY,
     QUARANTINED,
@@ -28,6 +27,7 @@ from controller.policy import (
     decide_pool,
     max_ejected,
 )
+
 from grayguard.config import RecoveryConfig, ThresholdsConfig, load_config
 from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, make_controller, samples, servers
 

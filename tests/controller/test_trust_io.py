@@ -13,12 +13,12 @@ import time
 import urllib.parse
 
 import pytest
+from grayguard.controller.canary import make_canary, node_url
+from grayguard.controller.haproxy import HaproxyError, RuntimeClient, ServerState
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import NodeState
 
-from controller.canary import make_canary, node_url
-from controller.haproxy import HaproxyError, RuntimeClient, ServerState
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
-from controller.policy import NodeState
 from grayguard.config import PrometheusConfig, RecoveryConfig, parse_config
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from tests.support.ctl_helpers import OPTIONAL, PROM, FakeHaproxy, FakeProm, tick_settled
@@ -167,7 +167,7 @@ def test_prometheus_still_answers_a_prompt_server():
 
 
 def test_rules_reload_post_has_an_overall_deadline(tmp_path):
-    from rules.rerender import RuleRerenderer
+    from grayguard.rules.rerender import RuleRerenderer
 
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4096\r\n\r\n"
     srv = Trickler(head=head, every=0.2, for_s=6.0)
@@ -367,7 +367,7 @@ class FakeTime:
 
 
 def test_steady_clock_ignores_wall_clock_steps(caplog):
-    from controller.clock import SteadyClock
+    from grayguard.controller.clock import SteadyClock
 
     ft = FakeTime()
     clock = SteadyClock(wall=ft.time, mono=ft.monotonic)

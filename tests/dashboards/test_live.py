@@ -8,15 +8,15 @@ import subprocess
 
 import pytest
 import yaml
+from grayguard.dashboards import live
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.lint import expressions
+from grayguard.dashboards.promql import metric_names, substitute
+from grayguard.dashboards.render import render_all
+from grayguard.exporters.fastpath import LiveCollector
+from grayguard.exporters.live import LiveSignals
+from grayguard.exporters.server import Exporter
 
-from dashboards import live
-from dashboards.config import DashboardConfig
-from dashboards.lint import expressions
-from dashboards.promql import metric_names, substitute
-from dashboards.render import render_all
-from exporters.fastpath import LiveCollector
-from exporters.live import LiveSignals
-from exporters.server import Exporter
 from grayguard.config import ThresholdsConfig, parse_config
 from tests.support.stack import require
 

@@ -8,14 +8,14 @@ import math
 import time
 
 import pytest
+from grayguard.dashboards import membership
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.promql import substitute
+from grayguard.dashboards.render import render_all
+from grayguard.localstack.registrystack import RegistryStack
+from grayguard.localstack.stack import POOL, StackSpec
+from grayguard.sim.loadgen import LoadConfig, run_load
 
-from dashboards import membership
-from dashboards.config import DashboardConfig
-from dashboards.promql import substitute
-from dashboards.render import render_all
-from localstack.registrystack import RegistryStack
-from localstack.stack import POOL, StackSpec
-from sim.loadgen import LoadConfig, run_load
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

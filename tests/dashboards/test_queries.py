@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 import requests
+from grayguard.controller.discovery import DiscoveryMetrics
+from grayguard.controller.membersync import MembershipMetrics
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.dashboards import membership
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.lint import expressions
+from grayguard.dashboards.promql import label_values_selector, metric_names, substitute, zero_fill
+from grayguard.dashboards.render import render_all
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.server import Exporter
+from grayguard.rules.render import recording_rule_names
+from grayguard.sim.metrics import VllmMetrics
 from prometheus_client import CollectorRegistry
 
-from controller.discovery import DiscoveryMetrics
-from controller.membersync import MembershipMetrics
-from controller.metrics import ControllerMetrics
-from dashboards import membership
-from dashboards.config import DashboardConfig
-from dashboards.lint import expressions
-from dashboards.promql import label_values_selector, metric_names, substitute, zero_fill
-from dashboards.render import render_all
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.server import Exporter
 from grayguard.config import load_config, parse_config
-from rules.render import recording_rule_names
-from sim.metrics import VllmMetrics
 from tests.support.stack import prometheus_config, require, start_prometheus
 
 REPO = Path(__file__).resolve().parents[2]

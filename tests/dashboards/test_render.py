@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grayguard.dashboards import cli, gpu, pool
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.lint import expressions, problems
+from grayguard.dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
 
-from dashboards import cli, gpu, pool
-from dashboards.config import DashboardConfig
-from dashboards.lint import expressions, problems
-from dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
 from grayguard.cli import build_parser
 from grayguard.config import load_config, parse_config
 
@@ -87,11 +87,11 @@ def test_dispatcher_has_the_subcommand():
 
 
 def test_without_the_sdk_the_cli_still_loads_and_render_says_what_to_install(monkeypatch, capsys):
-    for m in [m for m in sys.modules if m.startswith(("grafana_foundation_sdk", "dashboards."))
-              and m not in ("dashboards.cli", "dashboards.config")]:
+    for m in [m for m in sys.modules if m.startswith(("grafana_foundation_sdk", "grayguard.dashboards."))
+              and m not in ("grayguard.dashboards.cli", "grayguard.dashboards.config")]:
         monkeypatch.delitem(sys.modules, m)
-        if m.startswith("dashboards."):
-            monkeypatch.delattr(sys.modules["dashboards"], m.split(".")[1], raising=False)
+        if m.startswith("grayguard.dashboards."):
+            monkeypatch.delattr(sys.modules["grayguard.dashboards"], m.split(".")[2], raising=False)
     monkeypatch.setitem(sys.modules, "grafana_foundation_sdk", None)  # import raises ModuleNotFoundError
     p = argparse.ArgumentParser()
     cli.add_arguments(p)  # what the dispatcher calls for every subcommand: `grayguard controller` keeps working

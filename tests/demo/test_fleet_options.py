@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from demo import cli
+from grayguard.demo import cli
 
 
 def parse(*argv: str) -> cli.DemoOptions:

@@ -3,10 +3,9 @@
 import argparse
 
 import pytest
-
-from demo import cli, membership
-from demo.membership_report import client_failures, crash_milestones, join_milestones, verdict
-from sim.loadstats import RequestRecord
+from grayguard.demo import cli, membership
+from grayguard.demo.membership_report import client_failures, crash_milestones, join_milestones, verdict
+from grayguard.sim.loadstats import RequestRecord
 
 UP, DOWN = 2, 0
 MAINT, DRAIN = 0x01, 0x08

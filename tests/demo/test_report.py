@@ -1,6 +1,6 @@
 """The demo's headline figures (pure)."""
 
-from demo.report import headline
+from grayguard.demo.report import headline
 
 
 def sample(t, state, weight, drained=False):

@@ -4,9 +4,10 @@ import html
 import json
 import re
 
-from demo import cli
-from demo.compare_report import figures
-from demo.report_html import markers, milestones, story_line, timeline, what_happened
+from grayguard.demo import cli
+from grayguard.demo.compare_report import figures
+from grayguard.demo.report_html import markers, milestones, story_line, timeline, what_happened
+
 from tests.support import demo_inputs
 
 RAW = re.compile(r"\{'|\['|\{\"|\[\]|\{\}")

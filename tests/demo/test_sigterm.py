@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from localstack.vllmserver import children
+from grayguard.localstack.vllmserver import children
+
 from tests.support.procwatch import OutputWatch, alive, signals_at_default
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-
-from demo import cli
+from grayguard.demo import cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 AZURE = Path(__file__).resolve().parents[2] / "bench" / "suites" / "traces" / "azure-llm-inference-2023-conv.csv"
@@ -37,7 +36,7 @@ def test_a_trace_is_compressed_to_the_default_loads_tokens_per_second_or_to_a_ra
 
 
 def test_the_real_fleet_clips_to_the_real_servers_context():
-    from localstack.vllmserver import MAX_MODEL_LEN
+    from grayguard.localstack.vllmserver import MAX_MODEL_LEN
     o = parse("--fleet", "vllm", "--trace", str(FIX / "azure.csv"), "--trace-speedup", "1")
     assert o.trace.meta["max_model_len"] == MAX_MODEL_LEN
     assert all(p + g <= MAX_MODEL_LEN for p, g in zip(o.trace.prompt, o.trace.output, strict=True))

@@ -1,10 +1,9 @@
-"""demo.watch: changes of HAProxy weights and controller states, timestamped by a fast poll."""
+"""grayguard.demo.watch: changes of HAProxy weights and controller states, timestamped by a fast poll."""
 
 from types import SimpleNamespace
 
 import pytest
-
-from demo.watch import Watcher
+from grayguard.demo.watch import Watcher
 
 
 class FakeStack:

@@ -19,20 +19,20 @@ import time
 import urllib.request
 
 import pytest
+from grayguard.controller import desired as dd
+from grayguard.controller.actuator import Actuator, ActuatorMetrics
+from grayguard.controller.cmd_controller import build_leadership
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import NodeDecision, NodeState, PoolDecision
+from grayguard.controller.runtime_view import ALLOWED, RuntimeView
+from grayguard.controller.ticker import Periodic
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import free_port, wait_until
 
-from controller import desired as dd
-from controller.actuator import Actuator, ActuatorMetrics
-from controller.cmd_controller import build_leadership
-from controller.haproxy import RuntimeClient
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
-from controller.policy import NodeDecision, NodeState, PoolDecision
-from controller.runtime_view import ALLOWED, RuntimeView
-from controller.ticker import Periodic
 from grayguard.config import ConfigError, parse_config
 from grayguard.registry import Registry
-from localstack.etcd import EtcdProc
-from localstack.procs import free_port, wait_until
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, samples, servers
 from tests.support.stack import require
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from grayguard.rules.render import render_all
 
 from grayguard import __version__
 from grayguard.cli import build_parser
 from grayguard.config import load_config, parse_config
-from rules.render import render_all
 from tests.deploy import crds
 from tests.support.stack import require
 
@@ -239,8 +239,8 @@ def substitute(arg: str) -> str:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_grayguard_command_line_parses(rendered, overlay):
-    from controller import actuator
-    from exporters import cli as exporter_cli
+    from grayguard.controller import actuator
+    from grayguard.exporters import cli as exporter_cli
     seen = set()
     for _, c in containers(rendered[overlay]):
         if not c["image"].startswith(IMAGE):

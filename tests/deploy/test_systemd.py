@@ -84,8 +84,8 @@ def grayguard_commands(unit: dict) -> list[list[str]]:
 
 def parses(argv: list[str]) -> None:
     """grayguard's parser takes argv, and the subcommand's own flag checks pass."""
-    from controller import actuator
-    from exporters import cli as exporter_cli
+    from grayguard.controller import actuator
+    from grayguard.exporters import cli as exporter_cli
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:

@@ -151,9 +151,10 @@ def test_the_built_wheel_installs_and_runs_every_subcommand(installed, tmp_path)
     assert str(REPO) not in site.stdout and "site-packages" in site.stdout  # the wheel's code, not this checkout's
 
     # the same files the checkout renders: the wheel's templates and dashboard code are complete
-    from dashboards.render import render_all as render_dashboards
+    from grayguard.dashboards.render import render_all as render_dashboards
+    from grayguard.rules.render import render_all as render_rules
+
     from grayguard.config import load_config
-    from rules.render import render_all as render_rules
     example = REPO / "grayguard.example.yaml"
     r = run(installed, "rules", "render", "--config", str(example), "--out", str(tmp_path / "rules"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr

@@ -9,12 +9,11 @@ import threading
 import time
 
 import pytest
+from grayguard.exporters.agent import Agent, Verdict, clean, verdict
+from grayguard.exporters.engineload import EngineLoad, parse_engine_load
+from grayguard.exporters.hang import Progress, token_progress
+from grayguard.exporters.probe import RESULTS, ProbeState
 from prometheus_client import CollectorRegistry
-
-from exporters.agent import Agent, Verdict, clean, verdict
-from exporters.engineload import EngineLoad, parse_engine_load
-from exporters.hang import Progress, token_progress
-from exporters.probe import RESULTS, ProbeState
 
 INTERVAL, DEADLINE = 1.0, 2.0
 NOW = 1000.0
@@ -271,7 +270,7 @@ def test_counts_answers_and_exports_the_verdict(served):
 def test_logs_a_warning_when_the_verdict_changes(served, caplog):
     source = Source(ProbeState(last_result="ok"), NOW)
     agent = served(source)
-    with caplog.at_level(logging.INFO, logger="exporters.agent"):
+    with caplog.at_level(logging.INFO, logger="grayguard.exporters.agent"):
         caplog.clear()
         ask(agent)
         source.state = ProbeState(last_result="bad_response", last_detail="garbage text ' NaN'")

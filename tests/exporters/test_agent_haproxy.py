@@ -16,13 +16,12 @@ from collections.abc import Callable
 
 import pytest
 import requests
-
-from exporters.prober import ProbeConfig
-from exporters.server import Exporter
-from localstack.haproxy import HaproxyProc
-from localstack.procs import wait_until
-from sim.fleet import FleetThread
-from sim.node import DEFAULT_MODEL
+from grayguard.exporters.prober import ProbeConfig
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.haproxy import HaproxyProc
+from grayguard.localstack.procs import wait_until
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.node import DEFAULT_MODEL
 
 # fast probes; the deadline stays well above the simulator's healthy TTFT (tens of ms) on a loaded CI machine
 CFG = ProbeConfig(interval=0.2, jitter=0.1, slow_threshold=0.3, deadline=0.6, api_key_env=None)

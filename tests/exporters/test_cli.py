@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from exporters import cli
-from exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters import cli
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,7 +182,7 @@ def test_agent_flags_reach_the_exporter():
 
 
 def test_no_probe_switches_the_agent_off_and_says_so(caplog):
-    with caplog.at_level("INFO", logger="exporters.cli"):
+    with caplog.at_level("INFO", logger="grayguard.exporters.cli"):
         exporter = cli.build_exporter(parse("--no-probe", "--no-collector.nvml"))
     assert exporter.agent is None and exporter.prober is None
     assert "agent check off: --no-probe" in caplog.text

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.nvml import NvmlCollector
+from grayguard.exporters.prober import Prober
+from grayguard.exporters.server import Exporter
 from prometheus_client import CollectorRegistry
-
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.nvml import NvmlCollector
-from exporters.prober import Prober
-from exporters.server import Exporter
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "metrics.md").read_text()
@@ -96,7 +95,7 @@ def test_fixed_names_from_the_issue_are_exported():
 
 
 def test_every_controller_series_is_documented():
-    metrics = pytest.importorskip("controller.metrics")
+    metrics = pytest.importorskip("grayguard.controller.metrics")
     registry = metrics.ControllerMetrics.create().registry
     for name in sorted(exposed_names(registry)):
         assert f"`{name}`" in DOC, name

@@ -9,9 +9,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
-from exporters.prober import ProbeConfig, Prober
-from exporters.server import Exporter
+from grayguard.exporters.prober import ProbeConfig, Prober
+from grayguard.exporters.server import Exporter
 
 MODEL = "m"
 CFG = ProbeConfig(interval=0.1, jitter=0.1, slow_threshold=0.2, deadline=0.4, startup_grace=0, api_key_env=None,

@@ -10,10 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.prober import ProbeConfig, Prober
-from exporters.server import Exporter
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.prober import ProbeConfig, Prober
+from grayguard.exporters.server import Exporter
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 # thresholds well above a loaded CI machine's own latency (it took past 0.15 s to answer locally)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
-
-from exporters.engineload import EngineLoad, parse_engine_load
-from exporters.live import Answer, LiveSignals, Reading, add_answer, add_reading, live_signals, probe_ttft_median
-from exporters.synthetic import probe_tally
+from grayguard.exporters.engineload import EngineLoad, parse_engine_load
+from grayguard.exporters.live import (
+    Answer,
+    LiveSignals,
+    Reading,
+    add_answer,
+    add_reading,
+    live_signals,
+    probe_ttft_median,
+)
+from grayguard.exporters.synthetic import probe_tally
 
 W = 5.0
 

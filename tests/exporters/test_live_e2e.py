@@ -12,13 +12,12 @@ from collections.abc import Callable
 
 import pytest
 import requests
-
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.prober import ProbeConfig
-from exporters.server import Exporter
-from localstack.procs import wait_until
-from sim.fleet import FleetThread
-from sim.node import DEFAULT_MODEL
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.prober import ProbeConfig
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.procs import wait_until
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.node import DEFAULT_MODEL
 
 W = 2.0  # a short live window, so the test runs in seconds
 CFG = ProbeConfig(interval=0.25, jitter=0.1, slow_threshold=0.5, deadline=3.0, api_key_env=None, live_window=W)

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from grayguard.exporters import fakenvml
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
+from grayguard.exporters.nvml import NvmlCollector
+from grayguard.exporters.xid import XidWatcher
 from prometheus_client import CollectorRegistry, generate_latest
-
-from exporters import fakenvml
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.gpumetrics import CLOCK_EVENT_REASONS
-from exporters.nvml import NvmlCollector
-from exporters.xid import XidWatcher
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "exporter_healthy_h100.prom"
 
@@ -117,7 +116,7 @@ def test_not_supported_and_no_permission_fields_are_absent_not_zero_and_logged_o
     gpu = healthy_h100(0, unsupported={"memory_temperature_c", "ecc", "remapped_rows", "clock_event_reasons"},
                        no_permission={"pcie_replay", "energy_mj"})
     registry, _ = make(FakeNvml([gpu]))
-    with caplog.at_level(logging.INFO, logger="exporters.nvml"):
+    with caplog.at_level(logging.INFO, logger="grayguard.exporters.nvml"):
         for _ in range(3):
             text = generate_latest(registry).decode()
     for name in ("grayguard_gpu_memory_temperature_celsius", "grayguard_gpu_ecc_errors",

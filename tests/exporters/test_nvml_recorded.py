@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.gpumetrics import describe_families
+from grayguard.exporters.nvml import NvmlCollector
+from grayguard.localstack.gpurecord import Recorder, page, replay_module
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.gpumetrics import describe_families
-from exporters.nvml import NvmlCollector
 from grayguard.config import SignalsConfig
-from localstack.gpurecord import Recorder, page, replay_module
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]

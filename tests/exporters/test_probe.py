@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
-
-from exporters.probe import (
+from grayguard.exporters.probe import (
     ANSWERED,
     FAILURES,
     RESULTS,
@@ -30,7 +26,10 @@ from exporters.probe import (
     settle,
     sse_payload,
 )
-from exporters.prober import ProbeConfig, Prober
+from grayguard.exporters.prober import ProbeConfig, Prober
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 
 
 def chunk(text):

@@ -17,20 +17,20 @@ from pathlib import Path
 
 import pytest
 import requests
+from grayguard.exporters import cli
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.gpumetrics import GpuReading, NvmlSnapshot
+from grayguard.exporters.nvml import NvmlCollector
+from grayguard.exporters.precheck import gpu_info, gpu_verdict, numa_node_of
+from grayguard.exporters.registration import Registrar, RegistrationConfig, material_change
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import free_port, wait_until
+from grayguard.sim.fleet import FleetThread
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters import cli
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.gpumetrics import GpuReading, NvmlSnapshot
-from exporters.nvml import NvmlCollector
-from exporters.precheck import gpu_info, gpu_verdict, numa_node_of
-from exporters.registration import Registrar, RegistrationConfig, material_change
-from exporters.server import Exporter
 from grayguard.etcdconn import EtcdSettings
 from grayguard.registry import NodeRecord, Registry, RegistryError, first_ttl, node_key
-from localstack.etcd import EtcdProc
-from localstack.procs import free_port, wait_until
-from sim.fleet import FleetThread
 from tests.exporters.test_docs import DOC, exposed_names
 
 _ids = itertools.count()
@@ -312,7 +312,7 @@ def _fails(ex: Exporter, check: str, reg: Registry, key: str, caplog, why: str) 
 
 
 def test_a_wrong_api_key_keeps_the_node_unregistered_until_the_key_is_right(tmp_path, etcd, fleet, prefix, caplog):
-    caplog.set_level(logging.INFO, logger="exporters.registration")
+    caplog.set_level(logging.INFO, logger="grayguard.exporters.registration")
     node = fleet.nodes[0]
     fleet.call(setattr, fleet.fleet.nodes[node.name], "api_key", "s3cret")
     key_file = tmp_path / "key"
@@ -328,7 +328,7 @@ def test_a_wrong_api_key_keeps_the_node_unregistered_until_the_key_is_right(tmp_
 
 
 def test_no_model_loaded_keeps_the_node_unregistered_until_it_is(etcd, fleet, prefix, caplog):
-    caplog.set_level(logging.INFO, logger="exporters.registration")
+    caplog.set_level(logging.INFO, logger="grayguard.exporters.registration")
     node = fleet.nodes[0]
     fleet.call(setattr, fleet.fleet.nodes[node.name], "model_loaded", False)
     reg = Registry(etcd.url)

@@ -8,11 +8,10 @@ silences are learned, and a probe's silence is a hang once it outlasts them.
 from __future__ import annotations
 
 import pytest
-
-from exporters.agent import verdict
-from exporters.engineload import EngineLoad
-from exporters.hang import HANG_MARGIN, STALL_CAP_S, STALLS_KEPT, Progress, Stalls, judged
-from exporters.probe import ProbeState
+from grayguard.exporters.agent import verdict
+from grayguard.exporters.engineload import EngineLoad
+from grayguard.exporters.hang import HANG_MARGIN, STALL_CAP_S, STALLS_KEPT, Progress, Stalls, judged
+from grayguard.exporters.probe import ProbeState
 
 
 def _load(tokens: float, prompt: float | None = 0.0) -> EngineLoad:

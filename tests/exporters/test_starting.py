@@ -16,12 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-
-from exporters.prober import ProbeConfig, Prober
-from exporters.server import Exporter
-from localstack.procs import free_port
-from sim.fleet import FleetThread
-from sim.node import DEFAULT_MODEL
+from grayguard.exporters.prober import ProbeConfig, Prober
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.procs import free_port
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.node import DEFAULT_MODEL
 
 # The production startup grace (30 min): the old code called every failure `starting` for that long.
 CFG = ProbeConfig(interval=0.1, jitter=0.1, slow_threshold=0.3, deadline=0.5, api_key_env=None)

@@ -11,12 +11,11 @@ import time
 
 import pytest
 import requests
-
-from exporters.prober import ProbeConfig
-from exporters.server import Exporter
-from localstack.procs import wait_until
-from sim.fleet import FleetThread
-from sim.node import DEFAULT_MODEL
+from grayguard.exporters.prober import ProbeConfig
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.procs import wait_until
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.node import DEFAULT_MODEL
 
 CFG = ProbeConfig(interval=0.1, jitter=0.1, slow_threshold=0.5, deadline=3.0, api_key_env=None, live_window=1.0)
 TRAFFIC = ("grayguard_traffic_requests_total", "grayguard_traffic_request_seconds_total",

@@ -152,13 +152,13 @@ def test_each_connection_check_names_its_field(registry, message):
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
-    from localstack.etcd import EtcdTls
+    from grayguard.localstack.etcd import EtcdTls
 
     return EtcdTls.generate(tmp_path_factory.mktemp("certs"))
 
 
 def test_preflight_loads_the_files_and_the_password(tls, tmp_path):
-    from controller.cmd_controller import preflight
+    from grayguard.controller.cmd_controller import preflight
 
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")

@@ -1,6 +1,7 @@
 """The Prometheus client's connection pool holds a whole tick's concurrent queries."""
 
-from controller.decide import OPTIONAL
+from grayguard.controller.decide import OPTIONAL
+
 from grayguard.config import PrometheusConfig
 from grayguard.promclient import POOL_CONNECTIONS, PrometheusClient
 

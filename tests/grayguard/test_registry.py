@@ -13,6 +13,8 @@ import threading
 import time
 
 import pytest
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,8 +35,6 @@ from grayguard.registry import (
     nodes_prefix,
     parse_node_key,
 )
-from localstack.etcd import EtcdProc
-from localstack.procs import wait_until
 
 
 # --- adaptive TTL -------------------------------------------------------------------------------

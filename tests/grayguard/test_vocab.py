@@ -61,7 +61,7 @@ def test_probe_result_sets():
 
 
 def test_exporter_uses_the_probe_results():
-    from exporters import probe
+    from grayguard.exporters import probe
 
     assert probe.RESULTS == PROBE_RESULTS
     assert probe.ANSWERED == PROBE_ANSWERED
@@ -69,7 +69,7 @@ def test_exporter_uses_the_probe_results():
 
 
 def test_controller_uses_the_vocabulary():
-    from controller import metrics, policy, replay, signals
+    from grayguard.controller import metrics, policy, replay, signals
 
     assert metrics.STATES == STATES
     assert (policy.HEALTHY, policy.DEGRADED, policy.QUARANTINED, policy.CANARY, policy.SLOW_START) == STATES
@@ -80,7 +80,7 @@ def test_controller_uses_the_vocabulary():
 
 
 def test_dashboard_state_codes_cover_exactly_the_states():
-    from dashboards import pool
+    from grayguard.dashboards import pool
 
     names = [name for _, name, _ in pool.STATE_CODES]
     assert sorted(names) == sorted(STATES)
@@ -89,13 +89,13 @@ def test_dashboard_state_codes_cover_exactly_the_states():
 
 
 def test_bench_quarantine_states_are_the_drained_ones():
-    from bench import metrics
+    from grayguard.bench import metrics
 
     assert metrics.QUARANTINE_STATES == EJECTED
 
 
 def test_state_file_loads_known_states_and_refuses_unknown_ones():
-    from controller.statefile import StateError, dump_states, load_states
+    from grayguard.controller.statefile import StateError, dump_states, load_states
 
     doc = {"version": 1, "pools": {"p": {"a": {"state": "quarantined", "cause": "probe"}, "c": {}}}}
     st = load_states(json.dumps(doc))["p"]

@@ -1,10 +1,10 @@
 """EtcdProc, a real etcd on the shared supervisor: 127.0.0.1 and free ports, restart with or without its data."""
 
 import pytest
+from grayguard.localstack.etcd import EtcdProc, etcd_healthy
+from grayguard.localstack.procs import BinaryMissing
 
 from grayguard.registry import Registry, RegistryError
-from localstack.etcd import EtcdProc, etcd_healthy
-from localstack.procs import BinaryMissing
 
 
 def test_start_stop_restart_keeps_the_data_and_wipe_starts_empty(tmp_path):

@@ -13,17 +13,17 @@ import time
 
 import pytest
 import requests
+from grayguard.controller.cmd_controller import build_leadership
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.exporters import cli
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.server import Exporter
+from grayguard.localstack.etcd import EtcdProc, EtcdTls
+from grayguard.localstack.procs import wait_until
+from grayguard.sim.fleet import FleetThread
 
-from controller.cmd_controller import build_leadership
-from controller.metrics import ControllerMetrics
-from exporters import cli
-from exporters.fakenvml import FakeNvml, healthy_h100
-from exporters.server import Exporter
 from grayguard.config import RegistryConfig, parse_config
 from grayguard.registry import Registry, RegistryError, node_key
-from localstack.etcd import EtcdProc, EtcdTls
-from localstack.procs import wait_until
-from sim.fleet import FleetThread
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

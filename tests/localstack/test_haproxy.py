@@ -1,10 +1,9 @@
 """HaproxyProc, a real haproxy on the shared supervisor: config check, readiness, restart, orderly stop."""
 
 import pytest
-
-from controller.haproxy import Command, RuntimeClient
-from localstack.haproxy import UNIX_PATH_MAX, HaproxyProc, haproxy_config
-from localstack.procs import BinaryMissing
+from grayguard.controller.haproxy import Command, RuntimeClient
+from grayguard.localstack.haproxy import UNIX_PATH_MAX, HaproxyProc, haproxy_config
+from grayguard.localstack.procs import BinaryMissing
 
 
 @pytest.fixture

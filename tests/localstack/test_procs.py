@@ -5,8 +5,7 @@ import sys
 import time
 
 import pytest
-
-from localstack.procs import (
+from grayguard.localstack.procs import (
     LISTEN_PORTS_FROM,
     BinaryMissing,
     ManagedProcess,
@@ -18,6 +17,7 @@ from localstack.procs import (
     start_process,
     wait_until,
 )
+
 from tests.support.stack import WebhookReceiver
 
 
@@ -47,7 +47,7 @@ def test_free_port_is_bindable_and_outside_the_range_outgoing_connections_take()
 def test_free_port_skips_a_port_in_use_and_falls_back_to_the_kernel_when_the_range_is_too_small(monkeypatch):
     import socket
 
-    import localstack.procs as procs
+    import grayguard.localstack.procs as procs
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]

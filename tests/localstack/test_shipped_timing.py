@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporters.fakenvml import healthy_h100
-from grayguard.config import load_config, parse_config
-from localstack.procs import wait_until
-from localstack.stack import (
+from grayguard.exporters.fakenvml import healthy_h100
+from grayguard.localstack.procs import wait_until
+from grayguard.localstack.stack import (
     REPO,
     LocalStack,
     StackSpec,
@@ -22,7 +20,9 @@ from localstack.stack import (
     shipped_prometheus_timing,
     write_gpu_state,
 )
-from sim.faults import gpu_effects
+from grayguard.sim.faults import gpu_effects
+
+from grayguard.config import load_config, parse_config
 
 
 def test_the_shipped_controller_config_is_the_example_with_only_the_stacks_addresses(tmp_path):

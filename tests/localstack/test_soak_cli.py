@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from grayguard.localstack.soak import ProcResult, Series, SoakReport, Thresholds, analyze_series, main, render_markdown
+from grayguard.localstack.vllmserver import children
 
-from localstack.soak import ProcResult, Series, SoakReport, Thresholds, analyze_series, main, render_markdown
-from localstack.vllmserver import children
 from tests.support.procwatch import OutputWatch, left, signals_at_default, stopped
 from tests.support.stack import require
 
@@ -105,8 +105,9 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
 def test_the_soak_runs_at_the_shipped_timing_by_default():
     import argparse
 
+    from grayguard.localstack.soak import stack_spec
+
     from grayguard.config import ThresholdsConfig
-    from localstack.soak import stack_spec
 
     prod = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="production"))
     assert (prod.tick_s, prod.control_window, prod.scrape_interval) == (5.0, "30s", "5s")
@@ -121,7 +122,7 @@ def test_the_soak_stopped_by_sigterm_stops_its_stack():
     HAProxy, Prometheus, Alertmanager, the controller and every exporter running (issue 34). It unwinds now: exit 143,
     none of its processes left."""
     require("haproxy", "prometheus", "alertmanager")
-    proc = subprocess.Popen([sys.executable, "-m", "localstack.soak", "--minutes", "5", "--nodes", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "grayguard.localstack.soak", "--minutes", "5", "--nodes", "3",
                              "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from grayguard.exporters.engineload import parse_engine_load
 from prometheus_client.parser import text_string_to_metric_families
-
-from exporters.engineload import parse_engine_load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 PAGES = ("idle", "loaded", "hung", "preempting")
@@ -62,8 +61,8 @@ def test_the_pages_tell_the_story_they_were_taken_for():
 
 
 def test_the_simulators_page_has_real_vllms_names_types_and_labels_or_a_written_reason():
-    from sim.fleet import FleetThread
-    from sim.node import DEFAULT_MODEL
+    from grayguard.sim.fleet import FleetThread
+    from grayguard.sim.node import DEFAULT_MODEL
 
     with FleetThread(n=1, seed=1) as ft:
         url = ft.nodes[0].url

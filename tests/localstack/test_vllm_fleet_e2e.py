@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
-
-from exporters.hang import STALL_CAP_S
-from localstack.procs import wait_until
-from localstack.stack import BACKEND, LocalStack, StackSpec
-from sim.loadgen import LoadConfig, run_load
+from grayguard.exporters.hang import STALL_CAP_S
+from grayguard.localstack.procs import wait_until
+from grayguard.localstack.stack import BACKEND, LocalStack, StackSpec
+from grayguard.sim.loadgen import LoadConfig, run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 NODES = 3
@@ -42,7 +41,7 @@ class Rig:
         return time.monotonic() - self.t0
 
     def server(self, node: str):
-        from controller.haproxy import RuntimeClient
+        from grayguard.controller.haproxy import RuntimeClient
         return next(s for s in RuntimeClient(self.stack.haproxy.endpoint).show_servers_state(BACKEND)
                     if s.name == node)
 

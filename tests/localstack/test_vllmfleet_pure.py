@@ -9,14 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from localstack import cgroups, vllm_model
-from localstack.vllm_model import NEVER_OUTPUT, SPECIALS, vocabulary
-from localstack.vllmfleet import REAL_FAULTS, make_real_fault
-from localstack.vllmserver import children, vllm_argv, vllm_env
-from sim import loadgen
-from sim.faults import FAULTS
-from sim.loadgen import make_prompt
+from grayguard.localstack import cgroups, vllm_model
+from grayguard.localstack.vllm_model import NEVER_OUTPUT, SPECIALS, vocabulary
+from grayguard.localstack.vllmfleet import REAL_FAULTS, make_real_fault
+from grayguard.localstack.vllmserver import children, vllm_argv, vllm_env
+from grayguard.sim import loadgen
+from grayguard.sim.faults import FAULTS
+from grayguard.sim.loadgen import make_prompt
 
 PY = Path("/venv/bin/python")
 MODEL = Path("/models/tiny")

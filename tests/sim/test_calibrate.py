@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
-from sim.calibrate import (
+from grayguard.sim.calibrate import (
     CALIBRATED,
     DATA,
     EXACT,
@@ -19,8 +18,8 @@ from sim.calibrate import (
     nelder_mead,
     simulate,
 )
-from sim.calibrate_report import svg
-from sim.model import SPEED_CLASSES
+from grayguard.sim.calibrate_report import svg
+from grayguard.sim.model import SPEED_CLASSES
 
 POINTS = load()
 KINDS = {"single", "batch", "closed_loop", "decode_at_batch", "throughput_ratio"}

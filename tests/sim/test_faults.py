@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from sim.faults import (
+from grayguard.sim.faults import (
     FAULTS,
     THERMAL_REASONS,
     FaultError,
@@ -17,7 +14,9 @@ from sim.faults import (
     make_fault,
     nominal_slowdown,
 )
-from sim.model import NO_SLOWDOWN
+from grayguard.sim.model import NO_SLOWDOWN
+from hypothesis import given
+from hypothesis import strategies as st
 
 # The FakeGpu dataclass fields (exporters/fakenvml.py) plus the `xid` event key.
 FAKEGPU_FIELDS = {
@@ -179,9 +178,8 @@ def test_nominal_slowdown_validates():
 
 def test_the_http_node_refuses_a_fault_it_cannot_model():
     import pytest
-
-    from sim.faults import FaultError
-    from sim.node import SimNode
+    from grayguard.sim.faults import FaultError
+    from grayguard.sim.node import SimNode
 
     with pytest.raises(FaultError, match="benchmark only"):
         SimNode("x").set_fault("refused")

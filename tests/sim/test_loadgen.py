@@ -10,13 +10,12 @@ import statistics
 from dataclasses import replace
 
 import pytest
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.loadgen import LengthDist, LoadConfig, arrival_plan, looks_garbage, run_load
+from grayguard.sim.loadstats import LoadResult, Phase, RequestRecord, percentile
+from grayguard.sim.model import ModelParams
 from hypothesis import given
 from hypothesis import strategies as st
-
-from sim.fleet import FleetThread
-from sim.loadgen import LengthDist, LoadConfig, arrival_plan, looks_garbage, run_load
-from sim.loadstats import LoadResult, Phase, RequestRecord, percentile
-from sim.model import ModelParams
 
 FAST = replace(ModelParams(), decode_s_base=0.003, decode_s_per_seq=0.0001, prefill_s_per_token=1e-5,
                jitter=0.02, emit_interval_s=0.03)
@@ -182,7 +181,7 @@ def test_non_streaming_mode(fleet):
 
 def test_a_server_dying_mid_stream_is_counted_as_a_failure_not_left_pending():
     """aiohttp raises a bare RuntimeError('Connection closed.') when the node dies while it streams."""
-    from sim.loadgen import _Run
+    from grayguard.sim.loadgen import _Run
 
     class Dies:
         def post(self, *a, **k):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import requests
+from grayguard.sim.fleet import FleetThread
+from grayguard.sim.model import ModelParams
+from grayguard.sim.traces import TraceLoad, plan_trace
 
 from grayguard.cli import main
-from sim.fleet import FleetThread
-from sim.model import ModelParams
-from sim.traces import TraceLoad, plan_trace
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 FAST = replace(ModelParams(), decode_s_base=0.002, decode_s_per_seq=0.0001, prefill_s_per_token=1e-6,
@@ -75,7 +75,7 @@ def test_a_bad_trace_or_option_exits_2_with_the_reason_not_a_traceback(argv, mes
 def test_utilization_of_a_capacity_in_tokens_sets_the_pace():
     from argparse import ArgumentParser
 
-    from sim import cli_loadgen
+    from grayguard.sim import cli_loadgen
     p = ArgumentParser()
     cli_loadgen.add_arguments(p)
     args = p.parse_args(["--url", "http://x", "--trace", str(FIX / "burstgpt.csv"), "--trace-utilization", "0.5",

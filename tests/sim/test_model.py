@@ -6,10 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from sim.model import (
+from grayguard.sim.model import (
     SPEED_CLASSES,
     EngineModel,
     Finished,
@@ -19,6 +16,8 @@ from sim.model import (
     StepDone,
     Tokens,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 EXACT = replace(ModelParams(), jitter=0.0)  # no jitter: exact timings
 

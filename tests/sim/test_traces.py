@@ -9,9 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
-
-from sim.loadgen import PROMPT_WORDS, LoadConfig, arrival_plan, request_prompt
-from sim.traces import (
+from grayguard.sim.loadgen import PROMPT_WORDS, LoadConfig, arrival_plan, request_prompt
+from grayguard.sim.traces import (
     ATTRIBUTION,
     MOONCAKE_BLOCK_TOKENS,
     TraceError,
@@ -188,7 +187,7 @@ def test_the_attribution_travels_with_the_plan():
 
 
 def test_plot_command_writes_one_svg_of_three_charts(tmp_path):
-    from sim.traces_plot import main
+    from grayguard.sim.traces_plot import main
     out = tmp_path / "t.svg"
     assert main([str(FIX / "burstgpt.csv"), "--plot", str(out), "--bin", "1"]) == 0
     svg = out.read_text()

@@ -6,13 +6,14 @@ import threading
 import time
 from dataclasses import replace
 
-from controller import decide, readscope
-from controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
-from controller.live import LiveMemory
-from controller.loop import Controller
-from controller.metrics import ControllerMetrics
-from controller.policy import NodeState
-from controller.scoring import NOISE_S, Noise
+from grayguard.controller import decide, readscope
+from grayguard.controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
+from grayguard.controller.live import LiveMemory
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import NodeState
+from grayguard.controller.scoring import NOISE_S, Noise
+
 from grayguard.config import parse_config
 from grayguard.promclient import PrometheusClient, Sample
 

@@ -8,9 +8,9 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
-from demo import cli
-from demo.membership_report import client_failures, crash_milestones, join_milestones, verdict, write_report
-from sim.loadstats import LoadResult, Phase, RequestRecord
+from grayguard.demo import cli
+from grayguard.demo.membership_report import client_failures, crash_milestones, join_milestones, verdict, write_report
+from grayguard.sim.loadstats import LoadResult, Phase, RequestRecord
 
 NODES = [f"node{i}" for i in range(1, 9)]
 RUNBOOK = "https://github.com/grayguard/grayguard/blob/main/docs/runbook.md"
@@ -95,7 +95,7 @@ def records(controller: bool = True, fault: bool = True, seed: int = 1) -> list[
 
 
 def run(opts: cli.DemoOptions, report_dir: Path | None, out=None, sink: list | None = None) -> dict:
-    """demo.cli.run_scenario's stand-in: the synthetic run of opts through the demo's own _finish."""
+    """grayguard.demo.cli.run_scenario's stand-in: the synthetic run of opts through the demo's own _finish."""
     controller, fault = opts.controller, opts.fault != "none"
     recs = records(controller, fault)
     if sink is not None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from controller.leader_store import Campaign
+from grayguard.controller.leader_store import Campaign
+
 from grayguard.registry import Entry, RegistryError
 
 

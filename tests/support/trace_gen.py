@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from controller.replay import Row
+from grayguard.controller.replay import Row
 
 
 def make_trace(n=4, ticks=80, step=5.0, base=0.02, noise=0.05, seed=1, factor=lambda t, node: 1.0, pool="p"):
