@@ -22,7 +22,12 @@ SUBCOMMANDS = {
     "demo": "grayguard.demo.cli",
     "bench": "grayguard.bench.cli",
     "dashboards": "grayguard.dashboards.cli",
+    "config": "grayguard.cmd_config",
 }
+
+# The components the production wheel leaves out: the simulator, the benchmarks, the local stack and the demo come
+# with the grayguard-dev distribution (`pip install 'grayguard[dev]'`); without it their subcommands are not offered.
+DEV_PACKAGES = ("grayguard.sim", "grayguard.bench", "grayguard.localstack", "grayguard.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log verbosity (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    absent = []
     for name, modname in SUBCOMMANDS.items():
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
-            if e.name == modname:  # component not built into this tree
+            if e.name == modname or e.name in DEV_PACKAGES:  # component not installed (grayguard[dev])
+                absent.append(name)
                 continue
             raise
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    if absent:
+        parser.epilog = f"not installed here: {', '.join(absent)} (they come with pip install 'grayguard[dev]')"
     return parser
 
 

@@ -413,6 +413,9 @@ class RulesConfig:
     # minutes; null: the global evaluation_interval. 1m halves nothing a person sees at a 5m window
     human_interval: str | None = "1m"
     runbook_url: str = "https://github.com/grayguard/grayguard/blob/main/docs/runbook.md"  # alerts link here
+    # Grafana's base URL as the people paged open it (http://grafana.example:3000): alerts carry a dashboard_url
+    # annotation to the pool dashboard there, at the node; null: alerts carry no dashboard link
+    grafana_url: str | None = None
     controller_job: str = "grayguard-controller"  # Prometheus job that scrapes the controller
     exporter_job: str = "grayguard-exporter"  # Prometheus job that scrapes the node exporters
     controller_stale_s: float = 120.0  # page when the last successful tick is older than this
@@ -456,6 +459,10 @@ class RulesConfig:
         if self.reload_url not in (None, "", "none"):
             _check_url(self.reload_url, p + "reload_url")
         _check_url(self.runbook_url, p + "runbook_url")
+        if self.grafana_url is not None:
+            _check(_is_url(self.grafana_url), p + "grafana_url",
+                   f"must start with http:// or https://, or be null, got {self.grafana_url!r}")
+            _check_url(self.grafana_url, p + "grafana_url")
         _check(not re.search(r"[\s\x00-\x1f\x7f]", self.runbook_url), p + "runbook_url",
                f"must be a URL without spaces or control characters (percent-encode them), got {self.runbook_url!r}")
         _check_finite(self, path)
