@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
-            if e.name == modname or e.name in DEV_PACKAGES:  # component not installed (grayguard[dev])
+            if e.name in DEV_PACKAGES:  # a dev component, not installed (grayguard[dev])
                 absent.append(name)
+                continue
+            if e.name == modname:  # a subcommand not built into this tree
                 continue
             raise
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
