@@ -12,7 +12,8 @@ their `timestamp()`; the live ones change every second. Each answer is stamped w
 Bodies are built in advance (8 variants of each) and only their times are filled in per request, so the
 server's own CPU stays small next to the controller's.
 
-Run as `python -m bench.answers --config CFG --nodes N --ready-file F`: it writes {"port": P} to F once it serves.
+Run as `python -m grayguard.bench.answers --config CFG --nodes N --ready-file F`: it writes {"port": P} to F once it
+serves.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ Prints measured numbers (this machine, now):
   * the same on the realistic trace (bench/trace_large.py: every signal the shipped defaults read, faults
     on single nodes and whole pools coming and going, the loop closed), --scale-ticks ticks per size:
     median, p90, CPU, the garbage collector's share, memory (the decision core's memory over 1,000 ticks
-    and the replay against recorded decisions: python -m bench.scale);
+    and the replay against recorded decisions: python -m grayguard.bench.scale);
   * one HAProxy runtime-API batch of 1,000 weight changes over one connection, next to the same
     1,000 changes sent one connection each (needs the haproxy binary);
   * what grayguard's shipped defaults cost a real Prometheus (needs the prometheus binary) at
@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ticks", type=int, default=5, help="ticks per measurement (default 5)")
     p.add_argument("--scale-ticks", type=int, default=30, metavar="K",
                    help="ticks per size of the realistic trace (bench/trace_large.py: every signal, faults coming "
-                        "and going, closed loop; 0: skip; memory over 1,000 ticks: python -m bench.scale)")
+                        "and going, closed loop; 0: skip; memory over 1,000 ticks: python -m grayguard.bench.scale)")
     p.add_argument("--haproxy-batch", type=int, default=1000, help="weight changes in the HAProxy batch (0: skip)")
     p.add_argument("--no-prometheus", action="store_true", help="skip the Prometheus cost measurement")
     p.add_argument("--no-victoria", action="store_true",
@@ -164,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated simulated node counts for the whole tick (default 1000,10000)")
     p.add_argument("--whole-tick-ticks", type=int, default=30, metavar="K",
                    help="controller ticks per node count after the warm-up (default 30; the decision core's "
-                        "memory over 1,000 ticks: python -m bench.scale)")
+                        "memory over 1,000 ticks: python -m grayguard.bench.scale)")
     p.add_argument("--whole-tick-seconds", type=float, default=300.0, metavar="S",
                    help="no new tick after S seconds of ticking, per node count (default 300: a tick that is slow "
                         "at 10,000 nodes ends the run early rather than after hours)")

@@ -83,7 +83,8 @@ async def _drive(url: str, plan: Plan, timeout_s: float, window: tuple[float, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.crossload PLAN.json RECORDS.json`: the child process; one JSON line per event on stdout."""
+    """`python -m grayguard.bench.crossload PLAN.json RECORDS.json`: the child process; one JSON line per event on
+    stdout."""
     plan_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
     job = json.loads(Path(plan_path).read_text())
 

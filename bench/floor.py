@@ -1,7 +1,7 @@
 """What a tick cannot go below in CPython on this machine, next to issue 18's targets at 10,000 nodes.
 
-    python -m bench.floor                  # 10,000 nodes in pools of 20
-    python -m bench.floor --nodes 1000 --repeat 5
+    python -m grayguard.bench.floor                  # 10,000 nodes in pools of 20
+    python -m grayguard.bench.floor --nodes 1000 --repeat 5
 
 Not the controller's code: each line times the smallest piece of work the real tick cannot skip, written as plainly
 and cheaply as Python allows, with the controller's own building blocks:
@@ -118,7 +118,7 @@ def format_floor(nodes: int, per_pool: int, r: dict[str, float]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m grayguard.bench.floor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=10000, help="simulated nodes (default 10000)")
     ap.add_argument("--pool-size", type=int, default=20, help="nodes per pool (default 20)")

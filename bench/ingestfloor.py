@@ -1,5 +1,5 @@
 """The floor of what grayguard costs a Prometheus: the stand-in nodes scraped at the shipped jobs and intervals, with
-no rule and no query. `python -m bench.ingestfloor --nodes 10000` prints Prometheus' CPU, samples appended per
+no rule and no query. `python -m grayguard.bench.ingestfloor --nodes 10000` prints Prometheus' CPU, samples appended per
 second, head series and resident memory over a window after a warm-up (docs/benchmarks.md, issue 34's 10,000-node
 floor). What the rules and the controller's reads add is `grayguard bench-controller`'s Prometheus cost."""
 

@@ -13,7 +13,8 @@ requests, latencies and live gauges are noisy.
 Two designs of the exporter's pages (DESIGNS): "shipped", and "before", the pages as they were when issue 34
 began (the probe's last result one-hot, no GPU flags derived beside the node; bench/before34/README.md).
 
-Run as `python -m bench.promtarget --nodes N --ready-file F [--design before]`: it writes {"ports": [...]} to F once
+Run as `python -m grayguard.bench.promtarget --nodes N --ready-file F [--design before]`: it writes {"ports": [...]}
+to F once
 it serves.
 """
 

@@ -1,6 +1,6 @@
 """The real fleet's floor: what the best threshold detector, tuned in hindsight, could do on the recorded evidence.
 
-    python -m bench.realfloor [--json] [RUN_DIR ...]
+    python -m grayguard.bench.realfloor [--json] [RUN_DIR ...]
 
 The real-vLLM targets ask for two things at once on 4 CPU vLLM servers sharing 2 cores: the throttled node cut
 within 5 s of the fault, and no healthy node cut for more than one tick. This measures whether the evidence the
@@ -207,7 +207,7 @@ def best(m: dict, runs: Sequence[Run], key: str) -> dict[str, tuple[str, float |
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.realfloor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grayguard.bench.realfloor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", type=Path, help=f"run directories (default: every one under {RUNS})")
     p.add_argument("--json", action="store_true", help="the measurement as one JSON object")

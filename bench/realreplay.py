@@ -1,7 +1,7 @@
 """Real-fleet evidence, decided again: demo runs on real vLLM, replayed through today's decision code.
 
-    python -m bench.realreplay [--config FILE] [RUN_DIR ...]
-    python -m bench.realreplay --save REPORT_DIR --name NAME   # keep a demo run as a committed run
+    python -m grayguard.bench.realreplay [--config FILE] [RUN_DIR ...]
+    python -m grayguard.bench.realreplay --save REPORT_DIR --name NAME   # keep a demo run as a committed run
 
 A run directory is what `grayguard demo --fleet vllm --report-dir DIR` writes: recording.jsonl.gz (every tick the
 controller saw, controller/recorder.py), grayguard.yaml (the config it ran with) and report.json (the fault, its node
@@ -123,7 +123,7 @@ def save_run(src: Path, name: str, dest_root: Path = RUNS) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.realreplay", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grayguard.bench.realreplay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", type=Path, help=f"run directories (default: every one under {RUNS})")
     p.add_argument("--config", help="replay with this config instead of each run's own grayguard.yaml")

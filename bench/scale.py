@@ -1,10 +1,10 @@
 """The decision core at scale, on the realistic trace (bench/trace_large.py): time per tick, memory, and the
 recorded decisions that every optimization must reproduce exactly.
 
-    python -m bench.scale                      # time per tick at 1,000 and 10,000 nodes, memory at 10,000
-    python -m bench.scale --verify             # the test trace's decisions against the recorded digests
-    python -m bench.scale --verify --full      # the same on the full trace (10,000 nodes, 1,000 ticks)
-    python -m bench.scale --record FIXTURE     # record the digests (only ever from unchanged decision code)
+    python -m grayguard.bench.scale                      # time per tick at 1,000 and 10,000 nodes, memory at 10,000
+    python -m grayguard.bench.scale --verify             # the test trace's decisions against the recorded digests
+    python -m grayguard.bench.scale --verify --full      # the same on the full trace (10,000 nodes, 1,000 ticks)
+    python -m grayguard.bench.scale --record FIXTURE     # record the digests (only ever from unchanged decision code)
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def profile_core(nodes: int = 10000, ticks: int = 60, top: int = 25, pool_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m grayguard.bench.scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
     ap.add_argument("--ticks", type=int, default=1000, help="ticks per size (default 1000)")

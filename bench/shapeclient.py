@@ -1,4 +1,5 @@
-"""The streaming client of `python -m bench.vllmshapes`: timed /v1/completions streams and vLLM's own histograms.
+"""The streaming client of `python -m grayguard.bench.vllmshapes`: timed /v1/completions streams and vLLM's own
+histograms.
 
 One engine at a time, the same way for the real vLLM node and the simulated one: TTFT from the send to the first
 SSE chunk, each later chunk's gap divided by the tokens it carries (vLLM says with `return_token_ids`; the

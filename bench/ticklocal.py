@@ -9,7 +9,7 @@ the servers, the decisions, the writes through the runtime API and the metrics e
 (bench/tickprobe.py: the controller's own methods wrapped on the instance), on the controller's fixed-rate
 schedule. The answer server's CPU is its own process's and is reported apart.
 
-    python -m bench.ticklocal --nodes 1000,10000 --ticks 30
+    python -m grayguard.bench.ticklocal --nodes 1000,10000 --ticks 30
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def format_local(r: LocalTick) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.ticklocal", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m grayguard.bench.ticklocal", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="1000,10000", help="comma-separated node counts (default 1000,10000)")
     ap.add_argument("--ticks", type=int, default=30, help="ticks per size after the first (default 30)")

@@ -1,8 +1,8 @@
 """The latency shapes the detector relies on, measured on one real vLLM node and one simulated node side by side.
 
-    python -m bench.vllmshapes --out /tmp/shapes          # both engines, ~3 minutes on 2 cores
-    python -m bench.vllmshapes --engines sim --out /tmp/s  # the simulator alone (a minute and a half)
-    python -m bench.vllmshapes --replot docs/vllm-shapes.json --out /tmp/s   # the report again, nothing measured
+    python -m grayguard.bench.vllmshapes --out /tmp/shapes          # both engines, ~3 minutes on 2 cores
+    python -m grayguard.bench.vllmshapes --engines sim --out /tmp/s  # the simulator alone (a minute and a half)
+    python -m grayguard.bench.vllmshapes --replot docs/vllm-shapes.json --out /tmp/s  # the report, nothing measured
 
 For each engine, client-side (streamed /v1/completions, bench/shapeclient.py), in this order:
   prompt   TTFT of a 1-token request against the prompt's length (one at a time, the median of --prompt-reps);
@@ -314,7 +314,7 @@ def _ints(s: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     d = Grid()
-    ap = argparse.ArgumentParser(prog="python -m bench.vllmshapes", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m grayguard.bench.vllmshapes", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="real,sim", help="real, sim or both, in this order (default real,sim)")
     ap.add_argument("--out", type=Path, help="write shapes.json, shapes.md and shapes.svg into this folder")

@@ -1,5 +1,5 @@
 """The shapes' report (pure): ratios to each engine's own baseline, the controller's batch model fitted, the table,
-the plot and the files of `python -m bench.vllmshapes --out DIR`.
+the plot and the files of `python -m grayguard.bench.vllmshapes --out DIR`.
 
 The batch model is the controller's (`thresholds.live_batch_slope`, docs/architecture.md): ITL(b) = a·(1 + slope·(b−1)),
 fitted by least squares on the mean ITL per batch size; sim/model.py's own slope is decode_s_per_seq / decode_s_base.

@@ -5,7 +5,7 @@ alive together while they are parsed and matched. With CPython's default thresho
 generation is collected about a thousand times a tick; what survives those collections (the answers still being
 parsed) is promoted, and that promotion sets off a collection of the oldest generation, which holds the two million
 objects the controller keeps (states, metric series, HAProxy's view), about three times a tick. Measured with
-gc.callbacks on `python -m bench.ticklocal --nodes 10000`: 1.6 s of a 5.5 s tick was the collector.
+gc.callbacks on `python -m grayguard.bench.ticklocal --nodes 10000`: 1.6 s of a 5.5 s tick was the collector.
 
 Nearly all of the controller's garbage goes by reference counting (the answers, states and decisions hold no
 cycles); the collector is there for the rare cycle. So the young generation is collected every 100,000 net

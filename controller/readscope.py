@@ -3,7 +3,7 @@
 With registry.shard_pools each pool is led by exactly one replica, but a tick looks only at the series of the
 pools it leads (decide.by_pool: a pool's own series, and those without a pool label, which are matched by key
 alone). Reading the whole fleet's answers anyway costs every replica the whole fleet's decoding: at 10,000 nodes
-18 answers of 10,000 series, 0.28 s decoded (msgspec; python -m bench.floor), and ten times that at 100,000
+18 answers of 10,000 series, 0.28 s decoded (msgspec; python -m grayguard.bench.floor), and ten times that at 100,000
 nodes, however many replicas share the pools. So each query is wrapped for Prometheus to return only those series:
 
     (<query>) and on(pool) (vector(1) or label_replace(vector(1), "pool", "a", "", "") or ...)

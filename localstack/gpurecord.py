@@ -2,7 +2,7 @@
 
 Run on a machine with an NVIDIA GPU (the project's tests run without one: NVML is the one part they mock):
 
-    python -m localstack.gpurecord --out DIR [--load-seconds 40]
+    python -m grayguard.localstack.gpurecord --out DIR [--load-seconds 40]
 
 It runs the exporter's own NVML collector (exporters/nvml.py) on the real `pynvml`, through a recorder that keeps
 every NVML call the collector makes (function, arguments with device handles written as their index, the answer or
@@ -193,7 +193,7 @@ def page(collector: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m localstack.gpurecord", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m grayguard.localstack.gpurecord", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for the fixtures (created)")
     ap.add_argument("--load-seconds", type=float, default=40.0, help="how long the matrix-product load runs")

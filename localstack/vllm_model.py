@@ -1,7 +1,7 @@
 """Build the real fleet's model offline: a tiny Llama with random weights and a word-piece tokenizer.
 
 Run with the real fleet's interpreter (it needs torch, transformers and tokenizers, which only the vLLM
-environment has): `.venv-vllm/bin/python -m localstack.vllm_model --out DIR`. No hub is reached: the
+environment has): `.venv-vllm/bin/python -m grayguard.localstack.vllm_model --out DIR`. No hub is reached: the
 configuration, the weights (seeded) and the vocabulary are all made here, in a few seconds.
 
 The vocabulary keeps the two prompts the project sends one token a word: the load generator's three-letter words
@@ -101,7 +101,7 @@ def build(out: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m localstack.vllm_model",
+    p = argparse.ArgumentParser(prog="python -m grayguard.localstack.vllm_model",
                                 description="Build the real fleet's tiny random-weight Llama offline (no hub).")
     p.add_argument("--out", type=Path, required=True, help="the model folder to write (created)")
     p.add_argument("--seed", type=int, default=0, help="torch seed of the random weights (default 0)")

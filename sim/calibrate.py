@@ -5,8 +5,8 @@ jitter) and reads the same statistic, so model and measurement are compared like
 GPU, the `ModelParams` step costs that minimise the squared log-errors of the points marked `fit: true`.
 The shipped defaults in sim/model.py are not touched: the fitted sets are in `CALIBRATED` for later use.
 
-    python -m sim.calibrate                      # table: published vs default vs fitted, and the fits
-    python -m sim.calibrate --markdown --svg docs/calibration.svg
+    python -m grayguard.sim.calibrate                      # table: published vs default vs fitted, and the fits
+    python -m grayguard.sim.calibrate --markdown --svg docs/calibration.svg
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DATA = Path(__file__).with_name("calibration") / "vllm_published.yaml"
 FIT_ACCEPT = 0.20  # the issue's acceptance bound on |model / published - 1| for fitted points
 EXACT = replace(ModelParams(), jitter=0.0)  # calibration runs are deterministic
 
-# Fitted step costs (seconds), rounded; `python -m sim.calibrate` refits them from DATA and the tests check
+# Fitted step costs (seconds), rounded; `python -m grayguard.sim.calibrate` refits them from DATA and the tests check
 # that the refit agrees. Only the three step costs differ from the shipped defaults.
 CALIBRATED: dict[str, ModelParams] = {
     "h100": replace(ModelParams(), decode_s_base=6.57e-3, decode_s_per_seq=0.186e-3, prefill_s_per_token=25.0e-6),
@@ -208,7 +208,7 @@ def fit_all(points: Sequence[Point]) -> dict[str, ModelParams]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sim.calibrate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m grayguard.sim.calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (as in docs/simulator.md)")
     ap.add_argument("--svg", type=Path, help="write the model-vs-published plot here")

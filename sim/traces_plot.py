@@ -1,4 +1,5 @@
-"""`python -m sim.traces --plot OUT.svg TRACE`: a trace next to the synthetic load at the same mean rate (one SVG).
+"""`python -m grayguard.sim.traces --plot OUT.svg TRACE`: a trace next to the synthetic load at the same mean rate
+(one SVG).
 
 Three charts stacked: arrivals per second over time (bins of --bin seconds), and the distributions (CDF) of
 prompt and output tokens; the synthetic series is sim.loadgen's default Poisson load, lognormal lengths.
@@ -69,7 +70,7 @@ def render(trace: str, window: str = "0:", rate: float | None = None, bin_s: flo
 
 def main(argv: list[str] | None = None) -> int:
     """Write the plot; exit 2 with the reason on a bad trace or option."""
-    p = argparse.ArgumentParser(prog="python -m sim.traces", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m grayguard.sim.traces", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="trace file (Azure CSV, Mooncake JSON lines, BurstGPT CSV)")
     p.add_argument("--plot", required=True, metavar="OUT.svg", help="where the SVG goes")

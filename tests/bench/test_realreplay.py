@@ -1,6 +1,7 @@
 """grayguard.bench.realreplay: the committed real-vLLM runs read back whole, and the targets' figures computed right.
 
-What today's detector does on those runs is measured (`python -m bench.realreplay`, docs/realfleet.md), not asserted
+What today's detector does on those runs is measured (`python -m grayguard.bench.realreplay`, docs/realfleet.md), not
+asserted
 here: the runs are evidence for the detector issue, and a new detector changes the figures.
 """
 

@@ -3,7 +3,7 @@ by rank against median_without index by index, evolve's __dict__ copy against da
 order, hash), Score as a tuple, peers.scores from leave_one_out's own logs against Baseline.score, at_equal_batch's
 one pass, like_peers_now's branches, dict_init's __init__ (NodeInput, NodeDecision) against the one @dataclass
 generates; replaced, score_of, usable, target_weight's shortcut and peer_medians of no values against what they
-replace. The decisions themselves: test_decisions_identical.py and `python -m bench.scale --verify`."""
+replace. The decisions themselves: test_decisions_identical.py and `python -m grayguard.bench.scale --verify`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The decision core decides exactly as it did before it was made fast: every tick of a large recorded trace
 (bench/trace_large.py: 1,000 nodes in 50 pools for 300 s, every signal, faults coming and going) gives the
 digest recorded from the unchanged code, and the fast peer statistics and copies give the very values of the plain
-ones. The full trace (10,000 nodes, 1,000 ticks) is `python -m bench.scale --verify --full`."""
+ones. The full trace (10,000 nodes, 1,000 ticks) is `python -m grayguard.bench.scale --verify --full`."""
 
 from __future__ import annotations
 

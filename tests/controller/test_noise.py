@@ -156,7 +156,7 @@ def test_a_noisy_pool_learns_its_noise_cuts_no_healthy_node_and_still_drains_a_1
 # The quiet runs the learned noise was chosen on (thermal-1.5rps-quiet, thermal-3rps-quiet) and the one it was first
 # judged on (-quiet-b, recorded after the choice). thermal-1.5rps-quiet-c, recorded a day later with the exporter's
 # learned stalls, refutes it: 5 cuts of healthy nodes over one tick (docs/realfleet.md), the detector issue's to fix.
-# It is measured by `python -m bench.realreplay`, not held here as a property the detector does not have.
+# It is measured by `python -m grayguard.bench.realreplay`, not held here as a property the detector does not have.
 QUIET = [RUNS / n for n in ("thermal-1.5rps-quiet", "thermal-1.5rps-quiet-b", "thermal-3rps-quiet")
          if (RUNS / n).is_dir()]
 

@@ -1,4 +1,5 @@
-"""The exporter's NVML collector on a real GPU's answers: an H200 recorded by `python -m localstack.gpurecord` on this
+"""The exporter's NVML collector on a real GPU's answers: an H200 recorded by `python -m
+grayguard.localstack.gpurecord` on this
 workplace's lent GPU machine (tests/fixtures/nvml_h200/: idle, under a bf16 matrix-product load, after).
 
 NVML is the one part the project's tests otherwise fake (exporters/fakenvml.py); this is what a real driver

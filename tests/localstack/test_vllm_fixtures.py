@@ -1,4 +1,5 @@
-"""The real engine's /metrics pages (tests/fixtures/vllm, recorded by `python -m localstack.vllm_fixtures`) against
+"""The real engine's /metrics pages (tests/fixtures/vllm, recorded by `python -m grayguard.localstack.vllm_fixtures`)
+against
 what the project reads from them and what the simulator claims to be.
 
 - The exporter's parser reads each page: the series it uses are there under real vLLM's names, a hung engine's
