@@ -21,7 +21,7 @@ from grayguard.controller.loop import Controller, TickResult
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.statefile import StateFile, StateLock, StateLockError
 
-from grayguard import terminate
+from grayguard import flags, terminate
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
 from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
@@ -41,27 +41,29 @@ it holds every weight. Serves /metrics and /status on listen_address. Alert rule
 a job of their own, off the tick. One controller per state file: a second one exits 2 (state_file.lock).
 
 examples:
-  grayguard controller --config grayguard.yaml --check          # validate the config and exit
-  grayguard controller --config grayguard.yaml --once --dry-run # print one tick's plan, write nothing
-  grayguard controller --config grayguard.yaml                  # run
+  grayguard controller --config.file grayguard.yaml --check          # validate the config and exit
+  grayguard controller --config.file grayguard.yaml --once --dry-run # print one tick's plan, write nothing
+  grayguard controller --config.file grayguard.yaml                  # run
 """
 log = logging.getLogger("grayguard.controller")
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")  # it is part of a registry key (sharded)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, metavar="FILE", help="YAML config (see grayguard.example.yaml)")
+    flags.renamed(p, "--config.file", "--config", required=True, dest="config", metavar="FILE",
+                  help="YAML config (see grayguard.example.yaml)")
     p.add_argument("--once", action="store_true", help="run one tick and exit (exit 1 if it held or failed)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; write nothing to HAProxy or the state file")
     p.add_argument("--check", action="store_true", help="validate the config and exit")
-    p.add_argument("--listen-address", metavar="HOST:PORT", help="override listen_address for /metrics and /status")
+    flags.renamed(p, "--web.listen-address", "--listen-address", dest="listen_address", metavar="HOST:PORT",
+                  help="override listen_address for /metrics and /status")
     p.add_argument("--no-http", action="store_true", help="do not serve /metrics and /status")
     p.add_argument("--id", metavar="ID", default=None,
                    help="this replica's name in the leader election (registry.url set); default hostname:pid")
     p.add_argument("--record", metavar="FILE", default=None,
                    help="flight recorder: append every tick's observation (Prometheus samples, HAProxy servers, "
                    "states, canary rounds) to FILE as JSON lines (.gz: gzip), to decide the run again offline "
-                   "with `grayguard replay --recording FILE --config ...` (same config: the same decisions; "
+                   "with `grayguard replay --recording FILE --config.file ...` (same config: the same decisions; "
                    "another: what it would have done). About 2.5 KB per node per tick; gzipped (.gz) 0.2 KB")
 
 
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 parse_address(args.listen_address)
             except ValueError as e:
-                raise ConfigError("--listen-address", str(e)) from None
+                raise ConfigError("--web.listen-address", str(e)) from None
         preflight(cfg)
         if args.check:
             print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")

@@ -33,6 +33,7 @@ from grayguard.controller.policy import (
     pool_policies,
 )
 
+from grayguard import flags
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
 
@@ -60,8 +61,8 @@ failing probe_result is a failed canary, otherwise normalized_latency is the can
 Output (JSON lines, --out or stdout): {"t", "pool", "node", "state", "score", "weight", "reason"}.
 
 examples:
-  grayguard replay --config grayguard.yaml --trace incident.csv --out decisions.jsonl
-  grayguard replay --config grayguard.yaml --trace incident.csv \\
+  grayguard replay --config.file grayguard.yaml --trace incident.csv --out decisions.jsonl
+  grayguard replay --config.file grayguard.yaml --trace incident.csv \\
       --from-prometheus http://prometheus:9090 --start 2026-11-20T10:00:00Z --end 2026-11-20T11:00:00Z --step 5
 """
 REQUIRED = ("t", "pool", "node", "normalized_latency")
@@ -301,11 +302,12 @@ def run_recording(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, metavar="FILE", help="YAML config: thresholds and recovery")
+    flags.renamed(p, "--config.file", "--config", required=True, dest="config", metavar="FILE",
+                  help="YAML config: thresholds and recovery")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--recording", metavar="FILE",
                      help="a controller's recording (grayguard controller --record FILE; .gz read as gzip): "
-                     "every tick decided again by the live decision code under --config; stderr sums up each "
+                     "every tick decided again by the live decision code under --config.file; stderr sums up each "
                      "node (quarantines, cuts, ticks that differ from what the live controller did)")
     src.add_argument("--trace", metavar="CSV",
                      help="trace to replay (with --from-prometheus: where the built trace is written)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from grayguard.dashboards.config import DashboardConfig
 
+from grayguard import flags
 from grayguard.config import ConfigError, load_config
 
 # The builders (and grafana-foundation-sdk) are imported when a dashboard is rendered, not here: the
@@ -20,7 +21,7 @@ DESCRIPTION = f"""\
 render  writes grayguard-pool-overview.json and grayguard-gpu-health.json from the config: the recorded
         series' window suffixes (rules.control_window, rules.human_window), the peer-score thresholds
         (thresholds.quarantine_score), the live ones (live_cut_ratio, live_drift),
-        job names and vLLM naming. Without --config the
+        job names and vLLM naming. Without --config.file the
         defaults are used (the same as grayguard.example.yaml). Files are replaced atomically, only when
         they change. --check writes nothing and exits 1 when a file would change.
 
@@ -28,7 +29,7 @@ Grafana loads the files from a folder with dashboards/provisioning/*.yaml; see d
 
 examples:
   grayguard dashboards render                               # refresh the committed JSON in {DASHBOARDS_DIR.name}/
-  grayguard dashboards render --config grayguard.yaml --out /var/lib/grafana/dashboards/grayguard
+  grayguard dashboards render --config.file grayguard.yaml --out /var/lib/grafana/dashboards/grayguard
   grayguard dashboards render --check
 """
 
@@ -36,7 +37,8 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="dashboards_action", metavar="ACTION")
     r = sub.add_parser("render", help="render the dashboard JSON files")
-    r.add_argument("--config", metavar="FILE", help="grayguard YAML config (default: built-in defaults)")
+    flags.renamed(r, "--config.file", "--config", dest="config", metavar="FILE",
+                  help="grayguard YAML config (default: built-in defaults)")
     r.add_argument("--out", default=str(DASHBOARDS_DIR), metavar="DIR",
                    help="output directory (default: %(default)s)")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")

@@ -94,7 +94,7 @@ FLEET_DEFAULTS = {
 # shipped defaults (cut, quarantine, page: seconds after the fault).
 TARGETS = {"sim": (3.0, 10.0, 15.0), "vllm": (5.0, 10.0, 15.0)}
 # in the report directory: the controller's flight recording and the config it ran with; together they decide the run
-# again offline: grayguard replay --recording <dir>/recording.jsonl.gz --config <dir>/grayguard.yaml
+# again offline: grayguard replay --recording <dir>/recording.jsonl.gz --config.file <dir>/grayguard.yaml
 RECORDING, CONFIG = "recording.jsonl.gz", "grayguard.yaml"
 
 
@@ -573,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"grayguard demo: {e}", file=sys.stderr)
         return 2
-    # The live view shows transitions and pages; per-tick logs would drown it (--log-level DEBUG shows all).
+    # The live view shows transitions and pages; per-tick logs would drown it (--log.level debug shows all).
     if logging.getLogger().level > logging.DEBUG:
         for name in ("aiohttp", "grayguard", "exporters", "rules", "sim", "localstack", "demo"):
             logging.getLogger(name).setLevel(logging.WARNING)

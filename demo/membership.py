@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"grayguard demo: {e}", file=sys.stderr)
         return 2
-    # The live view shows the join, the crash and the pages; per-tick logs would drown it (--log-level DEBUG: all).
+    # The live view shows the join, the crash and the pages; per-tick logs would drown it (--log.level debug: all).
     if logging.getLogger().level > logging.DEBUG:
         for name in ("aiohttp", "grayguard", "exporters", "rules", "sim", "localstack", "demo"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -132,9 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="DURATION", help="longest a scrape waits for NVML (default %(default)s)")
     n.add_argument("--no-collector.nvml.xid", dest="xid", action="store_false",
                    help="do not listen for XID error events")
-    _add_registry_arguments(p)
-    p.add_argument("--log.level", dest="exporter_log_level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log verbosity of the exporter (default: grayguard's --log-level)")
+    _add_registry_arguments(p)  # --log.level and --log.format: grayguard/cli.py gives every subcommand them
 
 
 def _add_registry_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,8 +255,6 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 2 on a bad flag, 1 when a listen address cannot be bound."""
-    if args.exporter_log_level:
-        logging.getLogger().setLevel(args.exporter_log_level)
     error = config_error(args)
     if error:
         log.error("bad configuration: %s", error)

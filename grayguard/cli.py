@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from grayguard import __version__, terminate
+from grayguard import __version__, flags, logsetup, terminate
 
 # subcommand -> module providing HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "HAProxy traffic away from them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log verbosity (default INFO)")
+    logsetup.add_flags(parser)
+    flags.alias(parser, "--log-level", _action(parser, "--log.level"))  # before the subcommand only, as it was
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     absent = []
     for name, modname in SUBCOMMANDS.items():
@@ -55,22 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
+        for _path, each in flags.walk(p):  # `rules render --log.level debug` too: after the last subcommand
+            logsetup.add_flags(each)
         p.set_defaults(_run=mod.run)
     if absent:
         parser.epilog = f"not installed here: {', '.join(absent)} (they come with pip install 'grayguard[dev]')"
     return parser
 
 
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, set up logging and run the chosen subcommand.
+    """Parse arguments, set up logging (grayguard/logsetup.py), warn of deprecated flags, run the subcommand.
 
     SIGTERM unwinds like Ctrl-C (exit 143, grayguard/terminate.py): a command that starts processes stops every one
     of them in its `finally` and writes what it has. Commands with their own handling (controller, exporter,
     actuator) install their handlers over this one."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logsetup.setup_from_args(args)
+    flags.warn_deprecated(args, logging.getLogger("grayguard.cli"))
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

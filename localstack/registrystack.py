@@ -247,15 +247,17 @@ def _host_main(argv: list[str]) -> int:
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
     from grayguard.sim.fleet import Fleet, FleetThread
 
+    from grayguard import logsetup
+
     p = argparse.ArgumentParser(prog="python -m localstack.registrystack host")
     p.add_argument("--name", required=True, help="the node's name (its HAProxy server name)")
     p.add_argument("--port", type=int, required=True, help="the simulated vLLM node's port")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")
     cli.add_arguments(p)
+    logsetup.add_flags(p)  # what `grayguard exporter` has from the dispatcher
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.exporter_log_level or "INFO", stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logsetup.setup_from_args(args, default_level="INFO")
     error = cli.config_error(args)
     if error:
         log.error("bad configuration: %s", error)

@@ -398,7 +398,7 @@ class LocalStack:
         self._ctl_thread.start()
 
     def controller_config_yaml(self) -> str:
-        """The controller's config document as YAML (what `grayguard controller --config` and `replay` read)."""
+        """The controller's config document as YAML (what `grayguard controller --config.file` and `replay` read)."""
         return yaml.safe_dump(self._cfg_doc, sort_keys=False)
 
     def _recorder(self):
@@ -410,15 +410,15 @@ class LocalStack:
         return Recorder(self.spec.record)
 
     def _start_controller_process(self, timeout_s: float = 30.0) -> None:
-        """`grayguard controller --config <dir>/controller/grayguard.yaml` (the same document), output in
+        """`grayguard controller --config.file <dir>/controller/grayguard.yaml` (the same document), output in
         controller.log next to it; returns once it serves /metrics."""
         d = self.dir / "controller"
         d.mkdir(exist_ok=True)
         path = d / "grayguard.yaml"
         path.write_text(self.controller_config_yaml())
         self.progress("starting the controller process")
-        argv = [sys.executable, "-m", "grayguard.cli", "--log-level", "INFO", "controller", "--config", str(path),
-                *(("--record", self.spec.record) if self.spec.record else ())]
+        argv = [sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(path),
+                "--log.level", "info", *(("--record", self.spec.record) if self.spec.record else ())]
         self.controller_proc = ManagedProcess(argv, d / "controller.log", env=_child_env(), cwd=REPO)
         self.controller_proc.wait_ready(self.controller_url + "/metrics", timeout_s)
 
@@ -673,14 +673,16 @@ def _exporter_main(argv: list[str]) -> int:
     from grayguard.exporters import cli
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 
+    from grayguard import logsetup
+
     p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")
     p.add_argument("--gpu-state-file", type=Path, default=None,
                    help="follow the fault's GPU effects that the stack writes here (ExporterProcess.set_gpu)")
     cli.add_arguments(p)
+    logsetup.add_flags(p)  # what `grayguard exporter` has from the dispatcher
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.exporter_log_level or "WARNING", stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logsetup.setup_from_args(args, default_level="WARNING")
     error = cli.config_error(args)
     if error:
         log.error("bad configuration: %s", error)

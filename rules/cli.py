@@ -14,6 +14,7 @@ from grayguard.rules import shards
 from grayguard.rules.render import recording_rule_names, render_all
 from grayguard.rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
+from grayguard import flags
 from grayguard.binaries import install_hint
 from grayguard.config import ConfigError, load_config
 from grayguard.promclient import PromError, PrometheusClient
@@ -35,17 +36,18 @@ shards  splits the config's pools over N Prometheus servers by Prometheus' own h
         (docs/operations.md, "Sharding"; rules/shards.py).
 
 examples:
-  grayguard rules render --config grayguard.yaml --out /etc/prometheus/rules
-  grayguard rules render --config grayguard.yaml --out rules --prometheus-baselines
+  grayguard rules render --config.file grayguard.yaml --out /etc/prometheus/rules
+  grayguard rules render --config.file grayguard.yaml --out rules --prometheus-baselines
   grayguard rules check
-  grayguard rules shards --config grayguard.yaml --shards 2
+  grayguard rules shards --config.file grayguard.yaml --shards 2
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="rules_action", metavar="ACTION")
     r = sub.add_parser("render", help="render rule files from the config")
-    r.add_argument("--config", required=True, metavar="FILE", help="YAML config (see grayguard.example.yaml)")
+    flags.renamed(r, "--config.file", "--config", required=True, dest="config", metavar="FILE",
+                  help="YAML config (see grayguard.example.yaml)")
     r.add_argument("--out", metavar="DIR", help="output directory (default: rules.output_dir of the config)")
     r.add_argument("--prometheus-baselines", action="store_true",
                    help="query prometheus.url for learned per-pool TTFT baselines (regression alerts)")
@@ -56,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--promtool", default="promtool", metavar="BIN")
     c.add_argument("--amtool", default="amtool", metavar="BIN")
     s = sub.add_parser("shards", help="split the pools over N Prometheus servers (hashmod of the pool label)")
-    s.add_argument("--config", required=True, metavar="FILE", help="YAML config listing every pool")
+    flags.renamed(s, "--config.file", "--config", required=True, dest="config", metavar="FILE",
+                  help="YAML config listing every pool")
     s.add_argument("--shards", required=True, type=int, metavar="N", help="Prometheus servers (>= 1)")
 
 

@@ -66,7 +66,7 @@ def test_once_dry_run_prints_a_plan_and_writes_nothing(tmp_path):
         plan = f"plan: {hap.endpoint}: set server vllm_chat/node2 weight"
         deadline = time.monotonic() + 60
         while True:
-            p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(cfg_path),
+            p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(cfg_path),
                                 "--once", "--dry-run"], capture_output=True, text=True, timeout=60)
             assert p.returncode == 0, p.stdout + p.stderr
             if plan in p.stdout or time.monotonic() > deadline:

@@ -50,7 +50,7 @@ def test_two_processes_elect_one_leader_and_the_standby_takes_over(tmp_path, hap
 
         def start(rid: str):
             port = free_port()
-            p = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config", config(rid, port),
+            p = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", config(rid, port),
                                "--id", rid], tmp_path / f"{rid}.log")
             procs.append(p)
             wait_until(lambda: status(port), 20, what=f"{rid} serves /status")
@@ -62,7 +62,8 @@ def test_two_processes_elect_one_leader_and_the_standby_takes_over(tmp_path, hap
         wait_until(lambda: status(pb)["leadership"]["leaders"] == {"all": "a"}, 10, what="b sees a lead")
         assert not leads(pb, "b")
 
-        once = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config", config("c", free_port()),
+        once = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config.file",
+                              config("c", free_port()),
                               "--id", "c", "--once"], tmp_path / "c.log")
         once.proc.wait(30)
         assert once.proc.returncode == 1 and "STANDBY: replica c stands by (a leads)" in once.log_tail()

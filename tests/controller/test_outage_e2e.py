@@ -233,7 +233,7 @@ class Replica:
         path = tmp / f"{rid}.yaml"
         path.write_text(yaml.safe_dump(doc))
         self.log = tmp / f"{rid}.log"
-        self.proc = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(path),
+        self.proc = start_process([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(path),
                                    "--id", rid], self.log)
         self.proc.wait_for(self.status, 30, what=f"{rid} serves /status")
 

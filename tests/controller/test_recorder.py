@@ -83,7 +83,7 @@ def test_replay_of_a_bad_recording_exits_2_naming_the_line(tmp_path):
     path.write_text('{"recording": 1}\n{broken\n')
     cfg = tmp_path / "g.yaml"
     cfg.write_text((REPO / "grayguard.example.yaml").read_text())
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", str(cfg), "--recording",
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", str(cfg), "--recording",
                         str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "bad.jsonl:2: not JSON" in p.stderr, p.stderr
 
@@ -109,7 +109,7 @@ def test_the_demo_s_recording_replays_to_the_live_controller_s_decisions_tick_fo
     other = yaml.safe_load((report / CONFIG).read_text())
     other.setdefault("thresholds", {})["max_ejected_fraction"] = 0.0
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", str(tmp_path / "other.yaml"),
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", str(tmp_path / "other.yaml"),
                         "--recording", str(report / RECORDING), "--out", str(tmp_path / "d.jsonl")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

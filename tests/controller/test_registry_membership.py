@@ -281,7 +281,7 @@ def test_once_dry_run_prints_the_membership_plan_and_writes_nothing(rig_factory)
     doc["state_file"] = str(rig.tmp / "state.json")
     path = rig.tmp / "grayguard.yaml"
     path.write_text(yaml.safe_dump(doc))
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(path), "--once",
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(path), "--once",
                         "--dry-run"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr  # held: Prometheus is down
     for n in rig.nodes:

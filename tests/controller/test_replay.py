@@ -72,12 +72,12 @@ def test_replay_cli_writes_jsonl(tmp_path):
         lines.append(f"{r.t},{r.pool},{r.node},{r.latency}")
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "o.jsonl"
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", "grayguard.example.yaml",
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", "grayguard.example.yaml",
                         "--trace", str(trace), "--out", str(out)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(recs) == 80 and any(r["state"] == "quarantined" for r in recs)
     assert "node-ticks by state" in p.stderr
-    bad = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", "grayguard.example.yaml",
+    bad = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", "grayguard.example.yaml",
                           "--trace", str(tmp_path / "missing.csv")], capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot read trace" in bad.stderr

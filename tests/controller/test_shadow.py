@@ -189,7 +189,7 @@ def test_a_replay_of_a_real_run_with_the_live_detector_shadowed_says_what_it_wou
     cfg = yaml.safe_load((run_dir / "grayguard.yaml").read_text())
     cfg["detectors"] = {"live": {"enforce": False}}
     (tmp_path / "shadow.yaml").write_text(yaml.safe_dump(cfg))
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config", str(tmp_path / "shadow.yaml"),
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", str(tmp_path / "shadow.yaml"),
                         "--recording", str(run_dir / "recording.jsonl.gz"), "--out", str(tmp_path / "d.jsonl")],
                        cwd=repo, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

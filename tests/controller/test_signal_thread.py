@@ -44,7 +44,7 @@ def config(tmp_path: Path) -> Path:
 def test_sigterm_delivered_to_a_worker_thread_stops_the_controller(tmp_path):
     log = tmp_path / "controller.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "controller", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "controller", "--config.file",
                                  str(config(tmp_path)), "--no-http"], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

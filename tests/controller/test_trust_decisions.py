@@ -224,7 +224,7 @@ def test_replay_uses_the_pools_group_speed(tmp_path):
     cfg_path = tmp_path / "g.yaml"
     cfg_path.write_text(yaml.safe_dump(doc))
     mixed_trace(tmp_path / "t.csv")
-    args = replay_args("--config", str(cfg_path), "--trace", str(tmp_path / "t.csv"),
+    args = replay_args("--config.file", str(cfg_path), "--trace", str(tmp_path / "t.csv"),
                        "--out", str(tmp_path / "o.jsonl"))
     assert replay.run(args) == 0
     recs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
@@ -241,7 +241,7 @@ def test_replay_uses_the_pools_group_speed(tmp_path):
 
 def test_replay_says_when_a_pool_of_the_trace_is_not_configured(tmp_path, capsys):
     mixed_trace(tmp_path / "t.csv")
-    args = replay_args("--config", "grayguard.example.yaml", "--trace", str(tmp_path / "t.csv"), "--out",
+    args = replay_args("--config.file", "grayguard.example.yaml", "--trace", str(tmp_path / "t.csv"), "--out",
                        str(tmp_path / "o.jsonl"))
     text = (tmp_path / "t.csv").read_text().replace(",chat,", ",other,")
     (tmp_path / "t.csv").write_text(text)

@@ -236,7 +236,7 @@ def grayguard(*args: str, **kw) -> subprocess.CompletedProcess:
 def test_second_controller_exits_2_naming_the_first(tmp_path):
     sf = tmp_path / "state.json"
     cfg = controller_config(tmp_path, sf)
-    first = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "controller", "--config", cfg, "--no-http"],
+    first = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", cfg, "--no-http"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lock = tmp_path / "state.json.lock"
@@ -245,17 +245,17 @@ def test_second_controller_exits_2_naming_the_first(tmp_path):
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.1)
         assert lock.read_text().strip() == str(first.pid)
-        second = grayguard("--config", cfg)
+        second = grayguard("--config.file", cfg)
         assert second.returncode == 2, second.stderr
         assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
-        once = grayguard("--config", cfg, "--once")  # a one-shot tick writes too: refused as well
+        once = grayguard("--config.file", cfg, "--once")  # a one-shot tick writes too: refused as well
         assert once.returncode == 2 and f"pid {first.pid}" in once.stderr
-        dry = grayguard("--config", cfg, "--once", "--dry-run")  # writes nothing: needs no lock
+        dry = grayguard("--config.file", cfg, "--once", "--dry-run")  # writes nothing: needs no lock
         assert dry.returncode == 1 and "pid" not in dry.stderr and "HOLD" in dry.stdout
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(30)
-    after = grayguard("--config", cfg, "--once")  # the lock went with the first controller
+    after = grayguard("--config.file", cfg, "--once")  # the lock went with the first controller
     assert after.returncode == 1 and "holds" not in after.stderr
 
 
@@ -263,5 +263,5 @@ def test_state_path_under_a_regular_file_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("x")
     cfg = controller_config(tmp_path, tmp_path / "file" / "state.json")
     for args in (("--check",), ("--once",)):
-        p = grayguard("--config", cfg, *args)
+        p = grayguard("--config.file", cfg, *args)
         assert p.returncode == 2 and "state_file" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -71,7 +71,7 @@ def test_check_reports_a_stale_file_and_writes_nothing(tmp_path, capsys):
 def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
     bad = tmp_path / "g.yaml"
     bad.write_text("pools: [{name: chat, backend: b}]\nthresholds: {quarantine_score: 1.0}\n")
-    assert dash(["render", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert dash(["render", "--config.file", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "thresholds.quarantine_score" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -81,7 +81,7 @@ def test_no_action_exits_2(capsys):
 
 
 def test_dispatcher_has_the_subcommand():
-    args = build_parser().parse_args(["dashboards", "render", "--out", "x", "--config", "y"])
+    args = build_parser().parse_args(["dashboards", "render", "--out", "x", "--config.file", "y"])
     assert (args.out, args.config, args.check) == ("x", "y", False)
     assert all(name in cli.DESCRIPTION for name in BUILDERS) and cli.DASHBOARDS_DIR == DASHBOARDS_DIR
 

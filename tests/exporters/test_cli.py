@@ -40,7 +40,7 @@ def test_defaults():
 def test_prometheus_style_flags():
     args = parse("--vllm.url", "http://10.0.0.7:8000", "--web.listen-address", ":9500", "--probe.interval", "5s",
                  "--probe.slow-threshold", "250ms", "--probe.deadline", "1m", "--probe.model", "m",
-                 "--probe.api-key-file", "/run/key", "--no-collector.nvml", "--no-probe", "--log.level", "DEBUG")
+                 "--probe.api-key-file", "/run/key", "--no-collector.nvml", "--no-probe")
     assert args.listen == ("0.0.0.0", 9500)
     assert (args.probe_interval, args.probe_slow, args.probe_deadline) == (5.0, 0.25, 60.0)
     assert not args.nvml and not args.probe and args.probe_model == "m"
@@ -52,7 +52,7 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--vllm.url", "--web.listen-address", "--probe.interval", "--probe.slow-threshold",
                  "--probe.deadline", "--probe.model", "--probe.api-key-env", "--probe.api-key-file",
-                 "--no-collector.nvml", "--no-probe", "--log.level", "--agent.listen-address", "--no-agent",
+                 "--no-collector.nvml", "--no-probe", "--agent.listen-address", "--no-agent",
                  "--live.window", "/metrics/fast"):
         assert flag in out
     assert cli.HELP and "\n" not in cli.HELP

@@ -63,15 +63,15 @@ def test_cli_exits_2_naming_the_field(tmp_path):
     d["thresholds"] = {"max_ejected_fraction": 3}
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(d))
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(f), "--check"],
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(f), "--check"],
                        capture_output=True, text=True)
     assert p.returncode == 2
     assert "thresholds.max_ejected_fraction" in p.stderr
     f.write_text("pools: [")
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(f), "--check"],
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(f), "--check"],
                        capture_output=True, text=True)
     assert p.returncode == 2 and "not valid YAML" in p.stderr
-    ok = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config",
+    ok = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file",
                          "grayguard.example.yaml", "--check"], capture_output=True, text=True)
     assert ok.returncode == 0 and "OK" in ok.stdout
 

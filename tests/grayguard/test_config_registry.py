@@ -77,7 +77,7 @@ def test_the_lease_checks_apply_only_with_a_registry():
 def test_check_exits_2_naming_the_field(tmp_path):
     p = tmp_path / "g.yaml"
     p.write_text(yaml.safe_dump({"pools": [POOL], "registry": {"url": "http://e:2379", "lease_ttl_s": 1}}))
-    r = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(p), "--check"],
+    r = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(p), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "registry.lease_ttl_s: must be >= 2" in r.stderr
 
@@ -187,6 +187,6 @@ def test_check_exits_2_naming_a_missing_ca_file(tmp_path):
     p = tmp_path / "g.yaml"
     p.write_text(yaml.safe_dump({"pools": [POOL], "state_file": None,
                                  "registry": {**HTTPS, "ca_file": str(tmp_path / "ca.pem")}}))
-    r = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(p), "--check"],
+    r = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(p), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "registry.ca_file: cannot load CA file" in r.stderr, r.stderr

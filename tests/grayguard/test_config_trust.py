@@ -37,7 +37,7 @@ def with_override(section: str, override: dict) -> dict:
 def check(tmp_path, doc: dict, capsys) -> tuple[int, str]:
     f = tmp_path / "grayguard.yaml"
     f.write_text(yaml.safe_dump(doc))
-    rc = main(["controller", "--config", str(f), "--check"])
+    rc = main(["controller", "--config.file", str(f), "--check"])
     return rc, capsys.readouterr().err
 
 
@@ -101,7 +101,7 @@ def test_canary_url_message_names_the_fix():
 def test_check_runs_as_a_command(tmp_path):
     f = tmp_path / "grayguard.yaml"
     f.write_text(yaml.safe_dump(with_override("pool0", {"servers": {"node1": {"canary_url": "node1:8000"}}})))
-    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config", str(f), "--check"],
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(f), "--check"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "pools[0].servers.node1.canary_url" in p.stderr
     assert "Traceback" not in p.stderr
@@ -110,8 +110,8 @@ def test_check_runs_as_a_command(tmp_path):
 def test_listen_address_override_is_checked(tmp_path, capsys):
     f = tmp_path / "grayguard.yaml"
     f.write_text(yaml.safe_dump(BASE))
-    assert main(["controller", "--config", str(f), "--listen-address", "127.0.0.1:99999", "--check"]) == 2
-    assert "--listen-address" in capsys.readouterr().err
+    assert main(["controller", "--config.file", str(f), "--web.listen-address", "127.0.0.1:99999", "--check"]) == 2
+    assert "--web.listen-address" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("url", ["https://wiki.example/Runbook: GPU", "https://wiki.example/a #b: c",

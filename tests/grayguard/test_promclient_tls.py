@@ -163,7 +163,7 @@ def test_tls_and_token_files_are_checked_by_check(prom, pki, tmp_path, capsys, o
             "key_file": str(pki / "client.key"), **override}
     f = tmp_path / "grayguard.yaml"
     f.write_text(json.dumps({"prometheus": args, "pools": [{"name": "chat", "backend": "b"}], "state_file": None}))
-    assert main(["controller", "--config", str(f), "--check"]) == 2
+    assert main(["controller", "--config.file", str(f), "--check"]) == 2
     assert f"config error: {field}: " in capsys.readouterr().err
 
 

@@ -94,7 +94,7 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
     rows = [ln.split(" | ")[0].lstrip("| ") for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]
     assert rows[1:] == ["controller", "exporter node1", "exporter node2", "exporter node3"], text
     # What was measured is the controller and the exporters themselves, each its own process.
-    assert "controller = `pid " in text and "-m grayguard.cli --log-level INFO controller --config" in text
+    assert "controller = `pid " in text and "-m grayguard.cli controller --config.file" in text
     assert text.count("-m localstack.stack exporter") == 3
     assert "Ticks: ok" in text and "Requests:" in text
     for ln in text.splitlines():  # every process sampled: no empty row

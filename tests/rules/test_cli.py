@@ -14,18 +14,18 @@ EXAMPLE = REPO / "grayguard.example.yaml"
 
 def test_render_writes_then_reports_unchanged(tmp_path, capsys):
     out = tmp_path / "rules"
-    assert main(["rules", "render", "--config", str(EXAMPLE), "--out", str(out)]) == 0
+    assert main(["rules", "render", "--config.file", str(EXAMPLE), "--out", str(out)]) == 0
     assert (out / RECORDING_FILE).read_text() == (REPO / "rules" / RECORDING_FILE).read_text()
     assert (out / ALERTS_FILE).read_text() == (REPO / "rules" / ALERTS_FILE).read_text()
     assert capsys.readouterr().out.count("written") == 2
-    assert main(["rules", "render", "--config", str(EXAMPLE), "--out", str(out)]) == 0
+    assert main(["rules", "render", "--config.file", str(EXAMPLE), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("unchanged") == 2
 
 
 def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("pools: [{name: chat, backend: b}]\nrules:\n  omega: 7\n")
-    assert main(["rules", "render", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "rules.omega" in err and "config error" in err
     assert not (tmp_path / "o").exists()
@@ -34,14 +34,14 @@ def test_bad_config_names_the_field_and_exits_2(tmp_path, capsys):
 def test_unknown_override_exits_2(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("pools: [{name: chat, backend: b}]\nrules:\n  alert_for: {GrayguardNope: 1m}\n")
-    assert main(["rules", "render", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path / "o")]) == 2
     assert "rules.alert_for.GrayguardNope" in capsys.readouterr().err
 
 
 def test_signals_mismatch_is_warned(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("pools: [{name: chat, backend: b}]\nrules:\n  control_window: 10s\n")
-    assert main(["rules", "render", "--config", str(cfg), "--out", str(tmp_path / "o")]) == 0
+    assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path / "o")]) == 0
     assert "signals.latency_query" in capsys.readouterr().err
 
 
@@ -51,7 +51,7 @@ def test_render_with_prometheus_baselines(tmp_path, capsys):
     cfg.write_text("pools: [{name: chat, backend: b}]\nprometheus: {url: 'http://prom.test:9090'}\n")
     responses.get("http://prom.test:9090/api/v1/query", json={"status": "success", "data": {
         "resultType": "vector", "result": [{"metric": {"pool": "chat"}, "value": [1, "0.61"]}]}})
-    assert main(["rules", "render", "--config", str(cfg), "--out", str(tmp_path), "--prometheus-baselines"]) == 0
+    assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path), "--prometheus-baselines"]) == 0
     assert '{pool="chat"} > 2 * 0.61' in (tmp_path / ALERTS_FILE).read_text()
 
 
@@ -60,7 +60,7 @@ def test_unreachable_prometheus_exits_1(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("pools: [{name: chat, backend: b}]\nprometheus: {url: 'http://prom.test:9090'}\n")
     responses.get("http://prom.test:9090/api/v1/query", status=502)
-    assert main(["rules", "render", "--config", str(cfg), "--out", str(tmp_path), "--prometheus-baselines"]) == 1
+    assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path), "--prometheus-baselines"]) == 1
     assert "cannot learn baselines" in capsys.readouterr().err
 
 

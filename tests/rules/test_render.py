@@ -45,7 +45,7 @@ def test_committed_rules_are_the_render_of_the_example_config():
     cfg = load_config(EXAMPLE)
     for name, text in render_all(cfg).items():
         assert (RULES / name).read_text() == text, f"rules/{name} is stale: run grayguard rules render " \
-                                                    "--config grayguard.example.yaml --out rules"
+                                                    "--config.file grayguard.example.yaml --out rules"
 
 
 def test_committed_learned_fixture_is_current():

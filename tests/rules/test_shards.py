@@ -40,7 +40,7 @@ def test_relabel_configs_keep_one_shard():
 def test_the_command_prints_each_shards_pools_and_relabelling(tmp_path, capsys):
     cfg = tmp_path / "g.yaml"
     cfg.write_text(yaml.safe_dump({"pools": [{"name": p, "backend": f"be_{p}"} for p in ("p0", "p1", "p2", "p7")]}))
-    assert main(["rules", "shards", "--config", str(cfg), "--shards", "2"]) == 0
+    assert main(["rules", "shards", "--config.file", str(cfg), "--shards", "2"]) == 0
     out = capsys.readouterr().out
     assert "shard 0: 2 pools: p1, p7" in out and "shard 1: 2 pools: p0, p2" in out
     assert out.count("action: hashmod") == 2 and "regex: '1'" in out
@@ -49,11 +49,11 @@ def test_the_command_prints_each_shards_pools_and_relabelling(tmp_path, capsys):
 def test_the_command_refuses_bad_input_with_exit_2_and_warns_of_an_empty_shard(tmp_path, capsys):
     cfg = tmp_path / "g.yaml"
     cfg.write_text(yaml.safe_dump({"pools": [{"name": "p0", "backend": "be"}]}))
-    assert main(["rules", "shards", "--config", str(cfg), "--shards", "0"]) == 2
+    assert main(["rules", "shards", "--config.file", str(cfg), "--shards", "0"]) == 2
     assert "--shards: must be >= 1" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"pools": [{"name": "p0"}]}))
-    assert main(["rules", "shards", "--config", str(bad), "--shards", "2"]) == 2
+    assert main(["rules", "shards", "--config.file", str(bad), "--shards", "2"]) == 2
     assert "pools[0]" in capsys.readouterr().err
-    assert main(["rules", "shards", "--config", str(cfg), "--shards", "2"]) == 0
+    assert main(["rules", "shards", "--config.file", str(cfg), "--shards", "2"]) == 0
     assert "shard 0 has no pool" in capsys.readouterr().err

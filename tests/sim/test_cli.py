@@ -72,7 +72,7 @@ def test_bad_options_exit_2(argv, capsys):
 def test_fleet_process_with_loadgen(capsys, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "grayguard.cli", "--log-level", "WARNING", "fleet", "--nodes", "2",
+        [sys.executable, "-m", "grayguard.cli", "fleet", "--log.level", "warning", "--nodes", "2",
          "--decode-ms", "3", "--jitter", "0", "--fault", "node2:thermal:0:-:k=3"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -120,7 +120,7 @@ def test_fleet_stopped_by_sigterm_exits_0_and_closes_its_ports():
     import socket
     import urllib.parse
 
-    proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "--log-level", "WARNING", "fleet", "--nodes",
+    proc = subprocess.Popen([sys.executable, "-m", "grayguard.cli", "fleet", "--log.level", "warning", "--nodes",
                              "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
