@@ -179,7 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--pool", dest="pools", action="append", default=[], metavar="NAME",
       help="apply only this pool (repeat for several; default: every pool the leader publishes)")
     a("--web.listen-address", dest="listen", type=parse_listen_address, default="127.0.0.1:9310", metavar="HOST:PORT",
-      help="where to serve /metrics (default 127.0.0.1:9310; ':9310' = all interfaces)")
+      help="where to serve /metrics, /healthz and /readyz (default 127.0.0.1:9310; ':9310' = all interfaces)")
     a("--view.listen-address", dest="view", type=parse_listen_address, default=None, metavar="HOST:PORT",
       help="serve the controller a read-only view of this HAProxy here (show servers state, show stat; "
            "everything else refused); default: off")
@@ -220,22 +220,35 @@ def run(args: argparse.Namespace) -> int:
             print(f"plan: {hap.endpoint}: {c.command.render()}    # {c.reason}")
         print(res.error or f"pools: {', '.join(res.pools) or 'none'}; {len(res.changes)} change(s)")
         return 1 if res.error or res.failed else 0
+    from grayguard.controller.health import Beat, readiness, stall_limit_s
+    from grayguard.controller.httpserver import probe
     from grayguard.controller.ticker import Periodic
 
     from grayguard.httpserve import metrics_handler
     from grayguard.httpserve import serve as serve_routes
 
+    beat = Beat()
+    # a round waits on etcd, then on HAProxy: past twice that and 10 rounds (at least 10 s) the loop is stalled
+    limit = stall_limit_s(args.interval, args.registry_timeout + args.haproxy_timeout)
+    routes = {"GET /metrics": metrics_handler(metrics.registry),
+              "GET /healthz": probe(lambda: beat.health(limit, "round")),
+              "GET /readyz": probe(lambda: readiness(beat.completed, what="round"))}
     try:
         view = RuntimeView(args.view, hap, metrics.view_requests).start() if args.view else None
-        srv = serve_routes(f"{args.listen[0]}:{args.listen[1]}", {"GET /metrics": metrics_handler(metrics.registry)},
-                           name="actuator-http", logger=log)
+        srv = serve_routes(f"{args.listen[0]}:{args.listen[1]}", routes, name="actuator-http", logger=log)
     except OSError as e:
         print(f"grayguard: actuator: cannot listen: {e}", file=sys.stderr)
         return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    job = Periodic("actuator", act.round, args.interval, stop).start()
+    def round_() -> None:
+        try:
+            act.round()
+        finally:
+            beat.done()
+
+    job = Periodic("actuator", round_, args.interval, stop).start()
     log.info("actuator: %s -> %s every %gs%s%s", ", ".join(args.registry_url), hap.endpoint, args.interval,
              f"; read-only view on {args.view[0]}:{args.view[1]}" if view else "", " (dry run)" if args.dry_run else "")
     terminate.wait(stop)  # timed: a SIGTERM delivered to a worker thread is still seen (grayguard/terminate.py)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from grayguard.controller import gcpolicy
 from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
+from grayguard.controller.health import Beat, readiness, stall_limit_s
 from grayguard.controller.loop import Controller, TickResult
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.statefile import StateFile, StateLock, StateLockError
@@ -37,7 +38,9 @@ Every tick (tick_interval_s) the controller reads each HAProxy's `show servers s
 per-node normalized latency from Prometheus, scores each node against its peers, moves it through
 healthy -> degraded -> quarantined -> canary -> slow_start -> healthy, and writes only the weight and
 state differences to every configured HAProxy. When Prometheus is unreachable or its data is stale
-it holds every weight. Serves /metrics and /status on listen_address. Alert rules are re-rendered by
+it holds every weight. Serves /metrics and /status on listen_address, and the probes /healthz (503
+when no tick has completed for max(10 s, 10 ticks, 2 x a tick's deadlines): the loop is stalled) and
+/readyz (503 until the first tick, and with a registry until it knows whether it leads). Alert rules are re-rendered by
 a job of their own, off the tick. One controller per state file: a second one exits 2 (state_file.lock).
 
 examples:
@@ -56,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan; write nothing to HAProxy or the state file")
     p.add_argument("--check", action="store_true", help="validate the config and exit")
     flags.renamed(p, "--web.listen-address", "--listen-address", dest="listen_address", metavar="HOST:PORT",
-                  help="override listen_address for /metrics and /status")
-    p.add_argument("--no-http", action="store_true", help="do not serve /metrics and /status")
+                  help="override listen_address for /metrics, /status, /healthz and /readyz")
+    p.add_argument("--no-http", action="store_true", help="do not serve /metrics, /status, /healthz and /readyz")
     p.add_argument("--id", metavar="ID", default=None,
                    help="this replica's name in the leader election (registry.url set); default hostname:pid")
     p.add_argument("--record", metavar="FILE", default=None,
@@ -300,12 +303,17 @@ def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> i
         print_plan(result)
         return 1 if result.held or result.errors else 0
     srv = None
+    beat = Beat()
     if not args.no_http:
         from grayguard.controller.httpserver import serve
-        srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status)
-        log.info("serving /metrics and /status on %s", args.listen_address or cfg.listen_address)
+        limit = stall_limit_s(cfg.tick_interval_s, tick_budget_s(cfg))
+        srv = serve(args.listen_address or cfg.listen_address, ctl.metrics.registry, ctl.status,
+                    health=lambda: beat.health(limit), ready=lambda: readiness(beat.completed, ctl.knows_leadership))
+        log.info("serving /metrics, /status, /healthz and /readyz on %s; /healthz fails when no tick has completed "
+                 "for %gs (max(10 s, 10 ticks, 2 x the tick's deadlines))", args.listen_address or cfg.listen_address,
+                 limit)
     stop = threading.Event()
-    run_loop(ctl, cfg.tick_interval_s, stop, rerender=make_rerender(cfg, ctl.metrics))
+    run_loop(ctl, cfg.tick_interval_s, stop, rerender=make_rerender(cfg, ctl.metrics), beat=beat)
     if srv:
         srv.shutdown()
     return 0
@@ -340,36 +348,38 @@ def tick_budget_s(cfg: Config) -> float:
 
 
 def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender: Callable[[], None] | None = None,
-             rerender_interval_s: float | None = None) -> None:
+             rerender_interval_s: float | None = None, beat: Beat | None = None) -> None:
     """Tick every interval_s until SIGINT/SIGTERM or stop is set. Ticks never overlap; late ones are skipped.
 
     Both schedules run on the monotonic clock (controller/ticker.py): a wall-clock step neither bursts nor
     freezes the ticks. The alert re-render (promtool may take a minute, a reload may time out) is a job of
     its own, every rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never
-    overlaps itself.
+    overlaps itself. beat hears of every completed tick (/healthz and /readyz, controller/health.py).
     """
     from grayguard.controller.ticker import Periodic
 
-    beat = [time.monotonic()]  # the tick job's last sign of life: the start or the end of a tick
+    alive = [time.monotonic()]  # the tick job's last sign of life: the start or the end of a tick
 
     def job() -> None:
-        beat[0] = time.monotonic()
+        alive[0] = time.monotonic()
         try:
             ctl.tick()
         except Exception:  # a bug must not kill the loop; it is logged and counted
             ctl.metrics.ticks.labels("error").inc()
             log.exception("tick failed")
         finally:
-            beat[0] = time.monotonic()
+            alive[0] = time.monotonic()
+            if beat is not None:
+                beat.done()
 
     stuck_s = 2 * tick_budget_s(ctl.cfg)
     said: list[float] = []  # the beat a stuck tick was reported for
 
     def renew_lease() -> None:  # a wedged tick must not keep the leadership: a standby takes over
-        if time.monotonic() - beat[0] <= stuck_s:
+        if time.monotonic() - alive[0] <= stuck_s:
             ctl.leadership.renew()  # type: ignore[union-attr]
-        elif beat[0] not in said:
-            said[:] = [beat[0]]
+        elif alive[0] not in said:
+            said[:] = [alive[0]]
             log.error("a tick has run for more than %gs: the lease is no longer renewed, a standby takes over", stuck_s)
 
     def rerender_job() -> None:

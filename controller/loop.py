@@ -93,6 +93,9 @@ class Controller:
         # written; None: it runs alone and leads every pool
         self.leadership = leadership
         self._led: frozenset[str] | None = None
+        # whether the last turn knew if this replica leads (it leads a pool, or reached the registry and every scope
+        # has a leader): /readyz waits for it (controller/health.py); alone, it always knows
+        self.knows_leadership = leadership is None
         self._restoring: set[tuple[str, str]] = set()  # (endpoint, backend): a registry pool's servers all gone
         self._reseed: set[str] = set()  # pools just taken over: drains HAProxy has and their states do not, kept
         self._said_unpublished: set[str] = set()
@@ -542,6 +545,7 @@ class Controller:
         if self.leadership is None:
             return True
         turn = self.leadership.begin_tick()
+        self.knows_leadership = bool(turn.led) or turn.ready
         for pool, states in turn.handover.items():
             self._reseed.add(pool)
             if states is not None:  # None: nothing was ever published, keep what this replica has (its state file)

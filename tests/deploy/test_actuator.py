@@ -263,6 +263,9 @@ def test_the_actuator_command_applies_serves_and_stops_on_sigterm(tmp_path, hapr
         body = urllib.request.urlopen(f"http://127.0.0.1:{web}/metrics", timeout=5).read().decode()
         assert 'grayguard_actuator_writes_total{kind="weight"} 2.0' in body  # node1 0, node2 40: once each
         assert 'grayguard_actuator_rounds_total{result="ok"}' in body
+        for probe, start in (("healthz", "ok: the last round completed"), ("readyz", "ready: ")):  # its probes
+            with urllib.request.urlopen(f"http://127.0.0.1:{web}/{probe}", timeout=5) as r:
+                assert r.status == 200 and r.read().decode().startswith(start)
         p.send_signal(signal.SIGTERM)
         assert p.wait(10) == 0
     finally:
