@@ -25,7 +25,7 @@ LEAVES = [(path, p) for path, p in ALL if path and not any(
     isinstance(a, argparse._SubParsersAction) for a in p._actions)]  # `rules render`, `controller`, ...
 # what reads a config file, and what serves HTTP: each takes the common flag
 CONFIG_FILE = {("controller",), ("replay",), ("rules", "render"), ("rules", "shards"), ("dashboards", "render"),
-               ("config",)}
+               ("config", "check")}
 LISTEN = {("controller",), ("exporter",), ("actuator",)}
 
 
