@@ -226,7 +226,7 @@ def test_the_production_wheel_runs_its_commands_and_has_no_dev_ones(installed, t
 
     from grayguard.config import load_config
     example = REPO / "grayguard.example.yaml"
-    r = run(installed, "rules", "render", "--config", str(example), "--out", str(tmp_path / "rules"), cwd=tmp_path)
+    r = run(installed, "rules", "render", "--config.file", str(example), "--out", str(tmp_path / "rules"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for name, text in render_rules(load_config(example)).items():
         assert (tmp_path / "rules" / name).read_text() == text
@@ -236,7 +236,7 @@ def test_the_production_wheel_runs_its_commands_and_has_no_dev_ones(installed, t
         assert (tmp_path / "dash" / name).read_text() == text
 
     for config in (example, REPO / "deploy" / "kubernetes" / "base" / "controller" / "grayguard.yaml"):
-        c = run(installed, "controller", "--config", str(config), "--check", cwd=tmp_path)
+        c = run(installed, "controller", "--config.file", str(config), "--check", cwd=tmp_path)
         assert c.returncode == 0 and "OK" in c.stdout, (config, c.stderr)
 
 

@@ -125,7 +125,7 @@ def test_the_grayguard_dispatcher_offers_the_exporter():
 
 
 # The exporter's own entry, without the dispatcher (which imports every component).
-ENTRY = ("import argparse, sys, logging; from exporters import cli; logging.basicConfig(level='INFO'); "
+ENTRY = ("import argparse, sys, logging; from grayguard.exporters import cli; logging.basicConfig(level='INFO'); "
          "p = argparse.ArgumentParser(); cli.add_arguments(p); sys.exit(cli.run(p.parse_args(sys.argv[1:])))")
 
 
