@@ -25,6 +25,8 @@ MONITOR_SPEC = {"selector", "namespaceSelector", "jobLabel", "podTargetLabels", 
                 "scrapeProtocols", "scrapeClass", "attachMetadata", "labelLimit", "labelNameLengthLimit",
                 "labelValueLengthLimit", "keepDroppedTargets"}
 SELECTOR = {"matchLabels", "matchExpressions"}
+NAMESPACE_SELECTOR = {"any", "matchNames"}
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a namespace's name
 ROUTE = {"receiver", "groupBy", "groupWait", "groupInterval", "repeatInterval", "matchers", "continue", "routes",
          "muteTimeIntervals", "activeTimeIntervals"}
 MATCHER = {"name", "value", "matchType"}
@@ -111,10 +113,23 @@ def _monitor(spec: dict, endpoints_key: str, endpoint_fields: set[str]) -> Itera
         yield "spec.selector: required"
     else:
         yield from _selector(spec["selector"], "spec.selector")
+    if "namespaceSelector" in spec:
+        yield from _namespace_selector(spec["namespaceSelector"], "spec.namespaceSelector")
     for p in spec.get("scrapeProtocols", []):
         if p not in SCRAPE_PROTOCOLS:
             yield f"spec.scrapeProtocols: {p!r}"
     yield from _endpoints(spec.get(endpoints_key), endpoint_fields, f"spec.{endpoints_key}")
+
+
+def _namespace_selector(sel: object, where: str) -> Iterator[str]:
+    yield from _keys(sel, NAMESPACE_SELECTOR, where)
+    if not isinstance(sel, dict):
+        return
+    if "any" in sel and not isinstance(sel["any"], bool):
+        yield f"{where}.any: expected a boolean"
+    names = sel.get("matchNames", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and DNS_LABEL.match(n) for n in names):
+        yield f"{where}.matchNames: expected a list of namespace names, got {names!r}"
 
 
 def _service_monitor(spec: dict) -> Iterator[str]:
