@@ -18,6 +18,10 @@ from grayguard.vocab import GPU_SLOWDOWN_REASONS
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"
 ALERTS_FILE = "grayguard-alerts.rules.yml"
+# The Grafana dashboards' uids (grayguard dashboards render): the alerts' dashboard_url opens them, and the
+# dashboards take their uids from here, so a link cannot name a dashboard that is not rendered.
+POOL_DASHBOARD_UID = "grayguard-pool-overview"
+GPU_DASHBOARD_UID = "grayguard-gpu-health"
 
 # Every alert the templates emit: name -> (default severity, default `for:`; None: derived from the config, see
 # derived_for). Severity scheme: `page` = a person acts now, day or night; `ticket` = a person looks in working hours.
@@ -148,6 +152,62 @@ def alert_meta(cfg: Config) -> dict[str, dict[str, str]]:
             for name, (sev, dur) in ALERTS.items()}
 
 
+# What an alert is about, for its links (alert_links): a node (controller series: pool, node), an instance (vLLM and
+# exporter series: pool, instance), a GPU (pool, instance, gpu), a pool, or the whole fleet (the controller itself).
+KEYS = ("node", "instance", "gpu", "pool", "fleet")
+
+# Go templates of the annotations (Prometheus expands them at each evaluation, `query` reading Prometheus then).
+# The node of an instance: grayguard_node_info, whose instance is exported_instance when the controller is scraped
+# without honor_labels.
+_NODE_OF_INSTANCE = ("max by (node) (grayguard_node_info{pool=%[1]q, instance=%[2]q} "
+                     "or grayguard_node_info{pool=%[1]q, exported_instance=%[2]q})")
+_REASON_OF_NODE = "max by (state, reason) (grayguard_node_reason_info{pool=%q, node=%q})"
+_REASON_OF_INSTANCE = ("max by (state, reason) (grayguard_node_reason_info{pool=%[1]q} * on (pool, node) group_left () "
+                       "max by (pool, node) (grayguard_node_info{pool=%[1]q, instance=%[2]q} "
+                       "or grayguard_node_info{pool=%[1]q, exported_instance=%[2]q}))")
+_BY_INSTANCE = "$labels.pool $labels.instance"
+_STATE_REASON = '{{ . | first | label "state" }}: {{ . | first | label "reason" }}'
+UNTRACKED = "unknown (the controller does not track this node)"
+
+
+def _q(promql: str, args: str, then: str, otherwise: str = "") -> str:
+    """A Go template that runs promql (a printf format over args) and expands `then` on its answer, if any, else
+    `otherwise`."""
+    alt = f"{{{{ else }}}}{otherwise}" if otherwise else ""
+    return f"{{{{ with query (printf `{promql}` {args}) }}}}{then}{alt}{{{{ end }}}}"
+
+
+def alert_links(cfg: Config, key: str) -> list[tuple[str, str]]:
+    """The annotations that take the person paged to the node, for an alert about `key` (KEYS): node, reason
+    (state: reason code, from grayguard_node_reason_info; UNTRACKED, and no node, when the controller does not track
+    the node) and, when rules.grafana_url is set, dashboard_url (the Pool overview at the alert's pool and node) and a
+    GPU's gpu_dashboard_url (the GPU dashboard at the GPU)."""
+    if key not in KEYS:
+        raise KeyError(key)
+    out: list[tuple[str, str]] = []
+    node_of = _q(_NODE_OF_INSTANCE, _BY_INSTANCE, '{{ . | first | label "node" }}')
+    if key == "node":
+        out += [("node", "{{ $labels.node }}"),
+                ("reason", _q(_REASON_OF_NODE, "$labels.pool $labels.node", _STATE_REASON, UNTRACKED))]
+    elif key in ("instance", "gpu"):
+        out += [("node", node_of), ("reason", _q(_REASON_OF_INSTANCE, _BY_INSTANCE, _STATE_REASON, UNTRACKED))]
+    if cfg.rules.grafana_url is None:
+        return out
+    base = cfg.rules.grafana_url.rstrip("/")
+    pool = "var-pool={{ $labels.pool | urlquery }}"
+    instance = "var-instance={{ $labels.instance | urlquery }}"
+    query = {"node": f"?{pool}&var-node={{{{ $labels.node | urlquery }}}}",
+             "instance": f"?{pool}&{instance}" + _q(_NODE_OF_INSTANCE, _BY_INSTANCE,
+                                                   '&var-node={{ . | first | label "node" | urlquery }}'),
+             "pool": f"?{pool}", "fleet": ""}
+    query["gpu"] = query["instance"]
+    out.append(("dashboard_url", f"{base}/d/{POOL_DASHBOARD_UID}{query[key]}"))
+    if key == "gpu":
+        out.append(("gpu_dashboard_url", f"{base}/d/{GPU_DASHBOARD_UID}?{pool}&{instance}"
+                                         "&var-gpu={{ $labels.gpu | urlquery }}"))
+    return out
+
+
 def vllm_selector(prefix: str, name: str, matchers: str = "") -> str:
     """A selector for vLLM series `name` (without prefix) under the configured naming (rules.vllm_prefix)."""
     if prefix == "any":
@@ -172,7 +232,7 @@ def _context(cfg: Config) -> dict:
     ws = windows(cfg)
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
             "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
-            "slowdown": "|".join(GPU_SLOWDOWN_REASONS),
+            "slowdown": "|".join(GPU_SLOWDOWN_REASONS), "links": functools.partial(alert_links, cfg),
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers)}
 
 

@@ -37,7 +37,8 @@ def amtool():
 def test_rule_files_exist():
     names = {p.name for p in RULE_FILES}
     assert {"grayguard-recording.rules.yml", "grayguard-alerts.rules.yml"} <= names
-    assert {p.name for p in TEST_FILES} >= {"recording.test.yml", "alerts.test.yml", "regression.test.yml"}
+    assert {p.name for p in TEST_FILES} >= {"recording.test.yml", "alerts.test.yml", "regression.test.yml",
+                                            "links.test.yml"}
 
 
 @pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
@@ -101,6 +102,21 @@ def test_promtool_test_catches_a_broken_rule(promtool, tmp_path):
     res = run([promtool, "test", "rules", "recording.test.yml"], cwd=tmp_path / "tests")
     assert res.returncode != 0
     assert "NaN" in res.stdout + res.stderr
+
+
+def test_the_links_test_catches_a_lost_join(promtool, tmp_path):
+    """links.test.yml is not vacuous: alerts that find a node by grayguard_node_info's own instance only (as if the
+    controller were always scraped with honor_labels) lose node1, whose info Prometheus stored as exported_instance."""
+    learned = (RULES / "tests" / "grayguard-alerts-learned.rules.yml").read_text()
+    cut = learned.replace(" or grayguard_node_info{pool=%[1]q, exported_instance=%[2]q}", "")
+    assert cut != learned
+    shutil.copy(RULES / "grayguard-recording.rules.yml", tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "grayguard-alerts-learned.rules.yml").write_text(cut)
+    shutil.copy(RULES / "tests" / "links.test.yml", tmp_path / "tests")
+    res = run([promtool, "test", "rules", "links.test.yml"], cwd=tmp_path / "tests")
+    assert res.returncode != 0
+    assert "GrayguardProbeFailing" in res.stdout + res.stderr
 
 
 def test_promtool_check_prometheus_example(promtool):
