@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.panels import (
+    Link,
     PromAnnotation,
     Q,
     dashboard,
@@ -16,13 +17,15 @@ from grayguard.dashboards.panels import (
     timeline,
     ts,
 )
+from grayguard.dashboards.pool import TITLE as POOL_TITLE
 from grayguard.dashboards.pool import transitions_expr
-from grayguard.dashboards.promql import matchers, zero_fill
+from grayguard.dashboards.promql import matchers, node_info, zero_fill
 from grayguard.dashboards.promql import series as s
+from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
 
 from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
-UID = "grayguard-gpu-health"
+UID = GPU_DASHBOARD_UID
 TITLE = "grayguard / GPU health"
 
 G = matchers(pool="~$pool", instance="~$instance", gpu="~$gpu")  # per-GPU exporter series
@@ -32,6 +35,26 @@ BY = "pool, instance, gpu"
 # Clock-event reasons that explain a slow GPU directly; sw_power_cap is normal at the power limit.
 SLOWDOWN = "|".join(GPU_SLOWDOWN_REASONS)
 ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
+
+# Back to the Pool overview: from a GPU's series (its instance), from a row of the GPUs table (its node).
+NODE_LINK = Link(f"{POOL_TITLE}: this node", POOL_DASHBOARD_UID,
+                 (("pool", "${__field.labels.pool}"), ("instance", "${__field.labels.instance}")))
+ROW_NODE_LINK = Link(f"{POOL_TITLE}: this node", POOL_DASHBOARD_UID,
+                     (("pool", "${__data.fields.pool}"), ("node", "${__value.raw}")))
+ROW_GPU_LINK = Link("This node's GPUs", UID, (("pool", "${__data.fields.pool}"), ("instance", "${__value.raw}")))
+POOL_LINK = Link(f"{POOL_TITLE}: these pools", POOL_DASHBOARD_UID, raw=("${pool:queryparam}",))
+
+
+def gpu_ts(*args, **kwargs):
+    """A per-GPU time series panel whose series link to their node on the Pool overview."""
+    return ts(*args, links=[NODE_LINK], **kwargs)
+
+
+def gpus_by_node(gpus: str) -> str:
+    """The GPU identity series with the node (HAProxy server) each one serves, from grayguard_node_info; a GPU
+    whose instance the controller does not track keeps its row."""
+    return (f"{gpus}\n* on (pool, instance) group_left (node)\n{node_info(matchers(pool='~$pool'))}\n"
+            f"or on (pool, instance, gpu)\n{gpus}")
 
 
 def _vs_max(name: str, max_name: str, tag: str = "max") -> list[Q]:
@@ -46,7 +69,8 @@ def build(cfg: DashboardConfig) -> dict:
     d = dashboard(UID, TITLE, "Per node and GPU, NVML's evidence for a slow node: clocks below their maximum and "
                   "why, heat, power against its limit, PCIe links trained below their maximum and replaying, memory "
                   "errors, XIDs. Read it under load: an idle GPU legitimately drops clocks and PCIe generation. "
-                  "Rendered by `grayguard dashboards render`.", cfg.refresh, cfg.time_from)
+                  "Rendered by `grayguard dashboards render`.", cfg.refresh, cfg.time_from,
+                  siblings=[(POOL_TITLE, POOL_DASHBOARD_UID)])
     d = (d.with_variable(datasource_variable())
          .with_variable(query_variable("pool", "Pool", "label_values(grayguard_gpu_info, pool)",
                                        "grayguard pools (the exporters' pool label).", multi=True))
@@ -85,11 +109,11 @@ def build(cfg: DashboardConfig) -> dict:
         d = d.with_panel(p)
 
     d = d.with_row(row("Clocks"))
-    d = d.with_panel(ts("SM clock / max", "Current SM clock over its maximum. Far below 1 under load is "
+    d = d.with_panel(gpu_ts("SM clock / max", "Current SM clock over its maximum. Far below 1 under load is "
                         "throttling: the main mechanism of a thermally or power-limited slow node.",
                         [Q(f"{s('grayguard_gpu_sm_clock_hertz', G)} / {s('grayguard_gpu_sm_clock_max_hertz', G)}", L)],
                         "percentunit", lo=0, hi=1, legend_table=True))
-    d = d.with_panel(ts("Memory clock / max", "Current memory clock over its maximum.",
+    d = d.with_panel(gpu_ts("Memory clock / max", "Current memory clock over its maximum.",
                         [Q(f"{s('grayguard_gpu_memory_clock_hertz', G)} / "
                            f"{s('grayguard_gpu_memory_clock_max_hertz', G)}", L)],
                         "percentunit", lo=0, hi=1, legend_table=True))
@@ -105,39 +129,39 @@ def build(cfg: DashboardConfig) -> dict:
                         "none", lo=0, stacked=True, step_line=True))
 
     d = d.with_row(row("Heat and power"))
-    d = d.with_panel(ts("Temperature", "GPU core temperature; dashed: HBM (memory) temperature. " + ABSENT,
+    d = d.with_panel(gpu_ts("Temperature", "GPU core temperature; dashed: HBM (memory) temperature. " + ABSENT,
                         [Q(s("grayguard_gpu_temperature_celsius", G), L),
                          Q(s("grayguard_gpu_memory_temperature_celsius", G), f"HBM {L}")],
                         "celsius", dashed="^HBM ", legend_table=True))
-    d = d.with_panel(ts("Power vs limit", "Power draw; dashed: the enforced limit. A busy GPU drawing far less than "
-                        "its peers does less work; a limit lowered on one node caps its clocks.",
+    d = d.with_panel(gpu_ts("Power vs limit", "Power draw; dashed: the enforced limit. A busy GPU drawing far less "
+                        "than its peers does less work; a limit lowered on one node caps its clocks.",
                         _vs_max("grayguard_gpu_power_watts", "grayguard_gpu_power_limit_watts", "limit"), "watt",
                         dashed="^limit ", legend_table=True))
 
     d = d.with_row(row("PCIe"))
-    d = d.with_panel(ts("PCIe link generation vs max", "Current generation; dashed: the maximum of GPU and slot. "
+    d = d.with_panel(gpu_ts("PCIe link generation vs max", "Current generation; dashed: the maximum of GPU and slot. "
                         "Gen1 on a Gen5 GPU cuts host-GPU bandwidth ~16x.",
                         _vs_max("grayguard_gpu_pcie_link_generation", "grayguard_gpu_pcie_link_max_generation"),
                         "none", w=8, lo=0, dashed="^max ", step_line=True))
-    d = d.with_panel(ts("PCIe link width vs max", "Current lanes; dashed: the maximum.",
+    d = d.with_panel(gpu_ts("PCIe link width vs max", "Current lanes; dashed: the maximum.",
                         _vs_max("grayguard_gpu_pcie_link_width", "grayguard_gpu_pcie_link_max_width"),
                         "none", w=8, lo=0, dashed="^max ", step_line=True))
-    d = d.with_panel(ts("PCIe replays", "Link-level retransmissions per second: a marginal link (riser, cable, "
+    d = d.with_panel(gpu_ts("PCIe replays", "Link-level retransmissions per second: a marginal link (riser, cable, "
                         "slot) that retries instead of failing.",
                         [Q(f"rate(grayguard_gpu_pcie_replay_total{{{G}}}[$__rate_interval])", L)], "ops", w=8,
                         lo=0))
 
     d = d.with_row(row("Memory errors, XIDs, lost GPUs"))
-    d = d.with_panel(ts("ECC errors", "ECC error counts (volatile: since the last driver load; aggregate: lifetime). "
-                        + ABSENT, [Q(s("grayguard_gpu_ecc_errors", G), f"{L} {{{{error_type}}}} "
+    d = d.with_panel(gpu_ts("ECC errors", "ECC error counts (volatile: since the last driver load; aggregate: "
+                        "lifetime). " + ABSENT, [Q(s("grayguard_gpu_ecc_errors", G), f"{L} {{{{error_type}}}} "
                                      "{{counter_type}}")], "none", w=6, lo=0, step_line=True))
-    d = d.with_panel(ts("Row remapping", "Rows remapped by cause, and remaps pending a reset or failed. " + ABSENT,
+    d = d.with_panel(gpu_ts("Row remapping", "Rows remapped by cause, and remaps pending a reset or failed. " + ABSENT,
                         [Q(s("grayguard_gpu_remapped_rows", G), f"{L} {{{{cause}}}}"),
                          Q(s("grayguard_gpu_row_remap_pending", G), f"{L} pending"),
                          Q(s("grayguard_gpu_row_remap_failure", G), f"{L} failed")], "none", w=6, lo=0,
                         step_line=True))
-    d = d.with_panel(ts("XID events", "XID critical errors seen per GPU and code since the exporter started (a step "
-                        "up is an event). 0: none seen on a GPU the exporter reports.",
+    d = d.with_panel(gpu_ts("XID events", "XID critical errors seen per GPU and code since the exporter started (a "
+                        "step up is an event). 0: none seen on a GPU the exporter reports.",
                         [Q(zero_fill(f"max by ({BY}, xid) (grayguard_gpu_xid_errors_total{{{G}}})", gpus, "xid",
                                      on=BY), f"{L} xid {{{{xid}}}}")], "none", w=6, lo=0, step_line=True))
     d = d.with_panel(timeline(
@@ -147,16 +171,20 @@ def build(cfg: DashboardConfig) -> dict:
         [("0", "ok", "green"), ("1", "LOST / DOWN", "red")], w=6))
 
     d = d.with_row(row("Utilization and memory"))
-    d = d.with_panel(ts("GPU utilization", "Fraction of the sample period a kernel ran. High with low token "
+    d = d.with_panel(gpu_ts("GPU utilization", "Fraction of the sample period a kernel ran. High with low token "
                         "throughput: busy but slow (throttled, or a spinning hang).",
                         [Q(s("grayguard_gpu_utilization_ratio", G), L)], "percentunit", lo=0, hi=1,
                         legend_table=True))
-    d = d.with_panel(ts("Device memory used", "Device memory in use over its size.",
+    d = d.with_panel(gpu_ts("Device memory used", "Device memory in use over its size.",
                         [Q(f"{s('grayguard_gpu_memory_used_bytes', G)} / {s('grayguard_gpu_memory_total_bytes', G)}",
                            L)], "percentunit", lo=0, hi=1, legend_table=True))
-    d = d.with_panel(table_of("GPUs", "Identity: model, bus id and driver per GPU. A node on a different driver "
-                              "is a classic odd one out.", [Q(s("grayguard_gpu_info", G), instant=True)], h=8,
-                              hide=("Time", "Value", "__name__", "job")))
+    d = d.with_panel(table_of(
+        "GPUs", "Identity: model, bus id and driver per GPU, and the node (HAProxy server) it serves "
+        "(grayguard_node_info; none: the controller does not track its instance). A node on a different driver is "
+        "a classic odd one out. Click a node for it on the Pool overview, an instance for its GPUs alone.",
+        [Q(gpus_by_node(s("grayguard_gpu_info", G)), instant=True)], h=8, hide=("Time", "Value", "__name__", "job"),
+        order=("pool", "node", "instance", "gpu"), cell_links={"node": [ROW_NODE_LINK], "instance": [ROW_GPU_LINK]},
+        panel_links=[POOL_LINK]))
 
     return finish(d, [
         PromAnnotation("Controller transitions", transitions_expr('pool=~"$pool"'), "orange",

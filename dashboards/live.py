@@ -8,13 +8,14 @@ against the peers' median within seconds, long before the 30 s window of "What i
 from __future__ import annotations
 
 from grayguard.dashboards.config import DashboardConfig
-from grayguard.dashboards.panels import Q, ts
-from grayguard.dashboards.promql import matchers
+from grayguard.dashboards.panels import Link, Q, ts
+from grayguard.dashboards.promql import matchers, named
 
 TITLE = "Live signals (1 s)"
 
-P = matchers(pool="$pool")  # the whole pool: its median is over every node, whatever $instance selects
-V = matchers(pool="$pool", instance="~$instance")  # exporter series are labelled instance = the vLLM address
+P = matchers(pool="~$pool")  # the whole pool: its median is over every node, whatever $instance selects
+V = matchers(pool="~$pool", instance="~$instance")  # exporter series are labelled instance = the vLLM address
+C = matchers(pool="~$pool", node="~$node")  # the nodes $node selects, by their grayguard_node_info
 
 ITL, TTFT = "grayguard_live_itl_seconds", "grayguard_live_ttft_seconds"
 PROBE_MEDIAN = "grayguard_probe_ttft_median_seconds"
@@ -30,6 +31,11 @@ ABSENT = ("A gap is no data, not zero: no token produced over the window, the wi
 def per_node(name: str, m: str = V) -> str:
     """One series per node: the fast (/metrics/fast) and full (/metrics) scrapes carry the same value, by job."""
     return f"max by (pool, instance) ({name}{{{m}}})"
+
+
+def nodes(expr: str) -> str:
+    """Per-node series named by the node (HAProxy server) and kept to $node, joined on grayguard_node_info."""
+    return named(expr, C, P)
 
 
 def pool_median(name: str) -> str:
@@ -61,16 +67,18 @@ def itl_to_pool_median(slope: float) -> str:
             f"quantile by (pool) (0.5, {at_equal_batch(P, slope)})")
 
 
-def panels(cfg: DashboardConfig) -> list:
-    """The row's panels, in layout order (12 + 12, 8 + 8 + 8, 12 + 12 columns)."""
+def panels(cfg: DashboardConfig, links: list[Link] | None = None) -> list:
+    """The row's panels, in layout order (12 + 12, 8 + 8 + 8, 12 + 12 columns); links: data links on every
+    series (to the node, to its GPUs)."""
+    lk = list(links or [])
     return [
         ts("Live inter-token latency per node",
            "Mean gap between two tokens of a stream over the last live window (about 5 s), per node "
            "(grayguard_live_itl_seconds: Δ sum / Δ count of vLLM's inter-token latency histogram, read by the "
            "exporter every second). A throttled or degraded GPU shows here within seconds, while the 30 s "
            "normalized latency above still averages the past. Dashed: the pool's median node. " + ABSENT,
-           [Q(per_node(ITL), "{{instance}}"), Q(pool_median(ITL), "pool median")], "s", dashed="^pool median$",
-           legend_table=True),
+           [Q(nodes(per_node(ITL)), "{{node}}"), Q(pool_median(ITL), "{{pool}} median")], "s", dashed=" median$",
+           legend_table=True, links=lk),
         ts("Live ITL vs pool median",
            "Each node's live inter-token latency (grayguard_live_itl_seconds) over the pool's median node's (1 = "
            f"typical){equal_batch(cfg.live_batch_slope)}: the signal the controller acts on within seconds. Dashed: "
@@ -82,29 +90,29 @@ def panels(cfg: DashboardConfig) -> list:
            "The controller divides by the median of the node's peers (the node "
            "left out, within its peer group), so in a small pool its ratio reads a little higher than this "
            "one. " + ABSENT,
-           [Q(itl_to_pool_median(cfg.live_batch_slope), "{{instance}}")], "suffix:x",
-           steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True),
+           [Q(nodes(itl_to_pool_median(cfg.live_batch_slope)), "{{node}}")], "suffix:x",
+           steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True, links=lk),
         ts("Live TTFT per node",
            "Mean time to first token of the requests that got their first token over the live window "
            "(grayguard_live_ttft_seconds), queueing included: a node whose queue grows shows it here first. "
            "Dashed: the pool's median node. A gap: no request got a first token in the window.",
-           [Q(per_node(TTFT), "{{instance}}"), Q(pool_median(TTFT), "pool median")], "s", w=8,
-           dashed="^pool median$"),
+           [Q(nodes(per_node(TTFT)), "{{node}}"), Q(pool_median(TTFT), "{{pool}} median")], "s", w=8,
+           dashed=" median$", links=lk),
         ts("Probe TTFT median per node",
            "Median time to first token of the exporter's last 5 answered 1-token probes (ok or slow) of the last "
            "two live windows (grayguard_probe_ttft_median_seconds): the client's view from beside the node. A "
            f"live-ITL quarantine needs it at least live_probe_confirm ({cfg.live_probe_confirm:g}x) times the "
            "peers' median; without that agreement the live signal only cuts. Dashed: the pool's median node. "
            "A gap: fewer than 3 answers (a node that stops answering loses it).",
-           [Q(per_node(PROBE_MEDIAN), "{{instance}}"), Q(pool_median(PROBE_MEDIAN), "pool median")], "s", w=8,
-           dashed="^pool median$"),
+           [Q(nodes(per_node(PROBE_MEDIAN)), "{{node}}"), Q(pool_median(PROBE_MEDIAN), "{{pool}} median")], "s", w=8,
+           dashed=" median$", links=lk),
         ts("Running / waiting requests per node",
            "vLLM's running batch (solid) and its waiting queue (dashed) at the exporter's newest reading "
            "(grayguard_live_requests_running, grayguard_live_requests_waiting). Waiting above 0: the node is "
            "full, its TTFT grows with the queue; a slow node also holds its requests longer, so it runs more "
            "of them at once.",
-           [Q(per_node(RUNNING), "{{instance}} running"), Q(per_node(WAITING), "{{instance}} waiting")], "short",
-           w=8, lo=0, dashed=" waiting$"),
+           [Q(nodes(per_node(RUNNING)), "{{node}} running"), Q(nodes(per_node(WAITING)), "{{node}} waiting")], "short",
+           w=8, lo=0, dashed=" waiting$", links=lk),
         ts("Decode batch per node",
            "Mean number of sequences decoding over the live window (grayguard_live_decode_batch: Δ ITL sum / Δt, "
            "every decoding sequence adds one second of inter-token gaps per second). The batch the live ITL was "
@@ -112,7 +120,7 @@ def panels(cfg: DashboardConfig) -> list:
            "at the same batch is sick; one slower with a much larger batch is loaded (it was sent more), "
            "which is why the ratio above compares ITLs at equal batch. "
            "Absent with the live ITL.",
-           [Q(per_node(BATCH), "{{instance}}")], "suffix: seq", lo=0, legend_table=True),
+           [Q(nodes(per_node(BATCH)), "{{node}}")], "suffix: seq", lo=0, legend_table=True, links=lk),
         ts("Live tokens per second per node",
            "Tokens generated (solid) and prompt tokens prefilled (dashed) per second over the live window "
            "(grayguard_live_generation_tokens_per_second, grayguard_live_prompt_tokens_per_second). Generated 0 "
@@ -120,8 +128,8 @@ def panels(cfg: DashboardConfig) -> list:
            "steps and make them longer: the controller compares each node's live latencies with what its peers "
            "predict at its own decode batch and prompt tokens per step (the load model, docs/architecture.md), "
            "so a node prefilling a tenant's long prompts is loaded, not slow.",
-           [Q(per_node(GENERATED), "{{instance}} generated"), Q(per_node(PROMPT), "{{instance}} prompt")],
-           "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True),
+           [Q(nodes(per_node(GENERATED)), "{{node}} generated"), Q(nodes(per_node(PROMPT)), "{{node}} prompt")],
+           "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True, links=lk),
         ts("KV-cache usage per node",
            "vLLM's KV-cache usage at the exporter's newest reading (grayguard_live_kv_cache_usage_ratio, 0-1). At "
            f"kv_saturated ({cfg.kv_saturated:.0%}, red) the node gets no new traffic until it drains (load). A node "
@@ -129,7 +137,7 @@ def panels(cfg: DashboardConfig) -> list:
            f"({cfg.kv_outlier_ratio:g}x) times its peers' median for 5 ticks in a row (one observation of the "
            "live window) is quarantined: it fills its cache with a fraction of its peers' traffic (less room: GPU "
            "memory taken, a KV budget that shrank), and its requests wait for a slot. Dashed: the pool's median node.",
-           [Q(per_node(KV), "{{instance}}"), Q(pool_median(KV), "pool median")], "percentunit", lo=0,
-           dashed="^pool median$", steps=[(cfg.kv_outlier_min, "orange"), (cfg.kv_saturated, "red")],
-           legend_table=True),
+           [Q(nodes(per_node(KV)), "{{node}}"), Q(pool_median(KV), "{{pool}} median")], "percentunit", lo=0,
+           dashed=" median$", steps=[(cfg.kv_outlier_min, "orange"), (cfg.kv_saturated, "red")],
+           legend_table=True, links=lk),
     ]

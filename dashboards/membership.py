@@ -15,7 +15,7 @@ from grayguard.dashboards.promql import matchers, zero_fill
 
 TITLE = "Membership and leadership"
 
-P = matchers(pool="$pool")  # membership series carry the pool
+P = matchers(pool="~$pool")  # membership series carry the pool
 
 # grayguard_controller_leader per replica: (value, text, color) for the timeline
 LEADER_CODES = (("0", "standby", "blue"), ("1", "leads", "green"))
@@ -59,25 +59,26 @@ def panels(cfg: DashboardConfig) -> list:
                "(grayguard_registry_snapshot_age_seconds): about 0 while etcd answers, growing while it does not.",
                [Q(f"max(grayguard_registry_snapshot_age_seconds{{{J}}})", "age")], "s", steps=[(5, "orange")]),
         single("Registered nodes", "Serving registrations of the pool in etcd (grayguard_membership_nodes): the "
-               "nodes membership keeps in the backend.", [Q(f"max(grayguard_membership_nodes{{{P}}})", "nodes")],
+               "nodes membership keeps in the backend.", [Q(f"sum({pool_max('grayguard_membership_nodes')})", "nodes")],
                base="blue"),
         single("Joining / removing", "Servers added and not yet UP in HAProxy (joining), and servers out of rotation "
                "because their registration ended, deleted once their connections are gone (removing).",
-               [Q(f"max(grayguard_membership_joining{{{P}}})", "joining"),
-                Q(f"max(grayguard_membership_removing{{{P}}})", "removing")], base="blue"),
+               [Q(f"sum({pool_max('grayguard_membership_joining')})", "joining"),
+                Q(f"sum({pool_max('grayguard_membership_removing')})", "removing")], base="blue"),
         single("Expiries held", "Expired registrations kept in rotation because more expired within a minute than "
                "registry.expiry_cap_per_minute allows (a partition looks like mass death): "
                "GrayguardRegistryMassExpiry pages.",
-               [Q(f"max(grayguard_membership_expiries_held{{{P}}})", "held")], steps=[(1, "red")]),
+               [Q(f"sum({pool_max('grayguard_membership_expiries_held')})", "held")], steps=[(1, "red")]),
         ts("Nodes: registered vs in HAProxy",
            "Serving registrations in etcd (grayguard_membership_nodes) against the servers of the pool's backend "
            "(grayguard_pool_nodes), and the servers on their way in (joining: added, not yet UP) and out (removing: "
            "drained after a leave or an expiry, deleted once their connections are gone). In HAProxy above "
            "registered: servers being removed, or static servers of the backend the registry does not name.",
-           [Q(pool_max("grayguard_membership_nodes"), "registered"), Q(pool_max("grayguard_pool_nodes"), "in HAProxy"),
-            Q(pool_max("grayguard_membership_joining"), "joining"),
-            Q(pool_max("grayguard_membership_removing"), "removing")],
-           "short", lo=0, step_line=True, dashed="^(joining|removing)$"),
+           [Q(pool_max("grayguard_membership_nodes"), "{{pool}} registered"),
+            Q(pool_max("grayguard_pool_nodes"), "{{pool}} in HAProxy"),
+            Q(pool_max("grayguard_membership_joining"), "{{pool}} joining"),
+            Q(pool_max("grayguard_membership_removing"), "{{pool}} removing")],
+           "short", lo=0, step_line=True, dashed=" (joining|removing)$"),
         ts("Joins and removals",
            "Membership writes per interval, by action (grayguard_membership_changes_total): add = a registration "
            "joined (added at the warm-up weight, then slow start), drain = it left or its lease expired (out of "
@@ -88,9 +89,9 @@ def panels(cfg: DashboardConfig) -> list:
            "Expired registrations kept in rotation (grayguard_membership_expiries_held) against how many expiries "
            "may remove per minute now (grayguard_membership_expiry_cap, dashed): more leases ending at once than "
            "the cap is a registry or network problem, not that many dead nodes. Graceful leaves are never capped.",
-           [Q(pool_max("grayguard_membership_expiries_held"), "held"),
-            Q(pool_max("grayguard_membership_expiry_cap"), "cap per minute")],
-           "short", lo=0, step_line=True, dashed="^cap per minute$"),
+           [Q(pool_max("grayguard_membership_expiries_held"), "{{pool}} held"),
+            Q(pool_max("grayguard_membership_expiry_cap"), "{{pool}} cap per minute")],
+           "short", lo=0, step_line=True, dashed=" cap per minute$"),
         ts("Registry watch per replica",
            "Each replica's view of etcd: snapshot age (grayguard_registry_snapshot_age_seconds, about 0 while etcd "
            "answers), and per interval the failed discovery calls by kind (grayguard_discovery_errors_total) and the "

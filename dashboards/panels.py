@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common as cb
@@ -18,6 +18,27 @@ from grafana_foundation_sdk.models import prometheus as pm
 # Every panel reads the dashboard's `datasource` variable, so one JSON works with any Prometheus.
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 DASHED = dm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link to a grayguard dashboard: its uid, and the variables it opens with (name -> value, which may be a
+    data-link variable such as ${__field.labels.pool}). The time range is kept."""
+
+    title: str
+    uid: str
+    params: tuple[tuple[str, str], ...] = ()
+    raw: tuple[str, ...] = ()  # query segments as they are, e.g. ${pool:queryparam} (var-pool=a&var-pool=b)
+
+    @property
+    def url(self) -> str:
+        """Grafana's path to the dashboard with var-<name>=<value> for each param and the current time range."""
+        query = [f"var-{k}={v}" for k, v in self.params] + list(self.raw) + ["${__url_time_range}"]
+        return f"/d/{self.uid}?" + "&".join(query)
+
+    def builder(self) -> db.DashboardLink:
+        """The link as the SDK builds panel links and data links."""
+        return db.DashboardLink(self.title).type(dm.DashboardLinkType.LINK).url(self.url)
 
 
 @dataclass(frozen=True)
@@ -63,8 +84,9 @@ def _legend(table_right: bool) -> cb.VizLegendOptions:
 def ts(title: str, description: str, queries: Sequence[Q], unit: str = "short", *, w: int = 12, h: int = 8,
        lo: float | None = None, hi: float | None = None, steps: Sequence[tuple[float, str]] = (),
        dashed: str | None = None, stacked: bool = False, bars: bool = False, step_line: bool = False,
-       legend_table: bool = False) -> timeseries.Panel:
-    """A time series panel. steps: threshold lines drawn dashed; dashed: regex of series drawn dashed."""
+       legend_table: bool = False, links: Sequence[Link] = ()) -> timeseries.Panel:
+    """A time series panel. steps: threshold lines drawn dashed; dashed: regex of series drawn dashed; links: data
+    links on every series (their URLs may read the series' labels, ${__field.labels.<name>})."""
     p = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE)
          .targets(_targets(queries)).unit(unit).span(w).height(h).line_width(1).fill_opacity(10 if not bars else 80)
          .show_points(cm.VisibilityMode.NEVER).legend(_legend(legend_table))
@@ -84,17 +106,21 @@ def ts(title: str, description: str, queries: Sequence[Q], unit: str = "short", 
         p = p.draw_style(cm.GraphDrawStyle.BARS)
     if step_line:
         p = p.line_interpolation(cm.LineInterpolation.STEP_AFTER)
+    if links:
+        p = p.data_links([lk.builder() for lk in links])
     return p
 
 
 def timeline(title: str, description: str, queries: Sequence[Q], mapping: Sequence[tuple[str, str, str]], *,
-             w: int = 24, h: int = 8) -> statetimeline.Panel:
-    """A state timeline: one row per series, values shown through `mapping` (value, text, color)."""
-    return (statetimeline.Panel().title(title).description(description).datasource(DATASOURCE)
-            .targets(_targets(queries)).span(w).height(h).mappings(value_map(mapping))
-            .color_scheme(db.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS)).thresholds(thresholds("green"))
-            .show_value(cm.VisibilityMode.AUTO).merge_values(True).row_height(0.9).fill_opacity(80)
-            .legend(cb.VizLegendOptions().show_legend(False)))
+             w: int = 24, h: int = 8, links: Sequence[Link] = ()) -> statetimeline.Panel:
+    """A state timeline: one row per series, values shown through `mapping` (value, text, color); links: data
+    links on every row."""
+    p = (statetimeline.Panel().title(title).description(description).datasource(DATASOURCE)
+         .targets(_targets(queries)).span(w).height(h).mappings(value_map(mapping))
+         .color_scheme(db.FieldColor().mode(dm.FieldColorModeId.THRESHOLDS)).thresholds(thresholds("green"))
+         .show_value(cm.VisibilityMode.AUTO).merge_values(True).row_height(0.9).fill_opacity(80)
+         .legend(cb.VizLegendOptions().show_legend(False)))
+    return p.data_links([lk.builder() for lk in links]) if links else p
 
 
 def single(title: str, description: str, queries: Sequence[Q], unit: str = "short", *, w: int = 4, h: int = 4,
@@ -111,12 +137,23 @@ def single(title: str, description: str, queries: Sequence[Q], unit: str = "shor
 
 
 def table_of(title: str, description: str, queries: Sequence[Q], *, w: int = 24, h: int = 6,
-             hide: Sequence[str] = ("Time", "Value", "__name__", "job")) -> table.Panel:
-    """A table of the labels of an instant query (one row per series), `hide` columns left out."""
+             hide: Sequence[str] = ("Time", "Value", "__name__", "job"), order: Sequence[str] = (),
+             rename: Mapping[str, str] | None = None, cell_links: Mapping[str, Sequence[Link]] | None = None,
+             panel_links: Sequence[Link] = ()) -> table.Panel:
+    """A table of the labels of an instant query (one row per series), `hide` columns left out, `order` first.
+    cell_links: column -> links on each of its cells (${__value.raw} is the cell, ${__data.fields.<col>} its row's
+    other columns); panel_links: links in the panel's header."""
     organize = dm.DataTransformerConfig(id_val="organize", options={
-        "excludeByName": {c: True for c in hide}, "indexByName": {}, "renameByName": {}})
-    return (table.Panel().title(title).description(description).datasource(DATASOURCE)
-            .targets(_targets(queries, fmt_table=True)).span(w).height(h).with_transformation(organize))
+        "excludeByName": {c: True for c in hide}, "indexByName": {c: i for i, c in enumerate(order)},
+        "renameByName": dict(rename or {})})
+    p = (table.Panel().title(title).description(description).datasource(DATASOURCE)
+         .targets(_targets(queries, fmt_table=True)).span(w).height(h).with_transformation(organize))
+    for col, links in (cell_links or {}).items():
+        p = p.override_by_name(col, [dm.DynamicConfigValue(id_val="links", value=[
+            {"title": lk.title, "url": lk.url} for lk in links])])
+    if panel_links:
+        p = p.links([lk.builder() for lk in panel_links])
+    return p
 
 
 def row(title: str) -> db.Row:
@@ -132,7 +169,8 @@ def datasource_variable() -> db.DatasourceVariable:
 
 
 def query_variable(name: str, label: str, query: str, description: str, *, multi: bool = False) -> db.QueryVariable:
-    """A `label_values(...)` variable, refreshed with the time range; multi adds All (= regex .*)."""
+    """A `label_values(...)` variable, refreshed with the time range; multi adds All (= regex .*, so queries match
+    it with =~, which takes one value, several (Grafana joins them as a|b) or All alike)."""
     v = (db.QueryVariable(name).label(label).description(description).datasource(DATASOURCE).query(query)
          .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.NATURAL_ASC))
     if multi:
@@ -159,13 +197,21 @@ class PromAnnotation:
                 "tagKeys": self.tag_keys, "textFormat": "", "useValueForTime": False}
 
 
-def dashboard(uid: str, title: str, description: str, cfg_refresh: str, time_from: str) -> db.Dashboard:
-    """A grayguard dashboard shell: tags, links to its siblings, shared crosshair, time and refresh."""
-    return (db.Dashboard(title).uid(uid).description(description).tags(["grayguard"]).editable()
-            .tooltip(dm.DashboardCursorSync.CROSSHAIR).time(time_from, "now").refresh(cfg_refresh)
-            .timezone("browser")
-            .link(db.DashboardLink("grayguard").type(dm.DashboardLinkType.DASHBOARDS).tags(["grayguard"])
-                  .as_dropdown(True).include_vars(True).keep_time(True)))
+def dashboard(uid: str, title: str, description: str, cfg_refresh: str, time_from: str,
+              siblings: Sequence[tuple[str, str]] = ()) -> db.Dashboard:
+    """A grayguard dashboard shell: tags, links to its siblings, shared crosshair, time and refresh.
+
+    siblings: (title, uid) of the dashboards linked by name at the top, with the variables both have (pool,
+    instance) and the time range; the "grayguard" drop-down lists every dashboard tagged grayguard.
+    """
+    d = (db.Dashboard(title).uid(uid).description(description).tags(["grayguard"]).editable()
+         .tooltip(dm.DashboardCursorSync.CROSSHAIR).time(time_from, "now").refresh(cfg_refresh)
+         .timezone("browser"))
+    for name, sibling in siblings:
+        d = d.link(db.DashboardLink(name).type(dm.DashboardLinkType.LINK).url(f"/d/{sibling}").icon("dashboard")
+                   .include_vars(True).keep_time(True))
+    return d.link(db.DashboardLink("grayguard").type(dm.DashboardLinkType.DASHBOARDS).tags(["grayguard"])
+                  .as_dropdown(True).include_vars(True).keep_time(True))
 
 
 def finish(d: db.Dashboard, annotations: Sequence[PromAnnotation] = ()) -> dict:

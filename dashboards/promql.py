@@ -49,9 +49,32 @@ def zero_fill(expr: str, witness: str, label: str | None = None, value: str = "n
     return f"({expr})\nor on ({on}) {zero}"
 
 
+def node_info(m: str = "") -> str:
+    """One series per node the controller tracks, labelled pool, node and instance (grayguard_node_info).
+
+    Its `instance` is the node's series key; scraped without honor_labels Prometheus moves it to exported_instance
+    (the controller's own address takes its place), so that one is read first. The max drops job and the target's
+    instance: two replicas exporting the same node are one node.
+    """
+    info = f"grayguard_node_info{{{m}}}" if m else "grayguard_node_info"
+    return f'max by (pool, node, instance) (label_replace({info}, "instance", "$1", "exported_instance", "(.+)"))'
+
+
+def named(expr: str, nodes: str, pool: str) -> str:
+    """expr (keyed by pool and instance) with each node's HAProxy server name as label `node`, joined from
+    grayguard_node_info, kept to the nodes the matchers `nodes` select. An instance the controller does not track
+    (the controller down or not scraped, a vLLM that is no server of the backend) keeps its series, named by its
+    instance: without the controller the vLLM panels still show every node (absent is not zero). `pool` selects
+    the info of every node of the pools shown."""
+    return (f"(\n  {expr}\n)\n* on (pool, instance) group_left (node)\n{node_info(nodes)}\n"
+            f"or on (pool, instance)\nlabel_replace(\n  (\n    {expr}\n  )\n  unless on (pool, instance)\n"
+            f'  {node_info(pool)},\n  "node", "$1", "instance", "(.+)"\n)')
+
+
 # ---- the reverse: what a rendered expression reads ------------------------------------------------------
 
-_VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+# $1 is no variable (label_replace's capture group): a name starts with a letter or _, as Grafana's own do
+_VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$([A-Za-z_]\w*)|\[\[(\w+)\]\]")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _NAME_MATCHER = re.compile(r'__name__\s*(=~|=)\s*"((?:[^"\\]|\\.)*)"')
 _BRACES = re.compile(r"\{[^{}]*\}")

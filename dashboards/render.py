@@ -10,7 +10,7 @@ from pathlib import Path
 
 from grayguard.dashboards import gpu, pool
 from grayguard.dashboards.config import DashboardConfig
-from grayguard.dashboards.lint import problems
+from grayguard.dashboards.lint import link_problems, problems
 
 DASHBOARDS_DIR = Path(__file__).parent
 # file name -> builder; the names are what the provisioning folder and docs/dashboards.md list.
@@ -30,16 +30,20 @@ def to_text(doc: dict) -> str:
 
 
 def render_all(cfg: DashboardConfig | None = None) -> dict[str, str]:
-    """Every dashboard: file name -> JSON text. Raises DashboardError when one breaks the model."""
+    """Every dashboard: file name -> JSON text. Raises DashboardError when one breaks the model or a link or a
+    variable does not resolve."""
     cfg = cfg or DashboardConfig()
-    out = {}
+    docs = {}
     for name, build in BUILDERS.items():
         doc = build(cfg)
         bad = problems(doc)
         if bad:
             raise DashboardError(f"{name}: " + "; ".join(bad))
-        out[name] = to_text(doc)
-    return out
+        docs[name] = doc
+    bad = link_problems(docs)  # a link or variable that does not resolve is a builder bug too
+    if bad:
+        raise DashboardError("; ".join(bad))
+    return {name: to_text(doc) for name, doc in docs.items()}
 
 
 def changed_files(out_dir: Path, files: Mapping[str, str]) -> list[str]:

@@ -24,6 +24,7 @@ POOL_JSON = "grayguard-pool-overview.json"
 # what the exporter's LiveCollector exports: the names the live row may read
 LIVE_FAMILIES = {fam.name for fam in LiveCollector(LiveSignals).describe()}
 NOT_DRAWN = {"grayguard_live_window_seconds"}  # the span the values were taken over: a detail, not a signal
+NODE_INFO = "grayguard_node_info"  # the controller's node <-> instance link: every live series is named by its node
 VARIABLES = {"pool": "chat", "node": ".*", "instance": ".*"}
 
 
@@ -68,7 +69,7 @@ def test_live_queries_read_only_series_the_fast_path_exports():
     read = set()
     for p in live_panels(pool_doc()):
         for t in p["targets"]:
-            names = metric_names(substitute(t["expr"], VARIABLES))
+            names = metric_names(substitute(t["expr"], VARIABLES)) - {NODE_INFO}
             assert names and names <= LIVE_FAMILIES, f"{p['title']} {t['refId']}: {names - LIVE_FAMILIES}"
             read |= names
     assert read == LIVE_FAMILIES - NOT_DRAWN, "a live series without a panel (or NOT_DRAWN is stale)"
@@ -78,15 +79,17 @@ def test_live_panels_are_labelled():
     for p in live_panels(pool_doc()):
         d = p["fieldConfig"]["defaults"]
         assert p["type"] == "timeseries" and d.get("unit"), p["title"]
-        read = {n for t in p["targets"] for n in metric_names(t["expr"])}
+        read = {n for t in p["targets"] for n in metric_names(t["expr"])} - {NODE_INFO}
         # the description names every series the panel reads (and then says why it matters)
         assert all(n in p["description"] for n in read), p["title"]
         assert len(p["description"]) > 200, p["title"]
         for t in p["targets"]:
-            assert t["legendFormat"] == "pool median" or "{{instance}}" in t["legendFormat"], p["title"]
+            median = t["legendFormat"] == "{{pool}} median"
+            # every node named as the controller and the alerts name it (grayguard_node_info), kept to $node
+            assert median or ("{{node}}" in t["legendFormat"] and 'node=~"$node"' in t["expr"]), p["title"]
             # one series per node: the fast and the full scrape carry the same value under two jobs
             assert "max by (pool, instance)" in t["expr"], p["title"]
-            assert 'instance=~"$instance"' in t["expr"] or t["legendFormat"] == "pool median", p["title"]
+            assert 'instance=~"$instance"' in t["expr"] or median, p["title"]
     assert panel(pool_doc(), "Live ITL vs pool median")["fieldConfig"]["defaults"]["unit"] == "suffix:x"
     assert panel(pool_doc(), "Live inter-token latency per node")["fieldConfig"]["defaults"]["unit"] == "s"
 
@@ -156,8 +159,15 @@ def at_equal_batch() -> dict[str, float]:
     return {i: v / (1 + SLOPE * max(0.0, b[i] - 1)) for i, v in per_node("itl").items()}
 
 
-def node_samples(values: dict[str, float]) -> list[dict]:
-    return [{"labels": f'{{instance="{i}", pool="chat"}}', "value": v} for i, v in sorted(values.items())]
+# The controller's grayguard_node_info: a as Prometheus stores it scraped without honor_labels (its instance moved to
+# exported_instance), b with them; c and d are tracked by no controller (named by their instance), e is another pool's.
+NODES = {"a:8000": "node-a", "b:8000": "node-b", "e:8000": "node-e"}
+
+
+def node_samples(values: dict[str, float], only: set[str] | None = None) -> list[dict]:
+    """Samples per node, named by the node (or the instance of an untracked one); only: the nodes $node selects."""
+    return [{"labels": f'{{instance="{i}", node="{NODES.get(i, i)}", pool="chat"}}', "value": v}
+            for i, v in sorted(values.items()) if only is None or i not in NODES or NODES[i] in only]
 
 
 def median_sample(values: dict[str, float]) -> list[dict]:
@@ -189,8 +199,14 @@ def expected() -> dict[tuple[str, str], list[dict]]:
 
 def input_series() -> list[dict]:
     jobs = ("grayguard-exporter-fast", "grayguard-exporter")
-    return [{"series": f'{SERIES[k]}{{job="{job}", pool="{p}", instance="{i}"}}', "values": f"{v}+0x10"}
-            for (p, i), s in FLEET.items() for k, v in s.items() for job in jobs]
+    info = [{"series": 'grayguard_node_info{job="grayguard-controller", instance="ctl:9300", pool="chat", '
+                       'node="node-a", backend="chat", exported_instance="a:8000"}', "values": "1+0x10"},
+            {"series": 'grayguard_node_info{pool="chat", node="node-b", backend="chat", instance="b:8000"}',
+             "values": "1+0x10"},
+            {"series": 'grayguard_node_info{pool="other", node="node-e", backend="other", instance="e:8000"}',
+             "values": "1+0x10"}]
+    return info + [{"series": f'{SERIES[k]}{{job="{job}", pool="{p}", instance="{i}"}}', "values": f"{v}+0x10"}
+                   for (p, i), s in FLEET.items() for k, v in s.items() for job in jobs]
 
 
 def run_promtool(tmp_path, argv: list[str], name: str, doc: dict) -> subprocess.CompletedProcess:
@@ -220,6 +236,12 @@ def test_live_queries_compute_what_the_panels_say(tmp_path):
     tests.append({"expr": substitute(ratio, {**VARIABLES, "instance": "c:8000"}), "eval_time": "5s",
                   "exp_samples": one})
     assert one[0]["value"] == pytest.approx(3.0)
+    # selecting nodes by name ($node, several at once as Grafana joins them): a and b through grayguard_node_info,
+    # whichever way the controller was scraped; c and d, which no controller tracks, are kept
+    picked = [s for s in exp[("Live ITL vs pool median", "A")] if "b:8000" not in s["labels"]]
+    tests.append({"expr": substitute(ratio, {**VARIABLES, "node": "node-a|node-x"}), "eval_time": "5s",
+                  "exp_samples": picked})
+    assert len(picked) == 2 and '"node-a"' in picked[0]["labels"]
     res = run_promtool(tmp_path, ["test", "rules"], "live.test.yml", {"tests": [
         {"interval": "1s", "input_series": input_series(), "promql_expr_test": tests}]})
     assert res.returncode == 0, res.stdout + res.stderr
