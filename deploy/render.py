@@ -63,7 +63,7 @@ def prometheus_rules(rendered: dict[str, str]) -> dict[str, str]:
         kind = fname.removeprefix("grayguard-").removesuffix(".rules.yml")  # recording, alerts
         body = "".join(f"  {ln}" if ln.strip() else ln for ln in text.splitlines(keepends=True))
         out[f"monitoring/prometheusrule-{kind}.yaml"] = HEADER.format(
-            source=f"`grayguard rules render --config {CONFIG.relative_to(REPO)}` ({fname})") + f"""\
+            source=f"`grayguard rules render --config.file {CONFIG.relative_to(REPO)}` ({fname})") + f"""\
 apiVersion: monitoring.coreos.com/v1
 kind: PrometheusRule
 metadata:
@@ -79,7 +79,7 @@ spec:
 def render_rules() -> dict[str, str]:
     """`grayguard rules render` of the controllers' config: {file name: text}."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "grayguard.cli", "rules", "render", "--config", str(CONFIG),
+        subprocess.run([sys.executable, "-m", "grayguard.cli", "rules", "render", "--config.file", str(CONFIG),
                         "--out", tmp], cwd=REPO, check=True, capture_output=True, text=True)
         return {p.name: p.read_text() for p in sorted(Path(tmp).glob("*.yml"))}
 

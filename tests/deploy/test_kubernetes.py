@@ -28,6 +28,7 @@ from grayguard.rules.render import render_all
 from grayguard import __version__
 from grayguard.cli import build_parser
 from grayguard.config import load_config, parse_config
+from grayguard.flags import deprecated_used
 from tests.deploy import crds
 from tests.support.stack import require
 
@@ -215,6 +216,26 @@ def test_the_one_place_sets_namespaces_names_size_and_kind(rendered, overlay, fl
                       "podSelector": {"matchExpressions": [{"key": POOL_LABEL, "operator": "Exists"}]}}]
 
 
+def test_an_overlay_renders_without_a_fleet_of_its_own(tmp_path):
+    """A fleet another tool deploys (KServe, production-stack, llm-d): the example's files left out, grayguard renders
+    alone, the monitor and the gateway still pointed at the fleet by the one place."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(K8S, tree)
+    kfile = tree / "overlays" / "production" / "kustomization.yaml"
+    text, n = re.subn(r"^\s+- vllm-chat-\S+\.yaml.*\n", "", set_fleet(kfile.read_text(), Fleet(
+        "StatefulSet", 5, "llama", fleet_namespace="models")), flags=re.M)
+    assert n == 2
+    kfile.write_text(text)
+    objs = kustomize(kfile.parent)
+    assert fleet_objects(objs) == [] and {o["metadata"]["namespace"] for o in objs} == {"grayguard"}
+    for o in objs:
+        if not o["apiVersion"].startswith(CRD_GROUP):
+            kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+    assert one(objs, "PodMonitor", "grayguard-fleet")["spec"]["namespaceSelector"] == {"matchNames": ["models"]}
+    assert settings(objs) == {"namespace": "grayguard", "fleet.namespace": "models", "fleet.name": "llama",
+                              "fleet.replicas": "5"}
+
+
 def test_the_crd_checks_catch_a_typo():
     pm = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "x"},
           "spec": {"selector": {"matchLabels": {"a": "b"}}, "podMetricsEndpoint": [{"port": "http"}]}}
@@ -398,6 +419,7 @@ def test_every_grayguard_command_line_parses(rendered, overlay, fleet):
             args = build_parser().parse_args(argv)
         except SystemExit:
             pytest.fail(f"{c['name']}: `grayguard {' '.join(argv)}` does not parse")
+        assert deprecated_used(args) == [], f"{c['name']}: a deprecated spelling (grayguard/flags.py): {argv}"
         seen.add(argv[0])
         check = {"exporter": exporter_cli.config_error, "actuator": actuator.config_error}.get(argv[0])
         assert check is None or check(args) is None, (c["name"], check(args))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from grayguard.cli import build_parser
+from grayguard.flags import deprecated_used
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "deploy" / "systemd"
@@ -92,6 +93,7 @@ def parses(argv: list[str]) -> None:
         pytest.fail(f"`grayguard {' '.join(argv)}` does not parse")
     check = {"exporter": exporter_cli.config_error, "actuator": actuator.config_error}.get(argv[0])
     assert check is None or check(args) is None, (argv, check and check(args))
+    assert deprecated_used(args) == [], f"`grayguard {' '.join(argv)}`: a deprecated spelling (grayguard/flags.py)"
 
 
 def test_there_are_units_for_the_exporter_the_controller_and_the_rules():
