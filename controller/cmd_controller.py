@@ -214,7 +214,7 @@ def print_plan(result: TickResult, out=sys.stdout) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, promql=args.check)  # --check: the signals' PromQL too, by promtool
         if args.listen_address:
             try:
                 parse_address(args.listen_address)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")
             return 0
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)  # every problem, one a line, under the file's name
         return 2
     lock = None
     if cfg.state_file and not args.dry_run:  # a dry run writes nothing: it needs no lock

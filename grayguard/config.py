@@ -1,19 +1,23 @@
 """grayguard configuration: one YAML file, validated into frozen dataclasses.
 
-Every error names the field path (``pools[1].backend``) and the problem; the CLI turns a
-ConfigError into exit code 2. Defaults live here, next to the field they belong to, and so do the
-checks: each section's ``validate(path)`` checks its own fields, Config.validate what spans sections.
+Every problem names the field path (``pools[1].backend``) and what is wrong, and all of them are reported at once:
+each check records its problem in a Problems and goes on, and one ConfigError holds them all (the CLI prints them,
+one a line, and exits 2). Defaults live here, next to the field they belong to, and so do the checks: each section's
+``validate(path)`` checks its own fields, Config.validate what spans sections. The JSON Schema is generated from
+these dataclasses (grayguard/configschema.py); docs/configuration.md says what is checked where.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
 import re
 import types
 import typing
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,17 +47,75 @@ def duration_seconds(duration: str) -> float:
 
 
 class ConfigError(ValueError):
-    """A config problem, with the path of the offending field."""
+    """One or more config problems, each with the path of the offending field.
 
-    def __init__(self, path: str, problem: str):
-        super().__init__(f"{path}: {problem}" if path else problem)
-        self.path = path
-        self.problem = problem
+    str() is every problem, one a line, each `path: problem`; path and problem are the first one's. source is the
+    file they were found in (None: a document built in code)."""
+
+    def __init__(self, path: str = "", problem: str = "", *, errors: Sequence[tuple[str, str]] = (),
+                 source: str | None = None):
+        self.errors = tuple(errors) or ((path, problem),)
+        self.path, self.problem = self.errors[0]
+        self.source = source
+        super().__init__("\n".join(_line(*e) for e in self.errors))
+
+    def report(self) -> str:
+        """What a command prints: `config error in FILE:` then one line a problem (one line without a file)."""
+        if self.source is None and len(self.errors) == 1:
+            return f"grayguard: config error: {self}"
+        where = f" in {self.source}" if self.source is not None else ""
+        return f"grayguard: config error{where}:" + "".join(f"\n  {_line(*e)}" for e in self.errors)
 
 
-def _check(cond: bool, path: str, problem: str) -> None:
-    if not cond:
-        raise ConfigError(path, problem)
+def _line(path: str, problem: str) -> str:
+    return f"{path}: {problem}" if path else problem
+
+
+class Problems:
+    """The problems found so far, in the order found, the first one of each field only: a field's later checks
+    assume its earlier ones passed (a URL that is not one has no port to check), and so do the checks of fields
+    that depend on it (`after`)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+        self._failed: set[str] = set()
+
+    def add(self, path: str, problem: str) -> None:
+        """Record problem at path (unless path already has one; file-level problems, path "", all count)."""
+        if path and path in self._failed or (path, problem) in self.items:
+            return
+        self.items.append((path, problem))
+        self._failed.add(path)
+
+    def check(self, cond: bool, path: str, problem: str, after: Iterable[str] = ()) -> bool:
+        """Record problem at path unless cond holds; skipped where path, or a field it is checked against, failed."""
+        if self.failed(path, *after):
+            return False
+        if not cond:
+            self.add(path, problem)
+        return cond
+
+    def failed(self, *paths: str) -> bool:
+        """Whether any of paths has a problem."""
+        return any(p in self._failed for p in paths)
+
+    def raise_if_any(self, source: str | None = None) -> None:
+        """Raise one ConfigError holding every problem, if there is one."""
+        if self.items:
+            raise ConfigError(errors=self.items, source=source)
+
+
+def _collects(check: Callable[..., None]) -> Callable[..., None]:
+    """A section's validate(*args, problems=None): adds what it finds to problems, or raises them all at once."""
+
+    @functools.wraps(check)
+    def validate(self: Any, *args: Any, problems: Problems | None = None) -> None:
+        pr = Problems() if problems is None else problems
+        check(self, *args, pr)
+        if problems is None:
+            pr.raise_if_any()
+
+    return validate
 
 
 def _show(value: Any, conv: Any = repr) -> str:
@@ -82,22 +144,22 @@ def _url_problem(value: str) -> str | None:
     return None
 
 
-def _check_url(value: str, path: str) -> None:
+def _check_url(pr: Problems, value: str, path: str, after: Iterable[str] = ()) -> bool:
     problem = _url_problem(value)
-    _check(problem is None, path, problem or "")
+    return pr.check(problem is None, path, problem or "", after)
 
 
 def _port_ok(port: str, lowest: int = 1) -> bool:
     return port.isdigit() and lowest <= int(port) <= 65535
 
 
-def _check_finite(section: Any, path: str) -> None:
+def _check_finite(pr: Problems, section: Any, path: str) -> None:
     """Every float field of a section is finite: .inf or .nan where a number of seconds, a ratio or a
     threshold belongs fails later (a timer that never fires, an interval the scheduler rejects)."""
     for f in dataclasses.fields(section):
         v = getattr(section, f.name)
         if isinstance(v, float):
-            _check(math.isfinite(v), f"{path}.{f.name}" if path else f.name, f"must be a finite number, got {v}")
+            pr.check(math.isfinite(v), f"{path}.{f.name}" if path else f.name, f"must be a finite number, got {v}")
 
 
 @dataclass(frozen=True)
@@ -117,19 +179,21 @@ class PrometheusConfig:
     cert_file: str | None = None  # PEM client certificate (mutual TLS)...
     key_file: str | None = None  # ...and its key (omit when cert_file holds both)
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
-        _check(_is_url(self.url), f"{path}.url", f"must start with http:// or https://, got {redact_url(self.url)!r}")
-        _check_url(self.url, f"{path}.url")
-        _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
-        _check_finite(self, path)
-        _check(not (self.bearer_token_env and self.bearer_token_file), f"{path}.bearer_token_file",
-               "set bearer_token_env or bearer_token_file, not both")
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
+        pr.check(_is_url(self.url), f"{path}.url",
+                 f"must start with http:// or https://, got {redact_url(self.url)!r}")
+        _check_url(pr, self.url, f"{path}.url")
+        pr.check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        _check_finite(pr, self, path)
+        pr.check(not (self.bearer_token_env and self.bearer_token_file), f"{path}.bearer_token_file",
+                 "set bearer_token_env or bearer_token_file, not both")
         for name in ("bearer_token_file", "ca_file", "cert_file", "key_file"):
-            _check(getattr(self, name) != "", f"{path}.{name}", "must be a file path or null")
-        _check(self.key_file is None or self.cert_file is not None, f"{path}.key_file", "needs cert_file")
-        _check(self.ca_file is None or self.verify_tls, f"{path}.ca_file",
-               "verify_tls is false: the CA file would be ignored")
+            pr.check(getattr(self, name) != "", f"{path}.{name}", "must be a file path or null")
+        pr.check(self.key_file is None or self.cert_file is not None, f"{path}.key_file", "needs cert_file")
+        pr.check(self.ca_file is None or self.verify_tls, f"{path}.ca_file",
+                 "verify_tls is false: the CA file would be ignored")
 
 
 @dataclass(frozen=True)
@@ -145,19 +209,20 @@ class HaproxyConfig:
     # static pools (registry membership writes are not actuated).
     writer: str = "controller"
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
-        _check(len(self.endpoints) > 0, f"{path}.endpoints", "at least one endpoint is needed")
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
+        pr.check(len(self.endpoints) > 0, f"{path}.endpoints", "at least one endpoint is needed")
         for i, ep in enumerate(self.endpoints):
             is_sock = ep.startswith(("unix:", "/"))
             host, _, port = ep.rpartition(":")
-            _check(is_sock or bool(host and port.isdigit()), f"{path}.endpoints[{i}]",
-                   f"expected unix:/path, /path or host:port, got {ep!r}")
-            _check(is_sock or _port_ok(port), f"{path}.endpoints[{i}]", f"port must be in 1..65535, got {ep!r}")
-        _check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
-        _check(self.writer in HAPROXY_WRITERS, f"{path}.writer",
-               f"must be {' or '.join(HAPROXY_WRITERS)}, got {_show(self.writer)}")
-        _check_finite(self, path)
+            pr.check(is_sock or bool(host and port.isdigit()), f"{path}.endpoints[{i}]",
+                     f"expected unix:/path, /path or host:port, got {ep!r}")
+            pr.check(is_sock or _port_ok(port), f"{path}.endpoints[{i}]", f"port must be in 1..65535, got {ep!r}")
+        pr.check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        pr.check(self.writer in HAPROXY_WRITERS, f"{path}.writer",
+                 f"must be {' or '.join(HAPROXY_WRITERS)}, got {_show(self.writer)}")
+        _check_finite(pr, self, path)
 
 
 @dataclass(frozen=True)
@@ -183,29 +248,30 @@ class PoolConfig:
     # on their own; unset groups of 2+ nodes learn theirs from their fastest member.
     group_speed: dict[str, float] = field(default_factory=dict)
 
-    def validate(self, path: str) -> None:
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
         """Raise ConfigError naming the first bad field under path (uniqueness across pools is Config's)."""
-        _check(bool(HAPROXY_NAME_RE.match(self.name)), f"{path}.name",
-               f"{self.name!r} may only hold letters, digits, '-', '_', '.' and ':'")
-        _check(bool(HAPROXY_NAME_RE.match(self.backend)), f"{path}.backend",
-               f"{self.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
-               "(anything else could inject HAProxy runtime-API commands)")
-        _check(self.discovery in DISCOVERY_MODES, f"{path}.discovery",
-               f"must be {' or '.join(DISCOVERY_MODES)}, got {_show(self.discovery)}")
-        _check(bool(PROM_LABEL_RE.match(self.series_label)), f"{path}.series_label",
-               f"{self.series_label!r} is not a Prometheus label name")
+        pr.check(bool(HAPROXY_NAME_RE.match(self.name)), f"{path}.name",
+                 f"{self.name!r} may only hold letters, digits, '-', '_', '.' and ':'")
+        pr.check(bool(HAPROXY_NAME_RE.match(self.backend)), f"{path}.backend",
+                 f"{self.backend!r} may only hold letters, digits, '-', '_', '.' and ':' "
+                 "(anything else could inject HAProxy runtime-API commands)")
+        pr.check(self.discovery in DISCOVERY_MODES, f"{path}.discovery",
+                 f"must be {' or '.join(DISCOVERY_MODES)}, got {_show(self.discovery)}")
+        pr.check(bool(PROM_LABEL_RE.match(self.series_label)), f"{path}.series_label",
+                 f"{self.series_label!r} is not a Prometheus label name")
         for s, sc in self.servers.items():
-            _check(bool(HAPROXY_NAME_RE.match(s)), f"{path}.servers.{s}",
-                   "server names may only hold letters, digits, '-', '_', '.' and ':'")
+            pr.check(bool(HAPROXY_NAME_RE.match(s)), f"{path}.servers.{s}",
+                     "server names may only hold letters, digits, '-', '_', '.' and ':'")
             # checked here, not in the tick: a bad one would raise in every tick, for every pool
             if sc.canary_url is not None and _url_problem(sc.canary_url):
-                raise ConfigError(f"{path}.servers.{s}.canary_url", "must be http:// or https:// with a host, got "
-                                  f"{redact_url(sc.canary_url)!r} (or omit it for http://<server address>)")
-        _check(self.peer_group_label is None or bool(PROM_LABEL_RE.match(self.peer_group_label)),
-               f"{path}.peer_group_label", f"{self.peer_group_label!r} is not a Prometheus label name")
+                pr.add(f"{path}.servers.{s}.canary_url", "must be http:// or https:// with a host, got "
+                       f"{redact_url(sc.canary_url)!r} (or omit it for http://<server address>)")
+        pr.check(self.peer_group_label is None or bool(PROM_LABEL_RE.match(self.peer_group_label)),
+                 f"{path}.peer_group_label", f"{self.peer_group_label!r} is not a Prometheus label name")
         for g, c in self.group_speed.items():
-            _check(c > 0, f"{path}.group_speed.{g}", "must be > 0 (latency relative to the pool)")
-            _check(math.isfinite(c), f"{path}.group_speed.{g}", f"must be a finite number, got {c}")
+            pr.check(c > 0, f"{path}.group_speed.{g}", "must be > 0 (latency relative to the pool)")
+            pr.check(math.isfinite(c), f"{path}.group_speed.{g}", f"must be a finite number, got {c}")
 
 
 @dataclass(frozen=True)
@@ -242,10 +308,12 @@ class SignalsConfig:
     # read again the next tick). 0: every tick. Nothing else is cached: the live signals move every second
     hardware_every_s: float = 5.0
 
-    def validate(self, path: str) -> None:
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
         """Any string is a query, and an empty one switches an optional signal off; the cadence is a duration."""
-        _check(math.isfinite(self.hardware_every_s) and 0 <= self.hardware_every_s <= 300,
-               f"{path}.hardware_every_s", f"must be in [0, 300] seconds (0: every tick), got {self.hardware_every_s}")
+        pr.check(math.isfinite(self.hardware_every_s) and 0 <= self.hardware_every_s <= 300,
+                 f"{path}.hardware_every_s",
+                 f"must be in [0, 300] seconds (0: every tick), got {self.hardware_every_s}")
 
 
 # the optional signals read once in signals.hardware_every_s, not every tick (controller/loop.py read_optional)
@@ -313,31 +381,35 @@ class ThresholdsConfig:
     new_node_warmup_s: float = 30.0  # a node that joins a running pool holds slow_start_initial this long
     forget_after_s: float = 300.0  # a node gone from HAProxy is forgotten after this (its state is kept)
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
         p = f"{path}."
-        _check(self.quarantine_score >= DEGRADE_AT, p + "quarantine_score",
-               "must be >= 2 (the score, in noise widths, from which a cut's weight falls)")
-        _check(self.min_spread > 0, p + "min_spread", "must be > 0")
-        _check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
-        _check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
-        _check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
+        pr.check(self.quarantine_score >= DEGRADE_AT, p + "quarantine_score",
+                 "must be >= 2 (the score, in noise widths, from which a cut's weight falls)")
+        pr.check(self.min_spread > 0, p + "min_spread", "must be > 0")
+        pr.check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
+        pr.check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
+        pr.check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         for name in ("live_cut_ratio", "live_drift", "live_probe_confirm"):
-            _check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
-        _check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift")
-        _check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope", "must be in [0, 1] (a share of a batch-1 step)")
-        _check(0 < self.cut_factor <= 1, p + "cut_factor", "must be in (0, 1]")
+            pr.check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
+        pr.check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift",
+                 after=[p + "live_drift"])
+        pr.check(0 <= self.live_batch_slope <= 1, p + "live_batch_slope",
+                 "must be in [0, 1] (a share of a batch-1 step)")
+        pr.check(0 < self.cut_factor <= 1, p + "cut_factor", "must be in (0, 1]")
         for name in ("probe_consecutive", "probe_ok_to_clear"):
-            _check(getattr(self, name) >= 1, p + name, "must be >= 1")
-        _check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
-               f"must be in ({p}error_ratio, 1]")
-        _check(0 < self.kv_drained < self.kv_saturated <= 1, p + "kv_drained", f"must be in (0, {p}kv_saturated)")
-        _check(self.kv_outlier_ratio == 0 or self.kv_outlier_ratio > 1, p + "kv_outlier_ratio",
-               "must be > 1 (times the peers' usage), or 0 (off)")
-        _check(0 < self.kv_outlier_min <= 1, p + "kv_outlier_min", "must be in (0, 1]")
-        _check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
-        _check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
-        _check_finite(self, path)
+            pr.check(getattr(self, name) >= 1, p + name, "must be >= 1")
+        pr.check(0 < self.error_ratio < self.circuit_error_ratio <= 1, p + "circuit_error_ratio",
+                 f"must be in ({p}error_ratio, 1]", after=[p + "error_ratio"])
+        pr.check(0 < self.kv_drained < self.kv_saturated <= 1, p + "kv_drained", f"must be in (0, {p}kv_saturated)",
+                 after=[p + "kv_saturated"])
+        pr.check(self.kv_outlier_ratio == 0 or self.kv_outlier_ratio > 1, p + "kv_outlier_ratio",
+                 "must be > 1 (times the peers' usage), or 0 (off)")
+        pr.check(0 < self.kv_outlier_min <= 1, p + "kv_outlier_min", "must be in (0, 1]")
+        pr.check(self.new_node_warmup_s >= 0, p + "new_node_warmup_s", "must be >= 0")
+        pr.check(self.forget_after_s >= 0, p + "forget_after_s", "must be >= 0")
+        _check_finite(pr, self, path)
 
 
 @dataclass(frozen=True)
@@ -351,16 +423,17 @@ class RecoveryConfig:
     slow_start_initial: float = 0.1  # share of base weight when slow start begins
     slow_start_step_per_min: float = 0.2  # share of base weight added per minute
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
         p = f"{path}."
-        _check(self.min_quarantine_s >= 0, p + "min_quarantine_s", "must be >= 0")
-        _check(self.canary_interval_s > 0, p + "canary_interval_s", "must be > 0")
-        _check(self.canary_successes >= 1, p + "canary_successes", "must be >= 1")
-        _check(self.canary_timeout_s > 0, p + "canary_timeout_s", "must be > 0")
-        _check(0 < self.slow_start_initial <= 1, p + "slow_start_initial", "must be in (0, 1]")
-        _check(self.slow_start_step_per_min > 0, p + "slow_start_step_per_min", "must be > 0")
-        _check_finite(self, path)
+        pr.check(self.min_quarantine_s >= 0, p + "min_quarantine_s", "must be >= 0")
+        pr.check(self.canary_interval_s > 0, p + "canary_interval_s", "must be > 0")
+        pr.check(self.canary_successes >= 1, p + "canary_successes", "must be >= 1")
+        pr.check(self.canary_timeout_s > 0, p + "canary_timeout_s", "must be > 0")
+        pr.check(0 < self.slow_start_initial <= 1, p + "slow_start_initial", "must be in (0, 1]")
+        pr.check(self.slow_start_step_per_min > 0, p + "slow_start_step_per_min", "must be > 0")
+        _check_finite(pr, self, path)
 
 
 @dataclass(frozen=True)
@@ -390,7 +463,8 @@ class DetectorsConfig:
         """The names of the detectors in shadow mode."""
         return frozenset(f.name for f in dataclasses.fields(self) if not getattr(self, f.name).enforce)
 
-    def validate(self, path: str) -> None:
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
         """Nothing beyond the types: every detector may be enforced or shadowed."""
 
 
@@ -430,50 +504,51 @@ class RulesConfig:
     # from a prometheus_client that escapes ':', e.g. by Prometheus < 2.49), or "any" (matches both).
     vllm_prefix: str = "vllm:"
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
         p = f"{path}."
-        _check(0 < self.omega <= 1, p + "omega", "must be in (0, 1]")
+        pr.check(0 < self.omega <= 1, p + "omega", "must be in (0, 1]")
         for name in ("control_window", "human_window", "baseline_window"):
-            _check(bool(DURATION_RE.match(getattr(self, name))), p + name,
-                   "must be a Prometheus duration such as 30s, 5m or 1d")
-        _check(self.regression_factor > 1, p + "regression_factor", "must be > 1")
-        _check(0 < self.kv_saturation_ratio <= 1, p + "kv_saturation_ratio", "must be in (0, 1]")
-        _check(self.rerender_interval_s >= 0, p + "rerender_interval_s", "must be >= 0")
-        _check(self.control_interval is None or bool(DURATION_RE.match(self.control_interval)),
-               p + "control_interval",
-               "must be a Prometheus duration such as 5s, or null for the global evaluation_interval")
-        _check(self.human_interval is None or bool(DURATION_RE.match(self.human_interval)),
-               p + "human_interval",
-               "must be a Prometheus duration such as 1m, or null for the global evaluation_interval")
-        _check(_is_url(self.runbook_url), p + "runbook_url",
-               f"must start with http:// or https://, got {self.runbook_url!r}")
+            pr.check(bool(DURATION_RE.match(getattr(self, name))), p + name,
+                     "must be a Prometheus duration such as 30s, 5m or 1d")
+        pr.check(self.regression_factor > 1, p + "regression_factor", "must be > 1")
+        pr.check(0 < self.kv_saturation_ratio <= 1, p + "kv_saturation_ratio", "must be in (0, 1]")
+        pr.check(self.rerender_interval_s >= 0, p + "rerender_interval_s", "must be >= 0")
+        pr.check(self.control_interval is None or bool(DURATION_RE.match(self.control_interval)),
+                 p + "control_interval",
+                 "must be a Prometheus duration such as 5s, or null for the global evaluation_interval")
+        pr.check(self.human_interval is None or bool(DURATION_RE.match(self.human_interval)),
+                 p + "human_interval",
+                 "must be a Prometheus duration such as 1m, or null for the global evaluation_interval")
+        pr.check(_is_url(self.runbook_url), p + "runbook_url",
+                 f"must start with http:// or https://, got {self.runbook_url!r}")
         for name in ("controller_job", "exporter_job"):  # pasted into PromQL string literals
-            _check(bool(_JOB_RE.match(getattr(self, name))), p + name,
-                   "must be a non-empty job name without quotes, backslashes or spaces")
-        _check(self.controller_stale_s > 0, p + "controller_stale_s", "must be > 0")
-        _check(self.probe_failures >= 1, p + "probe_failures", "must be >= 1")
-        _check(0 < self.load_gpu_utilization <= 1, p + "load_gpu_utilization", "must be in (0, 1]")
-        _check(self.reload_url in (None, "", "none") or _is_url(self.reload_url), p + "reload_url",
-               "must start with http:// or https://, or be null")
+            pr.check(bool(_JOB_RE.match(getattr(self, name))), p + name,
+                     "must be a non-empty job name without quotes, backslashes or spaces")
+        pr.check(self.controller_stale_s > 0, p + "controller_stale_s", "must be > 0")
+        pr.check(self.probe_failures >= 1, p + "probe_failures", "must be >= 1")
+        pr.check(0 < self.load_gpu_utilization <= 1, p + "load_gpu_utilization", "must be in (0, 1]")
+        pr.check(self.reload_url in (None, "", "none") or _is_url(self.reload_url), p + "reload_url",
+                 "must start with http:// or https://, or be null")
         if self.reload_url not in (None, "", "none"):
-            _check_url(self.reload_url, p + "reload_url")
-        _check_url(self.runbook_url, p + "runbook_url")
+            _check_url(pr, self.reload_url, p + "reload_url")
+        _check_url(pr, self.runbook_url, p + "runbook_url")
         if self.grafana_url is not None:
-            _check(_is_url(self.grafana_url), p + "grafana_url",
-                   f"must start with http:// or https://, or be null, got {self.grafana_url!r}")
-            _check_url(self.grafana_url, p + "grafana_url")
-        _check(not re.search(r"[\s\x00-\x1f\x7f]", self.runbook_url), p + "runbook_url",
-               f"must be a URL without spaces or control characters (percent-encode them), got {self.runbook_url!r}")
-        _check_finite(self, path)
+            pr.check(_is_url(self.grafana_url), p + "grafana_url",
+                     f"must start with http:// or https://, or be null, got {self.grafana_url!r}")
+            _check_url(pr, self.grafana_url, p + "grafana_url")
+        pr.check(not re.search(r"[\s\x00-\x1f\x7f]", self.runbook_url), p + "runbook_url",
+                 f"must be a URL without spaces or control characters (percent-encode them), got {self.runbook_url!r}")
+        _check_finite(pr, self, path)
         for alert, dur in self.alert_for.items():
-            _check(bool(_ALERT_RE.match(alert)), f"{p}alert_for.{alert}", "not an alert name")
-            _check(bool(DURATION_RE.match(dur)), f"{p}alert_for.{alert}", "must be a duration such as 0s or 10m")
+            pr.check(bool(_ALERT_RE.match(alert)), f"{p}alert_for.{alert}", "not an alert name")
+            pr.check(bool(DURATION_RE.match(dur)), f"{p}alert_for.{alert}", "must be a duration such as 0s or 10m")
         for alert, sev in self.alert_severity.items():
-            _check(bool(_ALERT_RE.match(alert)), f"{p}alert_severity.{alert}", "not an alert name")
-            _check(sev in ("page", "ticket"), f"{p}alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
-        _check(self.vllm_prefix in ("vllm:", "vllm_", "any"), p + "vllm_prefix",
-               f"must be 'vllm:', 'vllm_' or 'any', got {self.vllm_prefix!r}")
+            pr.check(bool(_ALERT_RE.match(alert)), f"{p}alert_severity.{alert}", "not an alert name")
+            pr.check(sev in ("page", "ticket"), f"{p}alert_severity.{alert}", f"must be page or ticket, got {sev!r}")
+        pr.check(self.vllm_prefix in ("vllm:", "vllm_", "any"), p + "vllm_prefix",
+                 f"must be 'vllm:', 'vllm_' or 'any', got {self.vllm_prefix!r}")
 
 
 @dataclass(frozen=True)
@@ -521,50 +596,52 @@ class RegistryConfig:
         """The endpoints to try, in order (url alone when endpoints is empty; none without a registry)."""
         return self.endpoints or ((self.url,) if self.url is not None else ())
 
-    def validate(self, path: str) -> None:
-        """Raise ConfigError naming the first bad field under path."""
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
         p = f"{path}."
-        self.validate_connection(path)
-        _check(bool(_PREFIX_RE.match(self.prefix)), p + "prefix",
-               f"must be /segments of letters, digits, '-', '_' or '.', without a trailing '/', got {self.prefix!r}")
-        _check(self.lease_ttl_s >= 2, p + "lease_ttl_s", "must be >= 2 (etcd's shortest lease)")
-        _check(self.timeout_s > 0, p + "timeout_s", "must be > 0")
-        _check(self.timeout_s < self.lease_ttl_s, p + "timeout_s",
-               f"must be < {p}lease_ttl_s (a renewal must answer before the lease ends)")
-        _check(self.snapshot_file != "", p + "snapshot_file", "must be a file path or null")
-        _check(self.expiry_cap_per_minute is None or 0 <= self.expiry_cap_per_minute <= 1,
-               p + "expiry_cap_per_minute", "must be in [0, 1] (a share of the pool), or null")
-        _check_finite(self, path)
+        self.validate_connection(path, problems=pr)
+        pr.check(bool(_PREFIX_RE.match(self.prefix)), p + "prefix",
+                 f"must be /segments of letters, digits, '-', '_' or '.', without a trailing '/', got {self.prefix!r}")
+        pr.check(self.lease_ttl_s >= 2, p + "lease_ttl_s", "must be >= 2 (etcd's shortest lease)")
+        pr.check(self.timeout_s > 0, p + "timeout_s", "must be > 0")
+        pr.check(self.timeout_s < self.lease_ttl_s, p + "timeout_s",
+                 f"must be < {p}lease_ttl_s (a renewal must answer before the lease ends)", after=[p + "lease_ttl_s"])
+        pr.check(self.snapshot_file != "", p + "snapshot_file", "must be a file path or null")
+        pr.check(self.expiry_cap_per_minute is None or 0 <= self.expiry_cap_per_minute <= 1,
+                 p + "expiry_cap_per_minute", "must be in [0, 1] (a share of the pool), or null")
+        _check_finite(pr, self, path)
 
-    def validate_connection(self, path: str) -> None:
+    @_collects
+    def validate_connection(self, path: str, pr: Problems) -> None:
         """The fields that say how to reach etcd (endpoints, TLS, user); what the files hold is checked at startup
         (grayguard/etcdconn.py's settings, the controller's preflight)."""
         p = f"{path}."
-        _check(not self.endpoints or self.url == self.endpoints[0], p + "url",
-               "set url (one endpoint) or endpoints (several), not both")
+        pr.check(not self.endpoints or self.url == self.endpoints[0], p + "url",
+                 "set url (one endpoint) or endpoints (several), not both")
         named = [(f"{p}endpoints[{i}]", e) for i, e in enumerate(self.endpoints)] or [(p + "url", self.url)]
         tls = [n for n in ("ca_file", "cert_file", "key_file") if getattr(self, n) is not None]
         for where, url in named:
             if url is None:
                 continue
-            _check_url(url, where)
-            _check(urlsplit(url).path in ("", "/") and not urlsplit(url).query, where,
-                   f"must be scheme://host:port alone (etcd's gateway is at its root), got {redact_url(url)!r}")
+            _check_url(pr, url, where)
+            pr.check(urlsplit(url).path in ("", "/") and not urlsplit(url).query, where,
+                     f"must be scheme://host:port alone (etcd's gateway is at its root), got {redact_url(url)!r}")
             if tls:
-                _check(url.startswith("https://"), where,
-                       f"must be https:// with {p}{tls[0]} set (TLS files are for TLS), got {redact_url(url)!r}")
-        _check(len(set(self.endpoints)) == len(self.endpoints), p + "endpoints", "lists an endpoint twice")
+                pr.check(url.startswith("https://"), where,
+                         f"must be https:// with {p}{tls[0]} set (TLS files are for TLS), got {redact_url(url)!r}")
+        pr.check(len(set(self.endpoints)) == len(self.endpoints), p + "endpoints", "lists an endpoint twice")
         for name in ("ca_file", "cert_file", "key_file", "username", "password_env", "password_file"):
-            _check(getattr(self, name) != "", p + name, "must be a non-empty string or null")
-        _check(self.cert_file is None or self.key_file is not None, p + "cert_file",
-               f"needs {p}key_file (the client certificate's key)")
-        _check(self.key_file is None or self.cert_file is not None, p + "key_file", f"needs {p}cert_file")
-        _check(not (self.password_env and self.password_file), p + "password_file",
-               "set password_env or password_file, not both")
+            pr.check(getattr(self, name) != "", p + name, "must be a non-empty string or null")
+        pr.check(self.cert_file is None or self.key_file is not None, p + "cert_file",
+                 f"needs {p}key_file (the client certificate's key)")
+        pr.check(self.key_file is None or self.cert_file is not None, p + "key_file", f"needs {p}cert_file")
+        pr.check(not (self.password_env and self.password_file), p + "password_file",
+                 "set password_env or password_file, not both")
         for name in ("password_env", "password_file"):
-            _check(getattr(self, name) is None or self.username is not None, p + name, f"needs {p}username")
-        _check(self.username is None or bool(self.password_env or self.password_file), p + "username",
-               f"needs {p}password_env or {p}password_file (the password is never written in the config)")
+            pr.check(getattr(self, name) is None or self.username is not None, p + name, f"needs {p}username")
+        pr.check(self.username is None or bool(self.password_env or self.password_file), p + "username",
+                 f"needs {p}password_env or {p}password_file (the password is never written in the config)")
 
     def snapshot_path(self, state_file: str | None) -> str | None:
         """Where the membership snapshot lives: snapshot_file, else next to the state file, else nowhere."""
@@ -600,105 +677,134 @@ class Config:
                 return p
         raise KeyError(name)
 
-    def validate(self) -> None:
-        """Validate every section, then this level's fields and what spans pools; raise the first ConfigError."""
-        # Sections first, in this order, then the top level: which error a config with several gets is stable.
-        self.prometheus.validate("prometheus")
-        self.haproxy.validate("haproxy")
-        self.signals.validate("signals")
-        self.thresholds.validate("thresholds")
-        self.recovery.validate("recovery")
-        self.detectors.validate("detectors")
-        self.rules.validate("rules")
-        self.registry.validate("registry")
-        _check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
-        _check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
-        _check_finite(self, "")
+    @_collects
+    def validate(self, pr: Problems) -> None:
+        """Validate every section, then this level's fields and what spans sections; ConfigError holds every problem."""
+        # Sections first, in this order, then the top level: the order of the problems is stable.
+        self.prometheus.validate("prometheus", problems=pr)
+        self.haproxy.validate("haproxy", problems=pr)
+        self.signals.validate("signals", problems=pr)
+        self.thresholds.validate("thresholds", problems=pr)
+        self.recovery.validate("recovery", problems=pr)
+        self.detectors.validate("detectors", problems=pr)
+        self.rules.validate("rules", problems=pr)
+        self.registry.validate("registry", problems=pr)
+        pr.check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
+        pr.check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
+        _check_finite(pr, self, "")
         host, _, port = self.listen_address.rpartition(":")
-        _check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {self.listen_address!r}")
-        _check(_port_ok(port, lowest=0), "listen_address", f"port must be in 0..65535, got {self.listen_address!r}")
-        _check(len(self.pools) > 0, "pools", "at least one pool is needed")
+        pr.check(bool(host) and port.isdigit(), "listen_address", f"expected host:port, got {self.listen_address!r}")
+        pr.check(_port_ok(port, lowest=0), "listen_address", f"port must be in 0..65535, got {self.listen_address!r}")
+        pr.check(len(self.pools) > 0, "pools", "at least one pool is needed")
         seen_names: set[str] = set()
         seen_backends: set[str] = set()
         for i, p in enumerate(self.pools):
-            p.validate(f"pools[{i}]")
+            p.validate(f"pools[{i}]", problems=pr)
             # Each pool owns a backend: two pools writing one backend's weights would fight every tick.
-            _check(p.name not in seen_names, f"pools[{i}].name", f"duplicate pool name {p.name!r}")
-            _check(p.backend not in seen_backends, f"pools[{i}].backend",
-                   f"backend {p.backend!r} is already driven by another pool")
+            pr.check(p.name not in seen_names, f"pools[{i}].name", f"duplicate pool name {p.name!r}")
+            pr.check(p.backend not in seen_backends, f"pools[{i}].backend",
+                     f"backend {p.backend!r} is already driven by another pool")
             seen_names.add(p.name)
             seen_backends.add(p.backend)
-            _check(p.discovery != "registry" or self.registry.url is not None, f"pools[{i}].discovery",
-                   "registry needs registry.url (the etcd the nodes register in)")
-            _check(p.discovery != "registry" or self.haproxy.writer == "controller", f"pools[{i}].discovery",
-                   "registry needs haproxy.writer: controller (the actuators apply weights and drains, not "
-                   "membership)")
-        _check(self.haproxy.writer == "controller" or self.registry.url is not None, "haproxy.writer",
-               "actuators needs registry.url (the leader publishes the desired state there)")
-        self._validate_lease()
+            pr.check(p.discovery != "registry" or self.registry.url is not None, f"pools[{i}].discovery",
+                     "registry needs registry.url (the etcd the nodes register in)")
+            pr.check(p.discovery != "registry" or self.haproxy.writer == "controller", f"pools[{i}].discovery",
+                     "registry needs haproxy.writer: controller (the actuators apply weights and drains, not "
+                     "membership)")
+        pr.check(self.haproxy.writer == "controller" or self.registry.url is not None, "haproxy.writer",
+                 "actuators needs registry.url (the leader publishes the desired state there)")
+        self._validate_lease(pr)
 
-    def _validate_lease(self) -> None:
+    def _validate_lease(self, pr: Problems) -> None:
         """With a registry, the leader's lease must outlast what a tick does between two renewals."""
         if self.registry.url is None:
             return
         ttl = self.registry.lease_ttl_s
-        _check(self.tick_interval_s < ttl, "registry.lease_ttl_s",
-               f"must be > tick_interval_s ({self.tick_interval_s:g}s): the lease is renewed every tick")
+        pr.check(self.tick_interval_s < ttl, "registry.lease_ttl_s",
+                 f"must be > tick_interval_s ({self.tick_interval_s:g}s): the lease is renewed every tick",
+                 after=["tick_interval_s"])
         # a confirmed lease must leave room for one registry call and one HAProxy batch before it could end
         need = self.registry.timeout_s + self.haproxy.timeout_s
-        _check(ttl > need, "registry.lease_ttl_s", f"must be > registry.timeout_s + haproxy.timeout_s ({need:g}s): "
-               "a leader writes HAProxy only while its lease outlasts the write")
+        pr.check(ttl > need, "registry.lease_ttl_s", f"must be > registry.timeout_s + haproxy.timeout_s ({need:g}s): "
+                 "a leader writes HAProxy only while its lease outlasts the write",
+                 after=["registry.timeout_s", "haproxy.timeout_s"])
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """Convert a YAML value to the annotated type, or raise ConfigError naming path."""
+_BAD = object()  # what _convert returns for a value it recorded a problem for
+
+
+def _placeholder(tp: Any) -> Any:
+    """A value of type tp that stands in for a missing or bad required one, so that the rest is still checked (the
+    field's problem is recorded, so no check reads it)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return None
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _placeholder(hints[f.name]) for f in dataclasses.fields(tp)
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
+    return {tuple: (), dict: {}}.get(origin) if origin else tp()
+
+
+def _convert(tp: Any, value: Any, path: str, pr: Problems) -> Any:
+    """Convert a YAML value to the annotated type; a bad one is recorded in pr (naming path) and gives _BAD."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, path)
+        return _convert(inner[0], value, path, pr)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
+        return _build(tp, value, path, pr)
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, list | tuple):
-            raise ConfigError(path, f"expected a list, got {type(value).__name__}")
-        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+            pr.add(path, f"expected a list, got {type(value).__name__}")
+            return _BAD
+        items = [_convert(args[0], v, f"{path}[{i}]", pr) for i, v in enumerate(value)]
+        return tuple(_placeholder(args[0]) if v is _BAD else v for v in items)  # the indexes stay the paths
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
+            pr.add(path, f"expected a mapping, got {type(value).__name__}")
+            return _BAD
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ConfigError(path, f"keys must be strings, got {_show(k)}")
-            out[k] = _convert(args[1], {} if v is None and dataclasses.is_dataclass(args[1]) else v,
-                              f"{path}.{k}")
+                pr.add(path, f"keys must be strings, got {_show(k)}")
+                continue
+            v = _convert(args[1], {} if v is None and dataclasses.is_dataclass(args[1]) else v, f"{path}.{k}", pr)
+            if v is not _BAD:
+                out[k] = v
         return out
+    problem = _scalar_problem(tp, value)
+    if problem:
+        pr.add(path, problem)
+        return _BAD
+    return float(value) if tp is float else value
+
+
+def _scalar_problem(tp: Any, value: Any) -> str | None:
+    """Why value is not a tp (bool, int, float or str), or None."""
     if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {_show(value)}")
-        return value
+        return None if isinstance(value, bool) else f"expected true or false, got {_show(value)}"
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {_show(value)}")
-        return value
+        return None if isinstance(value, int) and not isinstance(value, bool) else \
+            f"expected an integer, got {_show(value)}"
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(path, f"expected a number, got {_show(value)}")
+            return f"expected a number, got {_show(value)}"
         try:
-            return float(value)
+            float(value)
         except OverflowError:  # an int beyond ~1.8e308 (YAML's own floats overflow to .inf instead)
-            raise ConfigError(path, "number out of range (beyond 1.8e308)") from None
+            return "number out of range (beyond 1.8e308)"
+        return None
     if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {_show(value)}")
-        return value
-    raise ConfigError(path, f"unsupported type {_type_name(tp)}")  # pragma: no cover
+        return None if isinstance(value, str) else f"expected a string, got {_show(value)}"
+    return f"unsupported type {_type_name(tp)}"  # pragma: no cover
 
 
 # Fields a release removed: a config that still sets one loads, with a warning that says what replaced it, for one
@@ -741,11 +847,14 @@ REMOVED_FIELDS = {
 }
 
 
-def _build(cls: Any, data: Any, path: str) -> Any:
+def _build(cls: Any, data: Any, path: str, pr: Problems) -> Any:
+    """A cls from a YAML mapping: every unknown field, bad value and missing required field is recorded in pr; a
+    bad value leaves its default (a required one: a placeholder), so that the other fields are still checked."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping, got {type(data).__name__}")
+        pr.add(path, f"expected a mapping, got {type(data).__name__}")
+        return _BAD
     removed = [k for k in data if isinstance(k, str) and f"{path}.{k}" in REMOVED_FIELDS]
     for k in removed:
         logging.getLogger("grayguard.config").warning("%s.%s was removed: %s", path, k, REMOVED_FIELDS[f"{path}.{k}"])
@@ -758,42 +867,168 @@ def _build(cls: Any, data: Any, path: str) -> Any:
         unknown = sorted(unknown)
     except TypeError:  # YAML keys of mixed types (1, null, "x"): strings first, the others by their text
         unknown = sorted(unknown, key=lambda k: (not isinstance(k, str), _show(k, str)))
-    if unknown:
-        key = _show(unknown[0], str)
-        where = f"{path}.{key}" if path else key
-        raise ConfigError(where, f"unknown field (known: {', '.join(sorted(fields))})")
+    for k in unknown:
+        key = _show(k, str)
+        pr.add(f"{path}.{key}" if path else key, f"unknown field (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
-        if name in data:
-            kwargs[name] = _convert(hints[name], data[name], sub)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(sub, "required field is missing")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        value = _convert(hints[name], data[name], sub, pr) if name in data else _BAD
+        if name not in data and required:
+            pr.add(sub, "required field is missing")
+        if value is not _BAD:
+            kwargs[name] = value
+        elif required:
+            kwargs[name] = _placeholder(hints[name])
     return cls(**kwargs)
 
 
-def parse_config(data: Any) -> Config:
-    """Validate a parsed YAML document into a Config."""
-    cfg = _build(Config, data, "")
-    cfg.validate()
+# A recorded series with a window: level:metric:[op_]rate<window>, as rules/render.py names them
+# (instance:vllm_request_rate:rate30s, instance:vllm_request_errors:ratio_rate30s).
+_WINDOWED_SERIES_RE = re.compile(
+    r"\b[a-zA-Z_][a-zA-Z0-9_]*:[a-zA-Z0-9_:]*:(?:[a-zA-Z0-9]+_)?rate((?:[0-9]+(?:ms|s|m|h|d|w|y))+)\b")
+
+
+def follow_control_window(signals: SignalsConfig, control_window: str, given: Iterable[str] = ()) -> SignalsConfig:
+    """signals with every query not in given reading the recorded series of control_window, not of the default
+    window (30s): a config that sets rules.control_window alone gets the signals its rules record."""
+    default_window = RulesConfig.control_window
+    if control_window == default_window or not DURATION_RE.match(control_window):
+        return signals
+    given = set(given)
+
+    def rewindow(m: re.Match[str]) -> str:
+        text = m.group(0)
+        return text[: m.start(1) - m.start(0)] + control_window if m.group(1) == default_window else text
+
+    changes = {f.name: _WINDOWED_SERIES_RE.sub(rewindow, getattr(signals, f.name))
+               for f in dataclasses.fields(SignalsConfig)
+               if f.name not in given and isinstance(getattr(signals, f.name), str)}
+    return dataclasses.replace(signals, **changes)
+
+
+def check_signal_windows(cfg: Config, pr: Problems) -> None:
+    """Every recorded series a signal reads is of rules.control_window: the rules record no other, so a signal of
+    another window would be absent and the controller would hold every weight."""
+    cw = cfg.rules.control_window
+    for f in dataclasses.fields(SignalsConfig):
+        query = getattr(cfg.signals, f.name)
+        if not isinstance(query, str):
+            continue
+        for m in _WINDOWED_SERIES_RE.finditer(query):
+            if m.group(1) != cw:
+                pr.check(False, f"signals.{f.name}",
+                         f"reads {m.group(0)}, a {m.group(1)} window, but rules.control_window is {cw}: the rules "
+                         f"record rate{cw} series, so this signal would be absent and every weight held (read "
+                         f"the rate{cw} series, or set rules.control_window: {m.group(1)})",
+                         after=["rules.control_window"])
+                break
+
+
+def _parse(data: Any, pr: Problems) -> Config | None:
+    """A Config from a parsed document, every problem recorded in pr (None: the document is no mapping)."""
+    if data is not None and not isinstance(data, dict):
+        pr.add("", f"expected a mapping of sections, got {type(data).__name__}")
+        return None
+    cfg = _build(Config, data, "", pr)
+    signals = (data or {}).get("signals")
+    given = [k for k in signals if isinstance(k, str)] if isinstance(signals, dict) else ()
+    cfg = dataclasses.replace(cfg, signals=follow_control_window(cfg.signals, cfg.rules.control_window, given))
+    cfg.validate(problems=pr)
+    check_signal_windows(cfg, pr)
     return cfg
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a YAML config file; raise ConfigError on any problem."""
+def parse_config(data: Any) -> Config:
+    """Validate a parsed YAML document into a Config; ConfigError holds every problem."""
+    pr = Problems()
+    cfg = _parse(data, pr)
+    pr.raise_if_any()
+    assert cfg is not None
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str], *, promql: bool = False) -> Config:
+    """Read and validate a YAML config file; ConfigError holds every problem, duplicate keys included, and names the
+    file. promql: also parse the signals' queries with promtool (rules.promtool), where it is installed."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError("", f"cannot read config {p}: {e.strerror or e}") from e
+        raise ConfigError("", f"cannot read config {p}: {e.strerror or e}", source=str(p)) from e
     except UnicodeDecodeError as e:
-        raise ConfigError("", f"cannot read config {p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+        raise ConfigError("", f"cannot read config {p}: not UTF-8 text ({e.reason} at byte {e.start})",
+                          source=str(p)) from e
+    pr = Problems()
+    data = read_yaml(text, str(p), pr)
+    cfg = _parse(data, pr)
+    if promql and cfg is not None:
+        from grayguard.promqlcheck import check_queries
+
+        check_queries(cfg, pr)
+    pr.raise_if_any(source=str(p))
+    assert cfg is not None
+    return cfg
+
+
+def read_yaml(text: str, name: str, pr: Problems) -> Any:
+    """The YAML document in text (from the file name); a key given twice in one mapping, at any depth, is recorded
+    in pr (PyYAML keeps the last silently: a second `thresholds:` block would replace the first). A document that is
+    not YAML raises ConfigError naming the file and line."""
+    loader = None
     try:
-        data = yaml.safe_load(text)
+        loader = yaml.SafeLoader(text)
+        loader.name = name  # marks say the file, not "<unicode string>"
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _find_duplicates(node, "", pr, set())
+        return loader.construct_document(node)
+    except yaml.MarkedYAMLError as e:
+        raise ConfigError("", f"{name} is not valid YAML: {_yaml_problem(e)}", source=name) from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (the file is read whole first)
+        raise ConfigError("", f"{name} is not valid YAML: character #x{e.character:04x} at position {e.position}: "
+                              f"{e.reason}", source=name) from None
     except yaml.YAMLError as e:
-        raise ConfigError("", f"{p} is not valid YAML: {e}") from e
+        raise ConfigError("", f"{name} is not valid YAML: {e}", source=name) from None
     except ValueError as e:  # a scalar PyYAML cannot construct: an int of 4300+ digits, a date like 2024-02-30
-        raise ConfigError("", f"{p} is not valid YAML: {e}") from e
-    except RecursionError as e:
-        raise ConfigError("", f"{p} is not valid YAML: nested too deeply") from e
-    return parse_config(data)
+        raise ConfigError("", f"{name} is not valid YAML: {e}", source=name) from None
+    except RecursionError:
+        raise ConfigError("", f"{name} is not valid YAML: nested too deeply", source=name) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
+    """One line: the problem, its line and column, and what was being read (from where)."""
+    mark = e.problem_mark or e.context_mark
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    context = ""
+    if e.context:
+        cm = e.context_mark
+        since = f" from line {cm.line + 1}, column {cm.column + 1}" if cm and cm is not mark else ""
+        context = f" ({e.context}{since})"
+    return f"{e.problem or e.context}{where}{context}"
+
+
+def _find_duplicates(node: yaml.Node, path: str, pr: Problems, seen: set[int]) -> None:
+    """Record every mapping key given twice under node (merge keys `<<` may be overridden, as YAML allows)."""
+    if id(node) in seen:  # an alias to a node already walked (or to an ancestor: a recursive document)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            here = path
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                here = f"{path}.{key.value}" if path else key.value
+                first = lines.setdefault((key.tag, key.value), key.start_mark.line + 1)
+                if first != key.start_mark.line + 1:
+                    pr.add(here, f"given twice (lines {first} and {key.start_mark.line + 1}): YAML would keep the "
+                                 "second silently; merge them into one")
+            _find_duplicates(value, here, pr, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _find_duplicates(item, f"{path}[{i}]", pr, seen)

@@ -38,7 +38,8 @@ def check(tmp_path, doc: dict, capsys) -> tuple[int, str]:
     f = tmp_path / "grayguard.yaml"
     f.write_text(yaml.safe_dump(doc))
     rc = main(["controller", "--config.file", str(f), "--check"])
-    return rc, capsys.readouterr().err
+    # the file's problems under its name, one a line; the environment's (preflight) on one line
+    return rc, capsys.readouterr().err.replace(f"config error in {f}:\n  ", "config error: ")
 
 
 INF = float("inf")

@@ -164,7 +164,8 @@ def test_tls_and_token_files_are_checked_by_check(prom, pki, tmp_path, capsys, o
     f = tmp_path / "grayguard.yaml"
     f.write_text(json.dumps({"prometheus": args, "pools": [{"name": "chat", "backend": "b"}], "state_file": None}))
     assert main(["controller", "--config.file", str(f), "--check"]) == 2
-    assert f"config error: {field}: " in capsys.readouterr().err
+    err = capsys.readouterr().err  # the file's problems under its name; the environment's (preflight) on one line
+    assert f"config error in {f}:\n  {field}: " in err or f"config error: {field}: " in err
 
 
 # ---- bearer token file --------------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ def test_unknown_override_exits_2(tmp_path, capsys):
 
 def test_signals_mismatch_is_warned(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("pools: [{name: chat, backend: b}]\nrules:\n  control_window: 10s\n")
+    # a query that is no series of these rules (a window of its own is a config error: grayguard.config)
+    cfg.write_text("pools: [{name: chat, backend: b}]\nsignals:\n  latency_query: my_latency_seconds\n")
     assert main(["rules", "render", "--config.file", str(cfg), "--out", str(tmp_path / "o")]) == 0
     assert "signals.latency_query" in capsys.readouterr().err
 
