@@ -30,9 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grayguard.bench.promtarget import Node, fleet
-from grayguard.controller import readscope
-
 from grayguard.config import Config, duration_seconds, load_config
+from grayguard.controller import readscope
 from grayguard.httpserve import HttpServer, Request, Response
 
 VARIANTS = 8  # bodies built per query; the one served follows the clock

@@ -196,7 +196,6 @@ def run_cross_check(args: argparse.Namespace) -> int:
 
     from grayguard.bench.crosscheck import VLLM_SETUP, Setup, cross_check, report, scenarios_of
     from grayguard.bench.crosslive import run_live
-
     from grayguard.binaries import BinaryMissing
 
     setup = replace(VLLM_SETUP if args.fleet == "vllm" else Setup(), seed=args.cross_seed)

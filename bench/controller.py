@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import requests
+
 from grayguard.bench.promcost import measure
 from grayguard.bench.promresult import format_cost, format_side_by_side
 from grayguard.bench.scale import format_scale, measure_scale

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
+
 from grayguard.sim.loadgen import LoadConfig, _first_model, _Run
 from grayguard.sim.loadstats import RequestRecord
 

@@ -36,11 +36,10 @@ from grayguard.bench import answers
 from grayguard.bench.controller import noisy_pools
 from grayguard.bench.promtarget import fleet
 from grayguard.bench.wholetick import controller_config, fleet_backends
+from grayguard.config import load_config
 from grayguard.controller import gcpolicy
 from grayguard.controller.policy import NodeDecision, NodeInput, NodeState
 from grayguard.controller.scoring import leave_one_out_logs
-
-from grayguard.config import load_config
 from grayguard.frozen import replaced
 from grayguard.promclient import _instant, decode_instant
 

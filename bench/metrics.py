@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 from grayguard.bench.engine import ERROR, GARBAGE, NO_SERVER, OK, TIMEOUT, RunResult
-
 from grayguard.vocab import EJECTED
 
 QUARANTINE_STATES = EJECTED  # grayguard's drained states (quarantined, canary)

@@ -22,7 +22,6 @@ from grayguard.bench.spec import NodeSpec, Scenario
 from grayguard.controller.policy import NodeInput
 from grayguard.sim.faults import THERMAL_FAULTS, FaultState
 from grayguard.sim.model import EngineModel, Finished, FirstToken, ModelParams, RequestStats, Slowdown, Stallable
-
 from grayguard.vocab import PROBE_AGENT_DOWN
 
 

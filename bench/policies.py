@@ -22,10 +22,9 @@ from dataclasses import dataclass, replace
 
 from grayguard.bench.node import NodeObs, node_input
 from grayguard.bench.spec import NodeSpec, Scenario
+from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.controller import canary
 from grayguard.controller.policy import EJECTED, NodeState, Policy, decide_pool, window_samples
-
-from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes
 from grayguard.vocab import Detector as DetectorName

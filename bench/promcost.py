@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
+
 from grayguard.bench import promtarget
 from grayguard.bench.promresult import PromCost
 from grayguard.bench.promwindow import run_window
+from grayguard.config import Config, SignalsConfig, load_config
 from grayguard.localstack.procs import ManagedProcess, free_port
 from grayguard.localstack.services import start_prometheus
-
-from grayguard.config import Config, SignalsConfig, load_config
 
 EXAMPLE_PROMETHEUS = Path(__file__).resolve().parents[1] / "rules" / "prometheus.example.yml"
 BEFORE = Path(__file__).resolve().parent / "before34"  # the signals issue 34 started from (frozen)

@@ -8,7 +8,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from grayguard.bench.promtarget import POOL_SIZE
-
 from grayguard.config import duration_seconds
 
 HUMAN_WINDOW_S = 300.0  # the 5m windows of the human group and the alerts

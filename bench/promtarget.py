@@ -32,9 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from grayguard.sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
-
 from grayguard.httpserve import HttpServer, Request, Response
+from grayguard.sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
 from grayguard.vocab import PROBE_RESULTS
 
 POOL_SIZE = 20  # nodes per pool

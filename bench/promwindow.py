@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
-from grayguard.bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings
-from grayguard.controller.loop import Controller
-from grayguard.localstack.services import Prometheus
 from prometheus_client.parser import text_string_to_metric_families
 
+from grayguard.bench.promresult import PHASES, GroupCost, Phase, PromCost, QueryCost, findings
 from grayguard.config import Config
+from grayguard.controller.loop import Controller
+from grayguard.localstack.services import Prometheus
 from grayguard.promclient import PromError, PrometheusClient, Sample
 
 METRICS_EVERY_S = 5.0  # how often Prometheus' own /metrics is read (resident memory)

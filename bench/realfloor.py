@@ -36,10 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grayguard.bench.realreplay import RUNS, fault_window
+from grayguard.config import ConfigError, load_config
 from grayguard.controller import loadmodel
 from grayguard.controller.recorder import read
-
-from grayguard.config import ConfigError, load_config
 
 FAMILIES = ("itl", "probe", "both", "either")
 DURATIONS = (1, 2, 3, 5)

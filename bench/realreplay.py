@@ -18,10 +18,9 @@ import json
 import sys
 from pathlib import Path
 
+from grayguard.config import ConfigError, load_config
 from grayguard.controller.recorder import read
 from grayguard.controller.replay import recording_decisions
-
-from grayguard.config import ConfigError, load_config
 from grayguard.vocab import DrainCause, State
 
 RUNS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm" / "runs"

@@ -7,7 +7,6 @@ import statistics
 from collections.abc import Sequence
 
 from grayguard.bench.report import _order, markdown_parts
-
 from grayguard.htmlpage import markdown_html, page
 from grayguard.svgplot import bar_chart
 

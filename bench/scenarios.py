@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from grayguard.bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario, TracePin, trace_plan
 from grayguard.sim.faults import FaultError, nominal_slowdown
 from grayguard.sim.loadgen import LengthDist

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
 from grayguard.sim.loadgen import make_prompt
 
 _WORDS = re.compile(r"\w+|[^\w\s]")  # the simulator's vocabulary: one token a word or punctuation mark

@@ -31,13 +31,12 @@ from grayguard.bench.promwindow import cpu_seconds
 from grayguard.bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
 from grayguard.bench.tickresult import PARTS, MemoryMark, TickSample, _row, median_max, part_times
 from grayguard.bench.wholetick import controller_config, fleet_backends
+from grayguard.config import load_config
 from grayguard.controller import gcpolicy
 from grayguard.controller.leader import Turn
 from grayguard.controller.loop import Controller
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import ManagedProcess
-
-from grayguard.config import load_config
 from grayguard.promclient import PrometheusClient
 
 TARGET_S = 0.5  # issue 18: the whole tick at 10,000 nodes

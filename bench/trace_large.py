@@ -28,12 +28,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller import canary, decide
 from grayguard.controller.haproxy import CHK_ST_CONFIGURED, CHK_ST_ENABLED, STATUS_AGENT_DOWN, ServerState
 from grayguard.controller.plan import Change, plan_backend
 from grayguard.controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pool
-
-from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.reflexes import CHECK_STATUS_HANA
 from grayguard.vocab import ProbeResult
 

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+
 from grayguard.bench import vllmshapes_report as report
 from grayguard.bench.shapeclient import Client, Stream, model_id
 

@@ -15,9 +15,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from grayguard.sim.model import ModelParams
-
 from grayguard.config import ThresholdsConfig
+from grayguard.sim.model import ModelParams
 from grayguard.svgplot import bar_chart, line_chart
 
 ENGINES = {"real": "real vLLM", "sim": "simulator"}

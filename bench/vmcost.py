@@ -21,14 +21,14 @@ from pathlib import Path
 
 import requests
 import yaml
+
 from grayguard.bench.promcost import prometheus_setup, render_rules, stand_in
 from grayguard.bench.promresult import PHASES, median_max
 from grayguard.bench.promwindow import TimedClient, cpu_seconds, prom_metrics, signal_names, tick, total, warm_up
+from grayguard.config import PrometheusConfig, load_config
 from grayguard.controller.loop import Controller
 from grayguard.localstack.services import HOST
 from grayguard.localstack.victoria import scrape_only, start_victoria_metrics, start_vmalert
-
-from grayguard.config import PrometheusConfig, load_config
 
 
 @dataclass

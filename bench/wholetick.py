@@ -21,6 +21,7 @@ from pathlib import Path
 
 import requests
 import yaml
+
 from grayguard.bench import promtarget
 from grayguard.bench.promcost import job_intervals, prometheus_setup, render_rules, stand_in
 from grayguard.bench.promresult import Phase, PromCost
@@ -38,14 +39,13 @@ from grayguard.bench.promwindow import (
 from grayguard.bench.scale import rss_bytes
 from grayguard.bench.tickprobe import FixedRate, LogCount, Stopwatch, TimedRuntime, instrument, memory_mark, timed_tick
 from grayguard.bench.tickresult import TickCost, all_notes
+from grayguard.config import Config, load_config
 from grayguard.controller import gcpolicy
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.loop import Controller
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port
 from grayguard.localstack.services import Prometheus, start_prometheus
-
-from grayguard.config import Config, load_config
 
 PROGRESS_EVERY = 10  # ticks between progress lines (and after every tick slower than SLOW_TICK_S)
 SLOW_TICK_S = 5.0

@@ -19,15 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from grayguard import etcdconn, terminate
+from grayguard.config import ConfigError
 from grayguard.controller import desired as desired_doc
 from grayguard.controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from grayguard.controller.plan import Change, plan_backend
 from grayguard.controller.runtime_view import RuntimeView, request_counter
 from grayguard.exporters.cli import parse_duration, parse_listen_address
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from grayguard import etcdconn, terminate
-from grayguard.config import ConfigError
 from grayguard.registry import DEFAULT_PREFIX, Registry, RegistryError, nodes_prefix
 
 HELP = "apply the leader's desired HAProxy weights to this HAProxy (a sidecar of each gateway replica)"
@@ -223,7 +223,6 @@ def run(args: argparse.Namespace) -> int:
     from grayguard.controller.health import Beat, readiness, stall_limit_s
     from grayguard.controller.httpserver import probe
     from grayguard.controller.ticker import Periodic
-
     from grayguard.httpserve import metrics_handler
     from grayguard.httpserve import serve as serve_routes
 

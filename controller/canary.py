@@ -16,9 +16,8 @@ import statistics
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from grayguard.controller.policy import NodeState, canary_due
-
 from grayguard.config import RecoveryConfig
+from grayguard.controller.policy import NodeState, canary_due
 from grayguard.redact import redact_url
 from grayguard.vocab import IN_ROTATION
 

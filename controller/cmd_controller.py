@@ -15,15 +15,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grayguard import flags, terminate
+from grayguard.config import Config, ConfigError, load_config
 from grayguard.controller import gcpolicy
 from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
 from grayguard.controller.health import Beat, readiness, stall_limit_s
 from grayguard.controller.loop import Controller, TickResult
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.statefile import StateFile, StateLock, StateLockError
-
-from grayguard import flags, terminate
-from grayguard.config import Config, ConfigError, load_config
 from grayguard.httpserve import parse_address
 from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
 from grayguard.redact import redact_url
@@ -251,7 +250,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     try:
         ctl = build_controller(cfg, dry_run=args.dry_run, replica_id=args.id)
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)
         return 2
     if getattr(args, "record", None):
         from grayguard.controller.recorder import Recorder
@@ -282,7 +281,6 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
         return None
     from grayguard.controller.discovery import Discovery
     from grayguard.controller.membersync import MembershipSync
-
     from grayguard.registry import Registry
 
     r = cfg.registry

@@ -12,12 +12,11 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from grayguard.config import PoolConfig
 from grayguard.controller import canary
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pool
 from grayguard.controller.scoring import usable
-
-from grayguard.config import PoolConfig
 from grayguard.promclient import Sample, finite
 from grayguard.vocab import POOL_LABEL as POOL_LABEL  # re-exported: the controller's import
 

@@ -12,9 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from grayguard.controller.policy import NodeDecision, NodeState, PoolDecision
-
 from grayguard.config import HAPROXY_NAME_RE
+from grayguard.controller.policy import NodeDecision, NodeState, PoolDecision
 from grayguard.vocab import STATES
 
 VERSION = 1

@@ -20,9 +20,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grayguard.controller.membership import PoolView
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from grayguard.controller.membership import PoolView
 from grayguard.registry import (
     NodeRecord,
     RecordError,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from grayguard.controller.metrics import ControllerMetrics
-from grayguard.controller.policy import NodeDecision, NodeState
 from prometheus_client import Gauge
 
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import NodeDecision, NodeState
 from grayguard.vocab import EJECTED, STATES, Signal, State
 
 # node_factor's `signal` values (KV saturation last: it is the decision's weight 0, not a factor of the state)

@@ -6,9 +6,9 @@ import json
 import logging
 from collections.abc import Callable
 
-from grayguard.controller.health import Verdict
 from prometheus_client import CollectorRegistry
 
+from grayguard.controller.health import Verdict
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 from grayguard.httpserve import serve as serve_routes
 

@@ -32,7 +32,6 @@ from grayguard.controller.leader_store import ElectionStore
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
 from grayguard.controller.statefile import StateError, dump_states, load_states
-
 from grayguard.registry import RegistryError
 
 log = logging.getLogger("grayguard.leader")

@@ -32,12 +32,11 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from grayguard.config import ThresholdsConfig
 from grayguard.controller.peers import Score
 from grayguard.controller.scoring import DEGRADE_AT, Noise, against_noise, weight_factor
 from grayguard.controller.signals import WINDOW_TICKS as WINDOW_TICKS  # re-exported: one live observation's ticks
 from grayguard.controller.signals import evolve
-
-from grayguard.config import ThresholdsConfig
 
 HORIZONS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 30, 36, 45, 55)  # ticks: about 1.25x apart past 5
 

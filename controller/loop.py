@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from grayguard.config import HARDWARE_SIGNALS, Config, PoolConfig
 from grayguard.controller import canary, canary_rounds, decide, readscope
 from grayguard.controller.clock import SteadyClock
 from grayguard.controller.desired import dump as dump_desired
@@ -26,8 +27,6 @@ from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.plan import Change, plan_backend, tier_view
 from grayguard.controller.policy import NodeState, PoolDecision, config_policy, pool_policies
 from grayguard.controller.statefile import StateFile
-
-from grayguard.config import HARDWARE_SIGNALS, Config, PoolConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.redact import redact_url
 from grayguard.vocab import EJECTED

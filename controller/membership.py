@@ -28,7 +28,6 @@ from typing import Protocol
 
 from grayguard.controller.haproxy import CHK_ST_CONFIGURED, Command, ServerState, check_name, host_port
 from grayguard.controller.policy import IN_ROTATION, SLOW_START, NodeState, Policy, max_ejected, target_weight
-
 from grayguard.reflexes import DEFAULT, Reflexes, duration
 
 EXPIRY_WINDOW_S = 60.0  # the expiry cap counts removals begun in this sliding window; a mass loss is doubted this long

@@ -19,13 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from grayguard.config import Config, PoolConfig
 from grayguard.controller import membership as mb
 from grayguard.controller.discovery import Discovery
 from grayguard.controller.haproxy import HaproxyError, RuntimeClient, ServerState, check_name, parse_stat_columns
 from grayguard.controller.policy import NodeState, Policy
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from grayguard.config import Config, PoolConfig
 from grayguard.registry import Registry, RegistryError
 
 log = logging.getLogger("grayguard.membership")

@@ -20,12 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from grayguard.config import MIN_PEERS, Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.controller import live, loadmodel, peers, signals
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.scoring import DEGRADE_AT, against_noise, pool_noise, sampled_noise, usable, weight_factor
 from grayguard.controller.signals import SignalMemory, dict_init, evolve
-
-from grayguard.config import MIN_PEERS, Config, RecoveryConfig, ThresholdsConfig, duration_seconds
 from grayguard.frozen import replaced
 from grayguard.vocab import EJECTED, IN_ROTATION, Detector, DrainCause, ProbeResult, Signal, State
 

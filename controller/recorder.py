@@ -31,7 +31,6 @@ from typing import IO, Any
 from grayguard.controller.decide import CanaryRound, Observation, PoolObservation
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.statefile import StateError, node_state
-
 from grayguard.promclient import Sample
 
 log = logging.getLogger("grayguard.recorder")

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import IO
 
+from grayguard import flags
+from grayguard.config import Config, ConfigError, load_config
 from grayguard.controller.decide import Observation, PoolOutcome, decide_tick
 from grayguard.controller.haproxy import ADMF_FDRAIN, DRAIN_MASK, ServerState
 from grayguard.controller.policy import (
@@ -32,9 +34,6 @@ from grayguard.controller.policy import (
     decide_pool,
     pool_policies,
 )
-
-from grayguard import flags
-from grayguard.config import Config, ConfigError, load_config
 from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
@@ -323,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)
         return 2
     if not 0 <= args.base_weight <= 256:
         print("grayguard: --base-weight must be in 0..256", file=sys.stderr)

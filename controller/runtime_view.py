@@ -17,8 +17,9 @@ import socketserver
 import threading
 import time
 
-from grayguard.controller.haproxy import PROMPT_SEP, HaproxyError, RuntimeClient
 from prometheus_client import CollectorRegistry, Counter
+
+from grayguard.controller.haproxy import PROMPT_SEP, HaproxyError, RuntimeClient
 
 log = logging.getLogger("grayguard.actuator")
 

@@ -19,12 +19,11 @@ import types
 import typing
 from pathlib import Path
 
+from grayguard.atomicfile import write_atomic
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.policy import NodeState
 from grayguard.controller.scoring import Noise
 from grayguard.controller.signals import SignalMemory
-
-from grayguard.atomicfile import write_atomic
 from grayguard.vocab import DrainCause, State
 
 log = logging.getLogger("grayguard.state")

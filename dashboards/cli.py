@@ -6,10 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from grayguard.dashboards.config import DashboardConfig
-
 from grayguard import flags
 from grayguard.config import ConfigError, load_config
+from grayguard.dashboards.config import DashboardConfig
 
 # The builders (and grafana-foundation-sdk) are imported when a dashboard is rendered, not here: the
 # `grayguard` dispatcher imports every subcommand, and a missing SDK must not break the controller's CLI.
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = DashboardConfig.from_config(load_config(args.config)) if args.config else DashboardConfig()
         files = render_all(cfg)
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)
         return 2
     except DashboardError as e:  # a builder bug: never write a dashboard Grafana would reject
         print(f"grayguard: {e}", file=sys.stderr)

@@ -22,7 +22,6 @@ from grayguard.dashboards.pool import transitions_expr
 from grayguard.dashboards.promql import matchers, node_info, zero_fill
 from grayguard.dashboards.promql import series as s
 from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
-
 from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 UID = GPU_DASHBOARD_UID

@@ -3,6 +3,7 @@ users see."""
 
 from __future__ import annotations
 
+from grayguard.config import DEGRADE_AT
 from grayguard.dashboards import live, membership
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.panels import (
@@ -22,8 +23,6 @@ from grayguard.dashboards.panels import (
 from grayguard.dashboards.promql import matchers, named, node_info, quantile, vllm, zero_fill
 from grayguard.dashboards.promql import series as s
 from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
-
-from grayguard.config import DEGRADE_AT
 from grayguard.vocab import State
 
 UID = POOL_DASHBOARD_UID

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grayguard.demo.watch import Watcher
-
 from grayguard import terminate
 from grayguard.config import duration_seconds
+from grayguard.demo.watch import Watcher
 
 HELP = "run the full local stack on a simulated fleet, inject a gray failure, report what grayguard did"
 DESCRIPTION = """\

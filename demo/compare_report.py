@@ -18,7 +18,6 @@ from grayguard.demo.report_html import (
     timeline,
     verdict_class,
 )
-
 from grayguard.htmlpage import Html, e, page, table, value
 from grayguard.svgplot import line_chart
 

@@ -414,9 +414,8 @@ def _finish(opts, report_dir, stack, observer, samples, records, result, marks, 
 
 def run(args: argparse.Namespace) -> int:
     """`grayguard demo --scenario membership`: 0 when it ran, 2 on a bad flag, 1 when a binary is missing."""
-    from grayguard.demo.cli import add_arguments as demo_arguments
-
     from grayguard.binaries import BinaryMissing
+    from grayguard.demo.cli import add_arguments as demo_arguments
     p = argparse.ArgumentParser()
     demo_arguments(p)
     try:

@@ -12,7 +12,6 @@ from typing import Any
 from grayguard.controller.haproxy import DRAIN_MASK, MAINT_MASK
 from grayguard.demo.report import rolling_percentile
 from grayguard.demo.report_html import phases_table, timeline, verdict_class
-
 from grayguard.htmlpage import e, kv_table, page
 from grayguard.reflexes import DEFAULT
 from grayguard.svgplot import line_chart

@@ -7,9 +7,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grayguard.demo.report import rolling_percentile
-
 from grayguard.config import RulesConfig
+from grayguard.demo.report import rolling_percentile
 from grayguard.htmlpage import Html, e, kv_table, link, page, table, value
 from grayguard.svgplot import line_chart
 

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from grayguard.exporters.probe import ProbeState
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from grayguard.exporters.probe import ProbeState
 from grayguard.vocab import PROBE_AGENT_DOWN, ProbeResult
 
 log = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ import threading
 from urllib.parse import urlsplit
 
 import pynvml
-from grayguard.exporters.prober import ProbeConfig
-from grayguard.exporters.registration import RegistrationConfig
-from grayguard.exporters.server import AgentListenError, Exporter
 
 from grayguard import etcdconn
 from grayguard.config import ConfigError
+from grayguard.exporters.prober import ProbeConfig
+from grayguard.exporters.registration import RegistrationConfig
+from grayguard.exporters.server import AgentListenError, Exporter
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.registry import DEFAULT_PREFIX, node_key
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-from grayguard.exporters.live import LiveSignals
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from grayguard.exporters.live import LiveSignals
 
 # the prober's and agent's gauges /metrics/fast carries besides the live series
 FAST_PROBE_SERIES = ("grayguard_probe_last_result", "grayguard_probe_consecutive_failures")

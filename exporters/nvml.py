@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pynvml
+from prometheus_client.core import Metric
+
 from grayguard.exporters.gpumetrics import GpuReading, NvmlSnapshot, build_families, describe_families
 from grayguard.exporters.nvmlfields import READERS, Unsupported, text
 from grayguard.exporters.xid import XidWatcher
-from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
 

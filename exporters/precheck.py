@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
-from grayguard.exporters.gpumetrics import NvmlSnapshot
 
+from grayguard.exporters.gpumetrics import NvmlSnapshot
 from grayguard.registry import GpuInfo
 
 CHECKS = ("gpu", "port", "model", "api_key")

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from grayguard.exporters.hang import Progress
-
 from grayguard.vocab import PROBE_ANSWERED, PROBE_FAULTS, PROBE_RESULTS, ProbeResult
 
 RESULTS = PROBE_RESULTS  # every result, in the order the metrics list them

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+
 from grayguard.exporters.engineload import EngineLoad, parse_engine_load
 from grayguard.exporters.probe import Observation, ReadinessCheck, completion_request, pick_model, sse_payload
 

@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from grayguard.exporters.engineload import EngineLoad
 from grayguard.exporters.fastpath import LiveCollector
 from grayguard.exporters.hang import Progress, Stalls, judged, token_progress
@@ -34,9 +37,6 @@ from grayguard.exporters.probe import (
 from grayguard.exporters.probehttp import VllmClient
 from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
 from grayguard.exporters.traffic import TrafficCollector
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from grayguard.vocab import ProbeResult
 
 log = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import requests
-from grayguard.exporters.gpumetrics import NvmlSnapshot
-from grayguard.exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from grayguard.etcdconn import EtcdSettings
+from grayguard.exporters.gpumetrics import NvmlSnapshot
+from grayguard.exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
 from grayguard.registry import (
     DEFAULT_PREFIX,
     ERROR_KINDS,

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pynvml
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
 from grayguard.exporters.agent import Agent
 from grayguard.exporters.fastpath import fast_registry
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.registration import Registrar, RegistrationConfig, api_key_reader
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
-
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from grayguard.exporters.synthetic import Traffic
 from prometheus_client.core import CounterMetricFamily, Metric
+
+from grayguard.exporters.synthetic import Traffic
 
 SERIES = (  # (name without _total, help, Tally field)
     ("grayguard_traffic_requests", "Requests vLLM finished (its e2e latency histogram's count), less the exporter's "

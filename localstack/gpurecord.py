@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import pynvml
+
     from grayguard.exporters.nvml import NvmlCollector
 
     a.out.mkdir(parents=True, exist_ok=True)

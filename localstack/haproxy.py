@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 from grayguard.localstack.procs import ManagedProcess, find_binary, start_process
-
 from grayguard.reflexes import Reflexes, backend_lines, global_lines, stream_lines
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes on Linux, its last one the terminating NUL

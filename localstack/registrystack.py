@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import ManagedProcess, free_port, http_ok, wait_until
 from grayguard.localstack.stack import BACKEND, POOL, REPO, LocalStack, StackSpec, _child_env
@@ -243,11 +244,10 @@ def _host_main(argv: list[str]) -> int:
     --registry.* registering the node) until SIGTERM."""
     import argparse
 
+    from grayguard import logsetup
     from grayguard.exporters import cli
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
     from grayguard.sim.fleet import Fleet, FleetThread
-
-    from grayguard import logsetup
 
     p = argparse.ArgumentParser(prog="python -m localstack.registrystack host")
     p.add_argument("--name", required=True, help="the node's name (its HAProxy server name)")

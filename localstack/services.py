@@ -14,9 +14,9 @@ from typing import Any
 
 import requests
 import yaml
-from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process, wait_until
 
 from grayguard.httpserve import Request, Response, serve
+from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process, wait_until
 
 HOST = "127.0.0.1"
 

@@ -204,10 +204,9 @@ def _counter_by(stack, name: str, *labels: str) -> dict[str, float]:
 
 def stack_spec(args: argparse.Namespace):
     """The stack the soak runs: the shipped production timing by default, or the demo's compressed one."""
+    from grayguard.config import RecoveryConfig, ThresholdsConfig
     from grayguard.exporters.prober import ProbeConfig
     from grayguard.localstack.stack import StackSpec
-
-    from grayguard.config import RecoveryConfig, ThresholdsConfig
 
     spec = StackSpec(nodes=args.nodes, seed=args.seed, controller=False, controller_process=True,
                      exporter_processes=True)

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 import yaml
+
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process
 
 if TYPE_CHECKING:  # the exporter child process imports none of the controller
-    from grayguard.controller.loop import Controller
-
     from grayguard.config import Config
+    from grayguard.controller.loop import Controller
 
 log = logging.getLogger("grayguard.stack")
 POOL, BACKEND = "chat", "vllm_chat"
@@ -380,7 +380,6 @@ class LocalStack:
         from grayguard.controller.httpserver import serve
         from grayguard.controller.loop import Controller
         from grayguard.controller.metrics import ControllerMetrics
-
         from grayguard.promclient import PrometheusClient
 
         self.progress("starting the controller")
@@ -670,10 +669,9 @@ def _exporter_main(argv: list[str]) -> int:
     """The exporter child process: `grayguard exporter`'s flags and Exporter, a fake healthy H100 for NVML."""
     import argparse
 
+    from grayguard import logsetup
     from grayguard.exporters import cli
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
-
-    from grayguard import logsetup
 
     p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")

@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 import yaml
+
 from grayguard.localstack.procs import ManagedProcess, find_binary, free_port, start_process
 from grayguard.localstack.services import HOST, Prometheus, _Service
 from grayguard.localstack.stack import LocalStack, StackSpec

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import requests
 import yaml
-from grayguard.rules import shards
-from grayguard.rules.render import recording_rule_names, render_all
-from grayguard.rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
 from grayguard import flags
 from grayguard.binaries import install_hint
 from grayguard.config import ConfigError, load_config
 from grayguard.promclient import PromError, PrometheusClient
+from grayguard.rules import shards
+from grayguard.rules.render import recording_rule_names, render_all
+from grayguard.rules.rerender import RuleFileError, fetch_baselines, write_if_changed
 
 RULES_DIR = Path(__file__).parent
 
@@ -84,7 +84,7 @@ def render_cmd(args: argparse.Namespace) -> int:
             print(f"learned baselines (P99 TTFT, s): {baselines or 'none yet'}")
         files = render_all(cfg, baselines)
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)
         return 2
     except PromError as e:
         print(f"grayguard: cannot learn baselines from {cfg.prometheus.url}: {e}", file=sys.stderr)
@@ -149,7 +149,7 @@ def shards_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
-        print(f"grayguard: config error: {e}", file=sys.stderr)
+        print(e.report(), file=sys.stderr)
         return 2
     split = shards.assign([p.name for p in cfg.pools], args.shards)
     print(f"# {len(cfg.pools)} pools in {args.shards} shards by Prometheus' hashmod of the {shards.POOL_LABEL!r} "

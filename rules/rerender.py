@@ -23,11 +23,11 @@ from pathlib import Path
 
 import requests
 import yaml
-from grayguard.rules.render import baseline_query, render_all
 
 from grayguard.config import Config
 from grayguard.promclient import PromError, PrometheusClient, read_within
 from grayguard.redact import redact, redact_url
+from grayguard.rules.render import baseline_query, render_all
 
 log = logging.getLogger("grayguard.rules")
 NO_RELOAD = ("", "none")  # rules.reload_url values that switch the reload off

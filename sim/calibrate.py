@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
+
 from grayguard.sim.model import EngineModel, Finished, ModelParams, RequestStats
 
 DATA = Path(__file__).with_name("calibration") / "vllm_published.yaml"

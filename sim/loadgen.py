@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+
 from grayguard.sim.loadstats import LoadResult, Phase, RequestRecord
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
 from grayguard.sim.faults import CUDA_ERROR_TEXT, Fault, FaultError, FaultState
 from grayguard.sim.metrics import VllmMetrics, cache_config_info
 from grayguard.sim.model import EngineModel, Finished, FirstToken, ModelParams, StepDone
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 log = logging.getLogger(__name__)
 

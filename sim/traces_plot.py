@@ -14,7 +14,6 @@ from pathlib import Path
 
 from grayguard.sim.loadgen import LoadConfig, arrival_plan
 from grayguard.sim.traces import TraceError, TraceLoad, parse_window, plan_trace, summarize
-
 from grayguard.svgplot import line_chart
 
 WIDTH, HEIGHT = 900, 260

@@ -1,9 +1,9 @@
 from pathlib import Path
 
 import pytest
-from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 
 from grayguard import terminate
+from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 
 
 def pytest_configure(config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from grayguard.bench.engine import GARBAGE, Run, run_family
 from grayguard.bench.lb import Gateway
 from grayguard.bench.metrics import summarize
@@ -16,7 +17,6 @@ from grayguard.bench.node import NodeObs, ProbeLog, node_input
 from grayguard.bench.policies import Assign, Grayguard, make_policy
 from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
 from grayguard.controller.policy import decide_pool
-
 from grayguard.reflexes import DEFAULT as RX
 
 FAULT_AT = 30.0

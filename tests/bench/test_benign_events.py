@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
+
 from grayguard.bench import policies
 from grayguard.bench.engine import OK, Run, run, run_family
 from grayguard.bench.metrics import summarize, transitions

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from grayguard.bench.policies import Grayguard
 from grayguard.bench.spec import NodeSpec, Scenario
+from grayguard.config import RecoveryConfig
 from grayguard.controller import canary
 from grayguard.controller.policy import NodeState
-
-from grayguard.config import RecoveryConfig
 from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, tick_settled
 
 NAMES = [f"node{i}" for i in range(5)]

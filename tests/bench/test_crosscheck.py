@@ -7,6 +7,7 @@ import io
 import math
 
 import pytest
+
 from grayguard.bench import cli
 from grayguard.bench.crosscheck import SCENARIOS, PhasedRun, Setup, cross_check, figures, report, scenario
 from grayguard.bench.crosslive import _result, run_live

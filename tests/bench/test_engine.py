@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+
 from grayguard.bench.engine import OK, TIMEOUT, Run, run, run_family
 from grayguard.bench.lb import LeastConn, RoundRobin, make_balancer
 from grayguard.bench.metrics import capacity_kept, out_of_full, percentile, summarize, transitions

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from grayguard.bench.engine import RunResult, run
 from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
 

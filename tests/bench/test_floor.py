@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from grayguard.bench import floor
 
+from grayguard.bench import floor
 from grayguard.promclient import _instant, decode_instant
 
 

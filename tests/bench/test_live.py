@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+
 from grayguard.bench.engine import NO_SERVER, Run
 from grayguard.bench.node import LiveSignals, ProbeLog, observe
 from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from grayguard.localstack.vllmserver import children
 
+from grayguard.localstack.vllmserver import children
 from tests.support.procwatch import OutputWatch, left, signals_at_default, stopped
 from tests.support.stack import require
 

@@ -8,6 +8,7 @@ import math
 from collections import Counter
 
 import pytest
+
 from grayguard.bench import cli as bench
 from grayguard.bench.engine import Run
 from grayguard.bench.lb import make_balancer

@@ -8,6 +8,8 @@ import re
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
 from grayguard.bench import promcost, promtarget
 from grayguard.bench.controller import add_arguments
 from grayguard.bench.promcost import measure
@@ -23,14 +25,12 @@ from grayguard.bench.promresult import (
     own_series_per_node,
 )
 from grayguard.bench.promwindow import fused_query
+from grayguard.config import SignalsConfig, parse_config
 from grayguard.controller.decide import OPTIONAL
 from grayguard.exporters.gpumetrics import describe_families
 from grayguard.exporters.server import Exporter
 from grayguard.rules.render import render_all
 from grayguard.sim.metrics import VllmMetrics
-from prometheus_client.parser import text_string_to_metric_families
-
-from grayguard.config import SignalsConfig, parse_config
 
 NODES = 40
 # read by a rule or query but not served: absent on a healthy fleet (no XID yet), and vLLM's old KV-cache name
@@ -231,7 +231,6 @@ def test_a_tiny_run_of_the_before_design_answers_its_own_queries_and_prints_besi
 
 def test_a_tiny_run_on_victoria_metrics_measures_real_work_beside_prometheus(tiny):
     from grayguard.bench.vmcost import format_vm_cost, measure_victoria
-
     from tests.support.stack import require
     require("victoria-metrics", "vmalert")
     c = measure_victoria(NODES, seconds=14)

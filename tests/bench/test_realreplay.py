@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from grayguard.bench.realreplay import RUNS, fault_window, judge, save_run, verdict
 from grayguard.controller.recorder import read
 

@@ -11,7 +11,6 @@ from grayguard.bench.engine import ERROR, NO_SERVER, OK, Run
 from grayguard.bench.lb import Gateway
 from grayguard.bench.policies import Assign, make_policy
 from grayguard.bench.spec import FaultSpec, LoadSpec, NodeSpec, Scenario
-
 from grayguard.reflexes import DEFAULT as RX
 
 

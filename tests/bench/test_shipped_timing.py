@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+
 from grayguard.bench.spec import Scenario
+from grayguard.config import load_config
 from grayguard.exporters.live import LIVE_WINDOW_S
 from grayguard.exporters.prober import ProbeConfig
-
-from grayguard.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+
 from grayguard.bench import cli as bench
 from grayguard.bench.scenarios import SuiteError, expand, load_suite, suites
 

@@ -9,12 +9,12 @@ import math
 import urllib.parse
 
 import pytest
+
 from grayguard.bench import answers, promtarget
 from grayguard.bench.controller import add_arguments
 from grayguard.bench.ticklocal import format_local, main, measure
-from grayguard.controller import readscope
-
 from grayguard.config import parse_config
+from grayguard.controller import readscope
 from grayguard.httpserve import Request
 from grayguard.promclient import _vector
 from tests.support.stack import require

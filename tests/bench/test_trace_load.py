@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from grayguard.bench.scenarios import SuiteError, expand, load_suite
 from grayguard.bench.spec import DEFAULT_MIX_TOKENS, H100_CAPACITY_RPS, make_arrivals, trace_plan
 

@@ -4,6 +4,7 @@ tried on some seeds and judged on others, runs beside the shipped grayguard on i
 from __future__ import annotations
 
 import pytest
+
 from grayguard.bench.engine import run
 from grayguard.bench.metrics import transitions
 from grayguard.bench.policies import Grayguard, grayguard_variant, make_policy

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict
 
 import pytest
+
 from grayguard.bench import vllmshapes
 from grayguard.bench import vllmshapes_report as rep
 from grayguard.bench.shapeclient import Stream, chunk_tokens, histogram_totals

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from grayguard.bench import promtarget
 from grayguard.bench.controller import add_arguments
 from grayguard.bench.promresult import PromCost
 from grayguard.bench.tickresult import PARTS, MemoryMark, TickCost, TickSample, format_tick, tick_findings, verdict
 from grayguard.bench.wholetick import fleet_backends, measure_tick
-
 from tests.support.stack import require
 
 NODES, TICKS = 60, 3  # 3 pools of 20; node n0 of pool0 is the slow one

@@ -10,6 +10,10 @@ import socket
 import threading
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller.haproxy import (
     CHK_ST_CONFIGURED,
     CHK_ST_ENABLED,
@@ -31,10 +35,6 @@ from grayguard.controller.policy import (
 )
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port, wait_until
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.reflexes import DEFAULT, backend_lines
 from grayguard.vocab import DrainCause
 from tests.localstack.test_reflexes import Backend

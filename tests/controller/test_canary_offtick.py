@@ -14,11 +14,11 @@ import time
 from dataclasses import replace
 
 import pytest
+
 from grayguard.bench.ticklocal import Leads
 from grayguard.controller.canary_rounds import Workers
 from grayguard.controller.policy import NodeState
 from grayguard.localstack.procs import wait_until
-
 from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, settle, tick_settled
 
 ADDR = {f"node{i}": f"10.0.0.{i}:8000" for i in range(4)}

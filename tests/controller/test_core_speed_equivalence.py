@@ -15,13 +15,13 @@ import pickle
 import random
 
 import pytest
+
 from grayguard.controller import policy
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.peers import Score, coefficients, peer_medians, score_of, scores
 from grayguard.controller.policy import LIVE_ITL, LIVE_TTFT, PROBE_MEDIAN, NodeDecision, NodeInput, NodeState
 from grayguard.controller.scoring import Baseline, _medians_without, leave_one_out, median, median_without, usable
 from grayguard.controller.signals import SignalMemory, dict_init, evolve
-
 from grayguard.frozen import replaced
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from grayguard.controller import decide
-from grayguard.controller.haproxy import ServerState
-from grayguard.controller.policy import NodeInput
-from grayguard.controller.scoring import usable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grayguard.config import PoolConfig, ServerConfig
+from grayguard.controller import decide
+from grayguard.controller.haproxy import ServerState
+from grayguard.controller.policy import NodeInput
+from grayguard.controller.scoring import usable
 from grayguard.promclient import Sample, finite
 
 NODES = 5

@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grayguard.config import RecoveryConfig, ThresholdsConfig
+from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
 
 PROBE_CLASSES = [None, "ok", "ok", "ok", "slow", "timeout", "hang", "cuda_error", "garbage", "refused"]
 SECONDS = st.floats(0.001, 2.0)

@@ -5,12 +5,12 @@ series of other pools, unlabelled series, duplicates (conflicts), timestamps mis
 
 from __future__ import annotations
 
-from grayguard.controller import decide
-from grayguard.controller.haproxy import ServerState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grayguard.config import PoolConfig
+from grayguard.controller import decide
+from grayguard.controller.haproxy import ServerState
 from grayguard.promclient import Sample
 
 POOLS = ("us", "eu", "ap")

@@ -11,14 +11,15 @@ import math
 import statistics
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from grayguard.bench.scale import load, verify
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.peers import peer_median, peer_medians
 from grayguard.controller.policy import NodeState
 from grayguard.controller.scoring import Baseline, leave_one_out, median
 from grayguard.controller.signals import SignalMemory, evolve
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 FIXTURE = load()
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest
+
+from grayguard.config import ThresholdsConfig
 from grayguard.controller.live import WINDOW_TICKS
 from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE
 from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool, max_ejected
-
-from grayguard.config import ThresholdsConfig
 from tests.support.ctl_helpers import seasoned
 
 NODES = [f"n{i}" for i in range(8)]

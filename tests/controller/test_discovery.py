@@ -8,10 +8,10 @@ import queue
 import threading
 
 import pytest
-from grayguard.controller.discovery import Discovery
-from grayguard.localstack.procs import wait_until
 from prometheus_client import CollectorRegistry
 
+from grayguard.controller.discovery import Discovery
+from grayguard.localstack.procs import wait_until
 from grayguard.registry import Entry, NodeRecord, RegistryError, WatchEvent, node_key
 
 PREFIX = "/grayguard/v1"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grayguard.config import load_config
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port
@@ -15,8 +17,6 @@ from grayguard.localstack.services import prometheus_config, start_prometheus
 from grayguard.rules.render import render_all
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.loadgen import LoadConfig, run_load
-
-from grayguard.config import load_config
 
 pytestmark = pytest.mark.e2e
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
-from grayguard.controller.export import FACTOR_SIGNALS, NodeRow, NodeSeries, node_row
-from grayguard.controller.metrics import ControllerMetrics
-from grayguard.controller.policy import Finding, NodeDecision, NodeState
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grayguard.controller.export import FACTOR_SIGNALS, NodeRow, NodeSeries, node_row
+from grayguard.controller.metrics import ControllerMetrics
+from grayguard.controller.policy import Finding, NodeDecision, NodeState
 from grayguard.vocab import STATES, Signal, State
 
 NODE_METRICS = ("grayguard_node_state", "grayguard_node_base_weight", "grayguard_node_info",

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+
 from grayguard.controller.haproxy import (
     CLAIM_WAIT_S,
     CLI_TIMEOUT_S,
@@ -21,7 +22,6 @@ from grayguard.controller.haproxy import (
     parse_var,
     write_backend,
 )
-
 from tests.support.ctl_helpers import servers
 from tests.support.stack import require
 
@@ -133,13 +133,12 @@ def test_a_writer_paused_after_its_read_sends_nothing(hap):
 def test_a_socket_below_admin_level_is_named_at_startup_and_its_batches_are_errors(tmp_path, hap):
     """With registry.url every write is fenced: an HAProxy that cannot keep the epoch is said before the first tick
     (cmd_controller.fencing_checks), and a fenced batch there is an `unsupported` error, never a silent no-op."""
+    from grayguard.config import parse_config
     from grayguard.controller.cmd_controller import fencing_checks
     from grayguard.controller.leader import Leadership
     from grayguard.controller.loop import Controller
     from grayguard.controller.metrics import ControllerMetrics
     from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
-
-    from grayguard.config import parse_config
     from tests.support.ctl_helpers import PROM, FakeProm
     from tests.support.fake_etcd import Client, FakeEtcd
 

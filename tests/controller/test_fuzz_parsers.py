@@ -8,6 +8,10 @@ import json
 import math
 
 import responses
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import PrometheusConfig
 from grayguard.controller.haproxy import (
     HaproxyError,
     ServerState,
@@ -16,10 +20,6 @@ from grayguard.controller.haproxy import (
     parse_backend_algos,
     parse_servers_state,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import PrometheusConfig
 from grayguard.promclient import PromError, PrometheusClient, Sample
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,11 +1,10 @@
 """A bad probe response quarantines at once when the GPU corroborates it; alone it still takes two strikes."""
 
+from grayguard.config import ThresholdsConfig
 from grayguard.controller import signals
 from grayguard.controller.policy import Policy
 from grayguard.controller.replay import Row, replay
 from grayguard.controller.signals import SignalMemory
-
-from grayguard.config import ThresholdsConfig
 
 
 def trace(ticks=30, step=5.0, **per_node):

@@ -8,6 +8,10 @@ import http.client
 import math
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller.haproxy import RuntimeClient, ServerState, parse_servers_state
 from grayguard.controller.policy import (
     CANARY,
@@ -23,10 +27,6 @@ from grayguard.controller.policy import (
 )
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import wait_until
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.reflexes import CHECK_STATUS_HANA, DEFAULT
 from grayguard.vocab import DrainCause
 from tests.localstack.test_reflexes import Backend

@@ -8,9 +8,9 @@ import gc
 import weakref
 
 import pytest
-from grayguard.controller import cmd_controller, gcpolicy
 
 from grayguard.config import parse_config
+from grayguard.controller import cmd_controller, gcpolicy
 
 
 @pytest.fixture(autouse=True)

@@ -3,9 +3,9 @@ import threading
 
 import pytest
 import responses
+
 from grayguard.controller.haproxy import Command, HaproxyError, RuntimeClient, UnsafeNameError, check_name
 from grayguard.controller.statefile import StateFile
-
 from tests.support.ctl_helpers import make_controller, prom_answers, servers
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]

@@ -4,10 +4,10 @@ their last answer standing in between; everything else every tick (controller/lo
 from __future__ import annotations
 
 import pytest
-from grayguard.controller.loop import Controller
-from grayguard.controller.metrics import ControllerMetrics
 
 from grayguard.config import HARDWARE_SIGNALS, ConfigError, parse_config
+from grayguard.controller.loop import Controller
+from grayguard.controller.metrics import ControllerMetrics
 from grayguard.promclient import PromError, Sample
 from tests.support.ctl_helpers import PROM, FakeProm
 

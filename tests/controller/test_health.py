@@ -10,13 +10,13 @@ import time
 import pytest
 import requests
 import yaml
+from prometheus_client import CollectorRegistry
+
+from grayguard.config import load_config, parse_config
 from grayguard.controller.cmd_controller import run_loop, tick_budget_s
 from grayguard.controller.health import MIN_STALL_S, Beat, Verdict, health, readiness, stall_limit_s
 from grayguard.controller.httpserver import serve
 from grayguard.localstack.procs import free_port, start_process, wait_until
-from prometheus_client import CollectorRegistry
-
-from grayguard.config import load_config, parse_config
 from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, servers
 
 

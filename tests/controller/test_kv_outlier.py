@@ -1,11 +1,11 @@
 """A KV cache far fuller than the peers' quarantines (controller/signals.py: kv_outlier; policy: decide_pool)."""
 
 import pytest
+
+from grayguard.config import ConfigError, RecoveryConfig, ThresholdsConfig
 from grayguard.controller.live import WINDOW_TICKS as HELD
 from grayguard.controller.policy import NodeInput, NodeState, Policy, decide_pool
 from grayguard.controller.signals import SignalMemory, kv_outlier
-
-from grayguard.config import ConfigError, RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import DrainCause, State
 
 T = ThresholdsConfig()

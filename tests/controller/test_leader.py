@@ -5,6 +5,9 @@ real HAProxy: test_leader_e2e.py."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from grayguard.controller.haproxy import CLI_TIMEOUT_S
 from grayguard.controller.leader import (
     CLOCK_MARGIN,
@@ -20,9 +23,6 @@ from grayguard.controller.leader import (
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
 from grayguard.controller.statefile import dump_states
-from hypothesis import given
-from hypothesis import strategies as st
-
 from grayguard.vocab import State
 from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeHaproxy, FakeProm, fake_controller, samples
 from tests.support.fake_etcd import Client, FakeEtcd

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 import yaml
+
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import free_port, start_process, wait_until
-
 from tests.support.ctl_helpers import servers
 from tests.support.stack import require
 

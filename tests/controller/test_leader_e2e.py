@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+
+from grayguard.config import parse_config
 from grayguard.controller.cmd_controller import build_leadership, run_loop
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.loop import Controller
@@ -22,8 +24,6 @@ from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import SEEDED
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import wait_until
-
-from grayguard.config import parse_config
 from grayguard.vocab import State
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, Sampler, samples, servers
 from tests.support.stack import require

@@ -7,6 +7,10 @@ import re
 from dataclasses import replace
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import ThresholdsConfig
 from grayguard.controller.live import HORIZONS, WINDOW_TICKS, LiveMemory, assess, evidence
 from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE
 from grayguard.controller.peers import Score
@@ -20,10 +24,6 @@ from grayguard.controller.policy import (
     Policy,
     decide_pool,
 )
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import ThresholdsConfig
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned
 

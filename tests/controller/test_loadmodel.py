@@ -6,10 +6,11 @@ import math
 import random
 
 import pytest
-from grayguard.controller import loadmodel as lm
-from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE, at_load, load_of, slopes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from grayguard.controller import loadmodel as lm
+from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE, at_load, load_of, slopes
 
 PRIOR_B = 0.028
 

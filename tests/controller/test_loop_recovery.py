@@ -2,8 +2,8 @@ import json
 import urllib.request
 
 import responses
-from grayguard.controller.haproxy import RuntimeClient
 
+from grayguard.controller.haproxy import RuntimeClient
 from tests.support.ctl_helpers import make_controller, prom_answers, servers, tick_settled
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]

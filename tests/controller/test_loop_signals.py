@@ -1,10 +1,10 @@
 """The live loop reads the optional signals from Prometheus and acts on them (real HAProxy)."""
 
 import responses
-from grayguard.controller.haproxy import RuntimeClient
 from responses import matchers
 
 from grayguard.config import SignalsConfig
+from grayguard.controller.haproxy import RuntimeClient
 from tests.support.ctl_helpers import PROM, make_controller, prom_answers, servers, vector
 
 ADDRS = [f"127.0.0.1:{9100 + i}" for i in range(4)]

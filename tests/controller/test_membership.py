@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from grayguard.controller import membership as mb
-from grayguard.controller.haproxy import ADMF_FDRAIN, ADMF_FMAINT, CHK_ST_CONFIGURED, CHK_ST_ENABLED, ServerState
-from grayguard.controller.policy import QUARANTINED, NodeState, Policy, max_ejected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grayguard.config import RecoveryConfig, ThresholdsConfig
+from grayguard.controller import membership as mb
+from grayguard.controller.haproxy import ADMF_FDRAIN, ADMF_FMAINT, CHK_ST_CONFIGURED, CHK_ST_ENABLED, ServerState
+from grayguard.controller.policy import QUARANTINED, NodeState, Policy, max_ejected
 from grayguard.registry import NodeRecord
 
 BE = "vllm_chat"

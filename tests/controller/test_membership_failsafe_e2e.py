@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
+
 from grayguard.controller.haproxy import ADMF_FDRAIN, HaproxyError
 from grayguard.controller.policy import EJECTED, QUARANTINED
-
 from grayguard.registry import NodeRecord, RegistryError
 from tests.support.ctl_helpers import samples
 from tests.support.registry_rig import LAT_Q, TICK_S, Member, Rig

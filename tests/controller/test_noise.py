@@ -13,7 +13,9 @@ import random
 import statistics
 
 import pytest
+
 from grayguard.bench.realreplay import RUNS, fault_window
+from grayguard.config import ThresholdsConfig, load_config
 from grayguard.controller import peers
 from grayguard.controller.live import LiveMemory, assess, in_noise
 from grayguard.controller.peers import Score
@@ -31,8 +33,6 @@ from grayguard.controller.scoring import (
     pool_noise,
     spread_of,
 )
-
-from grayguard.config import ThresholdsConfig, load_config
 from grayguard.vocab import DrainCause
 
 T = ThresholdsConfig()

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from grayguard.controller.haproxy import ADMF_FDRAIN, CLAIM_WAIT_S, RuntimeClient, epoch_var, parse_var
 from grayguard.controller.leader import SCOPE_ALL
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import free_port, start_process, wait_until
-
 from grayguard.registry import DEFAULT_PREFIX
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, RATE_Q, Sampler, servers
 from tests.support.registry_rig import BACKEND, Rig

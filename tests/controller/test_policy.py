@@ -1,5 +1,9 @@
 import math
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.plan import plan_backend
@@ -18,10 +22,6 @@ from grayguard.controller.policy import (
     max_ejected,
     target_weight,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned
 

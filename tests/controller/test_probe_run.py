@@ -8,11 +8,11 @@ Found on the default suite's trace_busy/n32 (the Azure trace at 70 % of 32 nodes
 from __future__ import annotations
 
 import pytest
-from grayguard.controller.policy import NodeInput, Policy, decide_pool, peer_slow_shares
-from grayguard.controller.signals import PROBE_RUN_CHANCE, probe_run_needed
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grayguard.controller.policy import NodeInput, Policy, decide_pool, peer_slow_shares
+from grayguard.controller.signals import PROBE_RUN_CHANCE, probe_run_needed
 from grayguard.vocab import State
 
 

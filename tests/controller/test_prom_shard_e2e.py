@@ -19,20 +19,20 @@ import threading
 import time
 
 import pytest
+
 from grayguard.bench import promtarget
+from grayguard.config import parse_config
 from grayguard.controller.cmd_controller import build_leadership, run_loop
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
+from grayguard.httpserve import HttpServer
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import wait_until
 from grayguard.localstack.services import prometheus_config, start_prometheus
+from grayguard.promclient import PrometheusClient
 from grayguard.rules import shards
 from grayguard.rules.render import render_all
-
-from grayguard.config import parse_config
-from grayguard.httpserve import HttpServer
-from grayguard.promclient import PrometheusClient
 from tests.support.ctl_helpers import servers
 from tests.support.stack import require
 

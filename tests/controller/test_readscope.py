@@ -11,11 +11,11 @@ import subprocess
 
 import pytest
 import yaml
-from grayguard.bench.ticklocal import Leads
-from grayguard.controller import readscope
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grayguard.bench.ticklocal import Leads
+from grayguard.controller import readscope
 from tests.support.ctl_helpers import OPTIONAL, FakeHaproxy, FakeProm, fake_controller, samples
 from tests.support.stack import prometheus_config, require, start_prometheus
 
@@ -111,9 +111,8 @@ def test_a_real_backend_takes_a_long_scoped_query_by_post(tmp_path, backend):
     Prometheus (or VictoriaMetrics, MetricsQL) answers the led pool's series, the unlabelled one, and nothing of a
     pool not led."""
     require(backend)
-    from grayguard.localstack.victoria import start_victoria_metrics
-
     from grayguard.config import PrometheusConfig
+    from grayguard.localstack.victoria import start_victoria_metrics
     from grayguard.promclient import LONG_PARAMS, PrometheusClient
 
     led = [f"p{i}" for i in range(300)]

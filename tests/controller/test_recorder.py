@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from grayguard.config import load_config
 from grayguard.controller.decide import CanaryRound, Observation, PoolObservation
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.policy import NodeState
 from grayguard.controller.recorder import Recorder, RecordingError, decode, encode, read
 from grayguard.controller.replay import recording_decisions, summarize
-
-from grayguard.config import load_config
 from grayguard.promclient import Sample
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+
 from grayguard.controller.haproxy import ADMF_FDRAIN, CHK_ST_ENABLED
 from grayguard.localstack.procs import free_port
-
 from grayguard.registry import NodeRecord
 from tests.support.registry_rig import BACKEND, TICK_S, Member, Rig, UpAgent
 from tests.support.stack import require

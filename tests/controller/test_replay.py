@@ -3,9 +3,9 @@ import subprocess
 import sys
 
 import pytest
+
 from grayguard.controller.policy import Policy
 from grayguard.controller.replay import TraceError, read_trace, replay
-
 from tests.support.trace_gen import make_trace
 
 

@@ -2,9 +2,10 @@ import math
 import random
 
 import pytest
-from grayguard.controller.scoring import baseline, leave_one_out, sampled_noise, usable
 from hypothesis import given
 from hypothesis import strategies as st
+
+from grayguard.controller.scoring import baseline, leave_one_out, sampled_noise, usable
 
 
 def seeds_z(values, i):

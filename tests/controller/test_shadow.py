@@ -19,13 +19,13 @@ import logging
 
 import pytest
 import responses
-from grayguard.controller.haproxy import RuntimeClient
-from grayguard.controller.policy import IN_ROTATION, NodeInput, Policy, decide_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from responses import matchers
 
 from grayguard.config import ConfigError, DetectorsConfig, SignalsConfig, parse_config
+from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.policy import IN_ROTATION, NodeInput, Policy, decide_pool
 from grayguard.vocab import Detector, DrainCause, Signal, State
 from tests.controller.test_decide_fuzz import histories, run
 from tests.support.ctl_helpers import PROM, make_controller, prom_answers, servers
@@ -180,10 +180,10 @@ def test_a_replay_of_a_real_run_with_the_live_detector_shadowed_says_what_it_wou
     from pathlib import Path
 
     import yaml
-    from grayguard.controller.recorder import read
-    from grayguard.controller.replay import recording_decisions, summarize
 
     from grayguard.config import load_config
+    from grayguard.controller.recorder import read
+    from grayguard.controller.replay import recording_decisions, summarize
     repo = Path(__file__).resolve().parents[2]
     run_dir = repo / "tests" / "fixtures" / "vllm" / "runs" / "thermal-1.5rps-quiet"
     cfg = yaml.safe_load((run_dir / "grayguard.yaml").read_text())

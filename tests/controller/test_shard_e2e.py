@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+
+from grayguard.config import parse_config
 from grayguard.controller.cmd_controller import build_leadership, run_loop
 from grayguard.controller.haproxy import HaproxyError, RuntimeClient
 from grayguard.controller.leader import leader_key
@@ -28,8 +30,6 @@ from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import SEEDED
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import wait_until
-
-from grayguard.config import parse_config
 from grayguard.registry import RegistryError
 from grayguard.vocab import State
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, Sampler, samples, servers

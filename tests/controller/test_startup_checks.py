@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from grayguard.controller.cmd_controller import staleness_checks
-
 from grayguard.config import parse_config
+from grayguard.controller.cmd_controller import staleness_checks
 from grayguard.promclient import PromError, Sample
 
 CFG = parse_config({"pools": [{"name": "chat", "backend": "vllm_chat"}]})

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from grayguard.config import PoolConfig, RecoveryConfig, ServerConfig
 from grayguard.controller import canary, decide
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.policy import NodeState, Policy
-
-from grayguard.config import PoolConfig, RecoveryConfig, ServerConfig
 from grayguard.promclient import Sample
 from tests.support.ctl_helpers import (
     LAT_Q,

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from grayguard.controller.ticker import Periodic, next_slot
 from grayguard.localstack.procs import wait_until
 

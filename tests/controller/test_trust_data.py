@@ -14,13 +14,13 @@ import time
 
 import pytest
 import responses
-from grayguard.controller import decide
-from grayguard.controller.haproxy import RuntimeClient, ServerState, parse_servers_state
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from responses import matchers
 
 from grayguard.config import PoolConfig, ServerConfig
+from grayguard.controller import decide
+from grayguard.controller.haproxy import RuntimeClient, ServerState, parse_servers_state
 from grayguard.promclient import Sample
 from tests.support.ctl_helpers import LAT_Q, PROM, RATE_Q, make_controller, prom_answers, servers, vector
 from tests.support.stack import prometheus_config, require, serve_registry, start_prometheus, static_job

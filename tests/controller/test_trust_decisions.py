@@ -14,6 +14,8 @@ import json
 
 import pytest
 import yaml
+
+from grayguard.config import RecoveryConfig, ThresholdsConfig, load_config
 from grayguard.controller import policy, replay
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.policy import (
@@ -27,8 +29,6 @@ from grayguard.controller.policy import (
     decide_pool,
     max_ejected,
 )
-
-from grayguard.config import RecoveryConfig, ThresholdsConfig, load_config
 from tests.support.ctl_helpers import LAT_Q, RATE_Q, FakeProm, make_controller, samples, servers
 
 BE = "vllm_chat"

@@ -13,13 +13,13 @@ import time
 import urllib.parse
 
 import pytest
+
+from grayguard.config import PrometheusConfig, RecoveryConfig, parse_config
 from grayguard.controller.canary import make_canary, node_url
 from grayguard.controller.haproxy import HaproxyError, RuntimeClient, ServerState
 from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
-
-from grayguard.config import PrometheusConfig, RecoveryConfig, parse_config
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from tests.support.ctl_helpers import OPTIONAL, PROM, FakeHaproxy, FakeProm, tick_settled
 

@@ -21,14 +21,14 @@ import time
 import pytest
 import responses
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
 from grayguard.controller.signals import SignalMemory
 from grayguard.controller.statefile import StateError, StateFile, StateLock, StateLockError, dump_states, load_states
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from grayguard.vocab import STATES, State
 from tests.support.ctl_helpers import make_controller, prom_answers, servers
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grayguard.config import parse_config
 from grayguard.dashboards import gpu, pool
 from grayguard.dashboards.lint import link_problems, links, variables
 from grayguard.dashboards.promql import label_values_selector
 from grayguard.dashboards.render import BUILDERS, render_all
 from grayguard.rules.render import ALERTS, GPU_DASHBOARD_UID, POOL_DASHBOARD_UID, render_alerts
-
-from grayguard.config import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 POOL_JSON, GPU_JSON = "grayguard-pool-overview.json", "grayguard-gpu-health.json"

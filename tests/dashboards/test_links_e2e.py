@@ -6,12 +6,12 @@ instance is stored as exported_instance); the exporter-side series keep their ow
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.dashboards.lint import expressions
 from grayguard.dashboards.promql import substitute
 from grayguard.dashboards.render import render_all
-from prometheus_client import CollectorRegistry, Gauge
-
 from tests.support.stack import (
     prometheus_config,
     require,

@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 import yaml
+
+from grayguard.config import ThresholdsConfig, parse_config
 from grayguard.dashboards import live
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.lint import expressions
@@ -16,8 +18,6 @@ from grayguard.dashboards.render import render_all
 from grayguard.exporters.fastpath import LiveCollector
 from grayguard.exporters.live import LiveSignals
 from grayguard.exporters.server import Exporter
-
-from grayguard.config import ThresholdsConfig, parse_config
 from tests.support.stack import require
 
 POOL_JSON = "grayguard-pool-overview.json"

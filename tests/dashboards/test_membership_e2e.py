@@ -8,6 +8,7 @@ import math
 import time
 
 import pytest
+
 from grayguard.dashboards import membership
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.promql import substitute
@@ -15,7 +16,6 @@ from grayguard.dashboards.render import render_all
 from grayguard.localstack.registrystack import RegistryStack
 from grayguard.localstack.stack import POOL, StackSpec
 from grayguard.sim.loadgen import LoadConfig, run_load
-
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

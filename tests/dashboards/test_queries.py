@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client import CollectorRegistry
+
+from grayguard.config import load_config, parse_config
 from grayguard.controller.discovery import DiscoveryMetrics
 from grayguard.controller.membersync import MembershipMetrics
 from grayguard.controller.metrics import ControllerMetrics
@@ -19,9 +22,6 @@ from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.server import Exporter
 from grayguard.rules.render import recording_rule_names
 from grayguard.sim.metrics import VllmMetrics
-from prometheus_client import CollectorRegistry
-
-from grayguard.config import load_config, parse_config
 from tests.support.stack import prometheus_config, require, start_prometheus
 
 REPO = Path(__file__).resolve().parents[2]

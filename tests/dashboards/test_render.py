@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grayguard.cli import build_parser
+from grayguard.config import load_config, parse_config
 from grayguard.dashboards import cli, gpu, pool
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.lint import expressions, problems
 from grayguard.dashboards.render import BUILDERS, DASHBOARDS_DIR, render_all
-
-from grayguard.cli import build_parser
-from grayguard.config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "grayguard.example.yaml"

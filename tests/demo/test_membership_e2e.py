@@ -8,8 +8,8 @@ import io
 import json
 
 import pytest
-from grayguard.demo.membership import MembershipOptions, run_scenario
 
+from grayguard.demo.membership import MembershipOptions, run_scenario
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+
 from grayguard.demo import cli, membership
 from grayguard.demo.membership_report import client_failures, crash_milestones, join_milestones, verdict
 from grayguard.sim.loadstats import RequestRecord

@@ -3,8 +3,8 @@ show no raw `{'` structure, and every plot has its axes and legend. The checker 
 
 
 import pytest
-from grayguard.demo import cli
 
+from grayguard.demo import cli
 from tests.support import demo_inputs
 from tests.support.browser import check_pages, problems
 

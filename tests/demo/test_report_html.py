@@ -7,7 +7,6 @@ import re
 from grayguard.demo import cli
 from grayguard.demo.compare_report import figures
 from grayguard.demo.report_html import markers, milestones, story_line, timeline, what_happened
-
 from tests.support import demo_inputs
 
 RAW = re.compile(r"\{'|\['|\{\"|\[\]|\{\}")

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from grayguard.localstack.vllmserver import children
-
 from tests.support.procwatch import OutputWatch, alive, signals_at_default
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ import io
 import json
 
 import pytest
+
 from grayguard.demo.cli import DemoOptions, run_scenario
 
 pytestmark = pytest.mark.e2e

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from grayguard.demo import cli
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "traces"

@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+
 from grayguard.demo.watch import Watcher
 
 

@@ -19,6 +19,8 @@ import time
 import urllib.request
 
 import pytest
+
+from grayguard.config import ConfigError, parse_config
 from grayguard.controller import desired as dd
 from grayguard.controller.actuator import Actuator, ActuatorMetrics
 from grayguard.controller.cmd_controller import build_leadership
@@ -30,8 +32,6 @@ from grayguard.controller.runtime_view import ALLOWED, RuntimeView
 from grayguard.controller.ticker import Periodic
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import free_port, wait_until
-
-from grayguard.config import ConfigError, parse_config
 from grayguard.registry import Registry
 from tests.support.ctl_helpers import LAT_Q, OPTIONAL, PROM, RATE_Q, FakeProm, samples, servers
 from tests.support.stack import require

@@ -21,14 +21,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from grayguard.controller.haproxy import RuntimeClient
-from grayguard.localstack.procs import free_port, wait_until
-from grayguard.rules.render import render_all
 
 from grayguard import __version__
 from grayguard.cli import build_parser
 from grayguard.config import load_config, parse_config
+from grayguard.controller.haproxy import RuntimeClient
 from grayguard.flags import deprecated_used
+from grayguard.localstack.procs import free_port, wait_until
+from grayguard.rules.render import render_all
 from tests.deploy import crds
 from tests.support.stack import require
 

@@ -15,6 +15,7 @@ import csv
 import hashlib
 import importlib.metadata as md
 import io
+import json
 import os
 import re
 import shutil
@@ -156,8 +157,8 @@ def offered_commands(bin_dir: Path, cwd: Path) -> list[str]:
 
 
 # (folder in the checkout, glob): the files the commands read at run time, and the wheel that must hold them
-DATA = ("rules/*.yml", "rules/templates/*.j2", "rules/tests/*.yml", "rules/tests/*.yaml", "dashboards/*.json",
-        "dashboards/provisioning/*.yaml")
+DATA = ("grayguard/config.schema.json", "rules/*.yml", "rules/templates/*.j2", "rules/tests/*.yml",
+        "rules/tests/*.yaml", "dashboards/*.json", "dashboards/provisioning/*.yaml")
 DEV_DATA = ("bench/suites/*.yaml", "bench/suites/traces/*", "bench/before34/*.y*ml", "sim/calibration/*.yaml",
             "localstack/vllm_site/*.py")
 DEV_COMMANDS = ("bench", "bench-controller", "demo", "fleet", "loadgen")
@@ -165,7 +166,8 @@ DEV_COMMANDS = ("bench", "bench-controller", "demo", "fleet", "loadgen")
 
 def test_the_wheels_and_the_sdist_hold_what_the_commands_read(built):
     def want(patterns):  # the checkout's files, not a list here, at their place under the grayguard package
-        return {f"grayguard/{p.relative_to(REPO)}" for pat in patterns for p in REPO.glob(pat)}
+        return {str(rel) if rel.parts[0] == "grayguard" else f"grayguard/{rel}"
+                for pat in patterns for rel in (p.relative_to(REPO) for p in REPO.glob(pat))}
     main, dev = want(DATA), want(DEV_DATA)
     assert len(main) > 10 and len(dev) > 4
     for wheel, files, other in ((built[0], main, dev), (built[2], dev, main)):
@@ -179,7 +181,7 @@ def test_the_wheels_and_the_sdist_hold_what_the_commands_read(built):
     extra = {"grayguard.example.yaml", "haproxy/haproxy.example.cfg", "deploy/render.py", "LICENSE", "CHANGELOG.md",
              "deploy/systemd/grayguard-controller.service", "deploy/kubernetes/base/kustomization.yaml",
              "docs/operations.md", "MANIFEST.in", "packaging/dev/pyproject.toml"}
-    on_disk = {n.removeprefix("grayguard/") for n in main | dev}
+    on_disk = {str(p.relative_to(REPO)) for pat in DATA + DEV_DATA for p in REPO.glob(pat)}
     assert on_disk | extra <= sdist, sorted((on_disk | extra) - sdist)
 
 
@@ -217,14 +219,16 @@ def test_the_production_wheel_runs_its_commands_and_has_no_dev_ones(installed, t
     assert not set(DEV_COMMANDS) & set(offered) and {"controller", "exporter", "rules", "dashboards"} <= set(offered)
     b = run(installed, "bench", "--help", cwd=tmp_path)
     assert b.returncode == 2 and "invalid choice" in b.stderr
+    schema = run(installed, "config", "schema", cwd=tmp_path)  # the shipped JSON Schema, from inside the wheel
+    assert schema.returncode == 0 and json.loads(schema.stdout) == json.loads(
+        (REPO / "grayguard" / "config.schema.json").read_text()), schema.stderr
     e = run(installed, "exporter", "--help", cwd=tmp_path)
     assert e.returncode == 0 and "usage: grayguard exporter" in e.stdout, e.stderr[-2000:]
 
     # the same files the checkout renders: the wheel's templates and dashboard code are complete
+    from grayguard.config import load_config
     from grayguard.dashboards.render import render_all as render_dashboards
     from grayguard.rules.render import render_all as render_rules
-
-    from grayguard.config import load_config
     example = REPO / "grayguard.example.yaml"
     r = run(installed, "rules", "render", "--config.file", str(example), "--out", str(tmp_path / "rules"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr

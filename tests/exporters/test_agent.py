@@ -9,11 +9,12 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
+
 from grayguard.exporters.agent import Agent, Verdict, clean, verdict
 from grayguard.exporters.engineload import EngineLoad, parse_engine_load
 from grayguard.exporters.hang import Progress, token_progress
 from grayguard.exporters.probe import RESULTS, ProbeState
-from prometheus_client import CollectorRegistry
 
 INTERVAL, DEADLINE = 1.0, 2.0
 NOW = 1000.0

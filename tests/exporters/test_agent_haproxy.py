@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import requests
+
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.haproxy import HaproxyProc

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from grayguard.exporters import cli
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 

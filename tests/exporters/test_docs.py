@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.exporters.prober import Prober
 from grayguard.exporters.server import Exporter
-from prometheus_client import CollectorRegistry
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "metrics.md").read_text()

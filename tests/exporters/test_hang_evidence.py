@@ -9,6 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.server import Exporter
 

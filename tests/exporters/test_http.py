@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
+
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.server import Exporter

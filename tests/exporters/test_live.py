@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from grayguard.exporters.engineload import EngineLoad, parse_engine_load
 from grayguard.exporters.live import (
     Answer,

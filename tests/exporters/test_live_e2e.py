@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import requests
+
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.server import Exporter

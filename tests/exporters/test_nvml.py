@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
 from grayguard.exporters import fakenvml
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.exporters.xid import XidWatcher
-from prometheus_client import CollectorRegistry, generate_latest
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "exporter_healthy_h100.prom"
 

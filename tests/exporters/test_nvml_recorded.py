@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from grayguard.config import SignalsConfig
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.gpumetrics import describe_families
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.localstack.gpurecord import Recorder, page, replay_module
-from prometheus_client.parser import text_string_to_metric_families
-
-from grayguard.config import SignalsConfig
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]

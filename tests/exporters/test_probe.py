@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+
 from grayguard.exporters.probe import (
     ANSWERED,
     FAILURES,
@@ -27,9 +31,6 @@ from grayguard.exporters.probe import (
     sse_payload,
 )
 from grayguard.exporters.prober import ProbeConfig, Prober
-from hypothesis import given
-from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, generate_latest
 
 
 def chunk(text):

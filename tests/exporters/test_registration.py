@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from grayguard.etcdconn import EtcdSettings
 from grayguard.exporters import cli
 from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.gpumetrics import GpuReading, NvmlSnapshot
@@ -26,11 +29,8 @@ from grayguard.exporters.registration import Registrar, RegistrationConfig, mate
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.procs import free_port, wait_until
-from grayguard.sim.fleet import FleetThread
-from prometheus_client.parser import text_string_to_metric_families
-
-from grayguard.etcdconn import EtcdSettings
 from grayguard.registry import NodeRecord, Registry, RegistryError, first_ttl, node_key
+from grayguard.sim.fleet import FleetThread
 from tests.exporters.test_docs import DOC, exposed_names
 
 _ids = itertools.count()

@@ -8,6 +8,7 @@ silences are learned, and a probe's silence is a hang once it outlasts them.
 from __future__ import annotations
 
 import pytest
+
 from grayguard.exporters.agent import verdict
 from grayguard.exporters.engineload import EngineLoad
 from grayguard.exporters.hang import HANG_MARGIN, STALL_CAP_S, STALLS_KEPT, Progress, Stalls, judged

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
+
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.procs import free_port

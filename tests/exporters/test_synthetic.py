@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from grayguard.exporters.engineload import EngineLoad, parse_engine_load
-from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally, vllm_tally
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from grayguard.exporters.engineload import EngineLoad, parse_engine_load
+from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally, vllm_tally
 
 PROBE = probe_tally(0.02, 12, 1)  # one answered probe: 20 ms, 12 prompt tokens, 1 generated
 

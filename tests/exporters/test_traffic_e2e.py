@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.procs import wait_until

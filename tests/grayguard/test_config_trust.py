@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import yaml
-from grayguard.rules.render import ALERTS_FILE, render_all
-from grayguard.rules.rerender import check_rule_files
 
 from grayguard.cli import main
 from grayguard.config import ConfigError, parse_config
+from grayguard.rules.render import ALERTS_FILE, render_all
+from grayguard.rules.rerender import check_rule_files
 from tests.support.stack import require
 
 BASE = {"prometheus": {"url": "http://127.0.0.1:9090"}, "haproxy": {"endpoints": ["/run/haproxy.sock"]},

@@ -1,8 +1,7 @@
 """The Prometheus client's connection pool holds a whole tick's concurrent queries."""
 
-from grayguard.controller.decide import OPTIONAL
-
 from grayguard.config import PrometheusConfig
+from grayguard.controller.decide import OPTIONAL
 from grayguard.promclient import POOL_CONNECTIONS, PrometheusClient
 
 

@@ -18,18 +18,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from grayguard.cli import main
+from grayguard.config import ConfigError, PrometheusConfig, parse_config
 from grayguard.controller.cmd_controller import print_plan
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.controller.httpserver import serve
 from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.localstack.procs import free_port
-from grayguard.rules.rerender import RuleRerenderer
-
-from grayguard.cli import main
-from grayguard.config import ConfigError, PrometheusConfig, parse_config
 from grayguard.promclient import PromError, PrometheusClient
 from grayguard.redact import redact, redact_url
+from grayguard.rules.rerender import RuleRerenderer
 from tests.support.ctl_helpers import servers
 
 VECTOR = {"status": "success", "data": {"resultType": "vector", "result": [

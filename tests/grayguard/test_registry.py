@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
-from grayguard.localstack.etcd import EtcdProc
-from grayguard.localstack.procs import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
+from grayguard.localstack.etcd import EtcdProc
+from grayguard.localstack.procs import wait_until
 from grayguard.registry import (
     DEFAULT_PREFIX,
     Entry,

@@ -24,9 +24,9 @@ import threading
 import time
 
 import pytest
+
 from grayguard.localstack.stack import DEMO_ALERT_FOR, LocalStack, StackSpec
 from grayguard.sim.loadgen import LoadConfig, run_load
-
 from tests.support.stack import require, wait_until
 
 pytestmark = pytest.mark.e2e

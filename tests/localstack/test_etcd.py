@@ -1,9 +1,9 @@
 """EtcdProc, a real etcd on the shared supervisor: 127.0.0.1 and free ports, restart with or without its data."""
 
 import pytest
+
 from grayguard.localstack.etcd import EtcdProc, etcd_healthy
 from grayguard.localstack.procs import BinaryMissing
-
 from grayguard.registry import Registry, RegistryError
 
 

@@ -13,6 +13,8 @@ import time
 
 import pytest
 import requests
+
+from grayguard.config import RegistryConfig, parse_config
 from grayguard.controller.cmd_controller import build_leadership
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.exporters import cli
@@ -20,10 +22,8 @@ from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.etcd import EtcdProc, EtcdTls
 from grayguard.localstack.procs import wait_until
-from grayguard.sim.fleet import FleetThread
-
-from grayguard.config import RegistryConfig, parse_config
 from grayguard.registry import Registry, RegistryError, node_key
+from grayguard.sim.fleet import FleetThread
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

@@ -14,6 +14,9 @@ import threading
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
+
+from grayguard.config import ConfigError, RegistryConfig, parse_config
 from grayguard.controller.cmd_controller import build_leadership
 from grayguard.controller.discovery import Discovery
 from grayguard.controller.metrics import ControllerMetrics
@@ -22,11 +25,8 @@ from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.server import Exporter
 from grayguard.localstack.etcd import EtcdProc, EtcdTls
 from grayguard.localstack.procs import free_port, wait_until
-from grayguard.sim.fleet import FleetThread
-from prometheus_client import CollectorRegistry
-
-from grayguard.config import ConfigError, RegistryConfig, parse_config
 from grayguard.registry import NodeRecord, Registry, RegistryError, node_key
+from grayguard.sim.fleet import FleetThread
 from tests.support.stack import require
 
 pytestmark = pytest.mark.e2e

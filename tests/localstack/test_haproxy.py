@@ -1,6 +1,7 @@
 """HaproxyProc, a real haproxy on the shared supervisor: config check, readiness, restart, orderly stop."""
 
 import pytest
+
 from grayguard.controller.haproxy import Command, RuntimeClient
 from grayguard.localstack.haproxy import UNIX_PATH_MAX, HaproxyProc, haproxy_config
 from grayguard.localstack.procs import BinaryMissing

@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+
 from grayguard.localstack.procs import (
     LISTEN_PORTS_FROM,
     BinaryMissing,
@@ -17,7 +18,6 @@ from grayguard.localstack.procs import (
     start_process,
     wait_until,
 )
-
 from tests.support.stack import WebhookReceiver
 
 

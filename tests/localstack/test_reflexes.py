@@ -15,10 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from grayguard.controller.haproxy import RuntimeClient
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port, wait_until
-
 from grayguard.reflexes import CHECK_STATUS_HANA, DEFAULT, Reflexes, backend_lines, global_lines
 
 BE = "vllm_chat"

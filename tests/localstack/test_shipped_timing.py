@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grayguard.config import load_config, parse_config
 from grayguard.exporters.fakenvml import healthy_h100
 from grayguard.localstack.procs import wait_until
 from grayguard.localstack.stack import (
@@ -21,8 +23,6 @@ from grayguard.localstack.stack import (
     write_gpu_state,
 )
 from grayguard.sim.faults import gpu_effects
-
-from grayguard.config import load_config, parse_config
 
 
 def test_the_shipped_controller_config_is_the_example_with_only_the_stacks_addresses(tmp_path):

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from grayguard.localstack.soak import ProcResult, Series, SoakReport, Thresholds, analyze_series, main, render_markdown
 from grayguard.localstack.vllmserver import children
-
 from tests.support.procwatch import OutputWatch, left, signals_at_default, stopped
 from tests.support.stack import require
 
@@ -105,9 +105,8 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
 def test_the_soak_runs_at_the_shipped_timing_by_default():
     import argparse
 
-    from grayguard.localstack.soak import stack_spec
-
     from grayguard.config import ThresholdsConfig
+    from grayguard.localstack.soak import stack_spec
 
     prod = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="production"))
     assert (prod.tick_s, prod.control_window, prod.scrape_interval) == (5.0, "30s", "5s")

@@ -16,11 +16,11 @@ import time
 from dataclasses import replace
 
 import pytest
+
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port
-from grayguard.sim.fleet import FleetThread
-
 from grayguard.reflexes import DEFAULT
+from grayguard.sim.fleet import FleetThread
 
 BE = "vllm_chat"
 REQUESTS = 7  # per path, interleaved: one median each, robust to a few requests delayed on a loaded machine

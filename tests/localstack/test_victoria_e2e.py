@@ -9,11 +9,11 @@ import time
 
 import pytest
 import requests
+
 from grayguard.localstack.stack import StackSpec
 from grayguard.localstack.victoria import BINARIES, VictoriaStack
-from grayguard.sim.loadgen import LoadConfig, run_load
-
 from grayguard.promclient import PrometheusClient
+from grayguard.sim.loadgen import LoadConfig, run_load
 from tests.support.stack import require, wait_until
 
 pytestmark = pytest.mark.e2e

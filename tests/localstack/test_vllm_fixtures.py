@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from grayguard.exporters.engineload import parse_engine_load
 from prometheus_client.parser import text_string_to_metric_families
+
+from grayguard.exporters.engineload import parse_engine_load
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 PAGES = ("idle", "loaded", "hung", "preempting")

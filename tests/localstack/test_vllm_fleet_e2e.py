@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
+
 from grayguard.exporters.hang import STALL_CAP_S
 from grayguard.localstack.procs import wait_until
 from grayguard.localstack.stack import BACKEND, LocalStack, StackSpec

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from grayguard.localstack import cgroups, vllm_model
 from grayguard.localstack.vllm_model import NEVER_OUTPUT, SPECIALS, vocabulary
 from grayguard.localstack.vllmfleet import REAL_FAULTS, make_real_fault

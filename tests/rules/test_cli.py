@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import responses
-from grayguard.rules.render import ALERTS_FILE, RECORDING_FILE
 
 from grayguard.cli import main
+from grayguard.rules.render import ALERTS_FILE, RECORDING_FILE
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]

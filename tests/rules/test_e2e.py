@@ -4,13 +4,13 @@
 import time
 
 import pytest
-from grayguard.controller.metrics import STATES, ControllerMetrics
-from grayguard.rules.render import baseline_query, render_all
-from grayguard.rules.rerender import RuleRerenderer, write_if_changed
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily
 
 from grayguard.config import parse_config
+from grayguard.controller.metrics import STATES, ControllerMetrics
+from grayguard.rules.render import baseline_query, render_all
+from grayguard.rules.rerender import RuleRerenderer, write_if_changed
 from tests.support.stack import (
     EXAMPLE_AM,
     WebhookReceiver,

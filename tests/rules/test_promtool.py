@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from grayguard.rules.render import ALERTS, recording_rule_names, render_all
 
 from grayguard.config import load_config, parse_config
+from grayguard.rules.render import ALERTS, recording_rule_names, render_all
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]

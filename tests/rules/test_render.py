@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grayguard.config import ConfigError, load_config, parse_config
 from grayguard.rules import render
 from grayguard.rules.render import (
     ALERTS,
@@ -21,10 +25,6 @@ from grayguard.rules.render import (
     signal_names,
     vllm_selector,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from grayguard.config import ConfigError, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "rules"

@@ -5,10 +5,10 @@ import os
 
 import pytest
 import responses
-from grayguard.rules.render import ALERTS_FILE, RECORDING_FILE, baseline_query, render_all
-from grayguard.rules.rerender import RuleRerenderer, check_rule_files, write_if_changed
 
 from grayguard.config import parse_config
+from grayguard.rules.render import ALERTS_FILE, RECORDING_FILE, baseline_query, render_all
+from grayguard.rules.rerender import RuleRerenderer, check_rule_files, write_if_changed
 from tests.support.stack import require
 
 PROM = "http://prom.test:9090"

@@ -12,12 +12,11 @@ import logging
 import threading
 import time
 
+from grayguard.config import parse_config
 from grayguard.controller.cmd_controller import make_rerender, run_loop
 from grayguard.controller.metrics import ControllerMetrics
-from grayguard.rules.rerender import RuleRerenderer
-
-from grayguard.config import parse_config
 from grayguard.httpserve import serve
+from grayguard.rules.rerender import RuleRerenderer
 
 
 class FakeController:

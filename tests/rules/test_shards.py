@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from grayguard.rules import shards
 from hypothesis import given
 from hypothesis import strategies as st
 
 from grayguard.cli import main
+from grayguard.rules import shards
 
 
 def test_hashmod_is_prometheus_md5_low_64_bits():

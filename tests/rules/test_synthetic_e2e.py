@@ -10,14 +10,14 @@ import time
 
 import pytest
 import requests
+
+from grayguard.config import parse_config
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.server import Exporter
 from grayguard.rules.render import render_all
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.node import DEFAULT_MODEL
-
-from grayguard.config import parse_config
 from tests.support.stack import prometheus_config, require, serve_registry, start_prometheus, static_job, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from grayguard.sim import cli_fleet, cli_loadgen
 
 from grayguard.cli import build_parser, main
+from grayguard.sim import cli_fleet, cli_loadgen
 
 ROOT = Path(__file__).resolve().parents[2]
 

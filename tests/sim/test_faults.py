@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from grayguard.sim.faults import (
     FAULTS,
     THERMAL_REASONS,
@@ -15,8 +18,6 @@ from grayguard.sim.faults import (
     nominal_slowdown,
 )
 from grayguard.sim.model import NO_SLOWDOWN
-from hypothesis import given
-from hypothesis import strategies as st
 
 # The FakeGpu dataclass fields (exporters/fakenvml.py) plus the `xid` event key.
 FAKEGPU_FIELDS = {
@@ -178,6 +179,7 @@ def test_nominal_slowdown_validates():
 
 def test_the_http_node_refuses_a_fault_it_cannot_model():
     import pytest
+
     from grayguard.sim.faults import FaultError
     from grayguard.sim.node import SimNode
 

@@ -10,12 +10,13 @@ import statistics
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.loadgen import LengthDist, LoadConfig, arrival_plan, looks_garbage, run_load
 from grayguard.sim.loadstats import LoadResult, Phase, RequestRecord, percentile
 from grayguard.sim.model import ModelParams
-from hypothesis import given
-from hypothesis import strategies as st
 
 FAST = replace(ModelParams(), decode_s_base=0.003, decode_s_per_seq=0.0001, prefill_s_per_token=1e-5,
                jitter=0.02, emit_interval_s=0.03)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from grayguard.cli import main
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.model import ModelParams
 from grayguard.sim.traces import TraceLoad, plan_trace
-
-from grayguard.cli import main
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 FAST = replace(ModelParams(), decode_s_base=0.002, decode_s_per_seq=0.0001, prefill_s_per_token=1e-6,

@@ -6,6 +6,9 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from grayguard.sim.model import (
     SPEED_CLASSES,
     EngineModel,
@@ -16,8 +19,6 @@ from grayguard.sim.model import (
     StepDone,
     Tokens,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 EXACT = replace(ModelParams(), jitter=0.0)  # no jitter: exact timings
 

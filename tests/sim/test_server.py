@@ -11,13 +11,14 @@ from dataclasses import replace
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
+
 from grayguard.sim.faults import CUDA_ERROR_TEXT, FaultError
 from grayguard.sim.fleet import Fleet, FleetThread, resolve_speed_classes
 from grayguard.sim.loadgen import looks_garbage
 from grayguard.sim.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from grayguard.sim.model import ModelParams
 from grayguard.sim.node import DEFAULT_MODEL, NODE_HEADER
-from prometheus_client.parser import text_string_to_metric_families
 
 FAST = replace(ModelParams(), decode_s_base=0.004, decode_s_per_seq=0.0001, prefill_s_per_token=2e-5,
                jitter=0.0, emit_interval_s=0.02)

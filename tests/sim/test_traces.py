@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from grayguard.sim.loadgen import PROMPT_WORDS, LoadConfig, arrival_plan, request_prompt
 from grayguard.sim.traces import (
     ATTRIBUTION,

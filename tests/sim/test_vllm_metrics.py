@@ -6,11 +6,12 @@ from dataclasses import replace
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
+
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.metrics import ITERATION_TOKENS_BUCKETS, N_BUCKETS, VllmMetrics, build_1_2_5_buckets
 from grayguard.sim.model import EngineModel, Finished, ModelParams, StepDone
 from grayguard.sim.node import DEFAULT_MODEL
-from prometheus_client.parser import text_string_to_metric_families
 
 # EXPECTED_METRICS_V1 and HIDDEN_DEPRECATED_METRICS of vLLM's tests/entrypoints/openai/test_metrics.py
 # (vllm-project/vllm, the V1-engine version with kv_cache_usage_perc and inter_token_latency_seconds).

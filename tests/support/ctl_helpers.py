@@ -6,6 +6,7 @@ import threading
 import time
 from dataclasses import replace
 
+from grayguard.config import parse_config
 from grayguard.controller import decide, readscope
 from grayguard.controller.haproxy import DRAIN_MASK, CommandResult, RuntimeClient, ServerState
 from grayguard.controller.live import LiveMemory
@@ -13,8 +14,6 @@ from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
 from grayguard.controller.scoring import NOISE_S, Noise
-
-from grayguard.config import parse_config
 from grayguard.promclient import PrometheusClient, Sample
 
 PROM = "http://prom.test:9090"

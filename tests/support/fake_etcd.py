@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from grayguard.controller.leader_store import Campaign
-
 from grayguard.registry import Entry, RegistryError
 
 

@@ -11,6 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from grayguard.config import parse_config
 from grayguard.controller.cmd_controller import start_discovery
 from grayguard.controller.haproxy import RuntimeClient, parse_stat_columns
 from grayguard.controller.loop import Controller
@@ -19,11 +20,9 @@ from grayguard.controller.ticker import Periodic
 from grayguard.localstack.etcd import EtcdProc
 from grayguard.localstack.haproxy import HaproxyProc, haproxy_config
 from grayguard.localstack.procs import free_port, wait_until
-from grayguard.sim.fleet import Fleet, FleetThread
-
-from grayguard.config import parse_config
 from grayguard.reflexes import DEFAULT
 from grayguard.registry import NodeRecord, Registry, RegistryError, node_key
+from grayguard.sim.fleet import Fleet, FleetThread
 from tests.support.ctl_helpers import OPTIONAL, FakeProm, samples
 
 PREFIX = "/grayguard/v1"

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+
+from grayguard.httpserve import HttpServer, metrics_handler
 from grayguard.localstack.procs import BinaryMissing, find_binary, free_port, wait_until
 from grayguard.localstack.services import (
     Alertmanager,
@@ -29,9 +32,6 @@ from grayguard.localstack.services import (
     start_prometheus,
     static_job,
 )
-from prometheus_client import CollectorRegistry
-
-from grayguard.httpserve import HttpServer, metrics_handler
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_AM = REPO / "rules" / "alertmanager.example.yml"
