@@ -69,6 +69,33 @@ def test_each_mistake_is_refused_by_both(validator, change, path):
     assert path in [p for p, _ in e.value.errors]
 
 
+def test_five_mistakes_in_one_file_are_five_errors_for_both(validator, tmp_path):
+    """The issue's acceptance on a file an editor can judge: five independent mistakes (a typo, a wrong type, out of
+    range, a name HAProxy cannot take, a value outside the choices), five schema errors at those fields, and
+    `--check` prints five lines and exits 2 (the loader-only mistakes, a duplicate block and the signals' window:
+    tests/grayguard/test_config_all_errors.py)."""
+    doc = copy.deepcopy(BASE)
+    for change, _ in (MISTAKES[0], MISTAKES[1], MISTAKES[2], MISTAKES[3], MISTAKES[5]):
+        for key, value in change.items():
+            doc[key] = {**doc.get(key, {}), **value} if isinstance(value, dict) else value
+    paths = {"tick_intervall_s", "prometheus.timeout_s", "thresholds.max_ejected_fraction", "pools[0].backend",
+             "haproxy.writer"}
+
+    def where(err) -> str:  # a schema error's field (the deepest of a nullable section's), as the loader spells it
+        err = max([err, *err.context], key=lambda x: len(x.absolute_path))
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path).lstrip(".")
+    errors = list(validator.iter_errors(doc))
+    found = {where(e) for e in errors} | {m for e in errors if e.validator == "additionalProperties"
+                                          for m in paths if m in e.message}
+    assert paths <= found and len(errors) == 5, [(where(e), e.message) for e in errors]
+    f = tmp_path / "five.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert main(["controller", "--config.file", str(f), "--check"]) == 2
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc)
+    assert {p for p, _ in e.value.errors} == paths
+
+
 def test_removed_fields_are_accepted_as_deprecated(validator):
     doc = {**BASE, "thresholds": {"min_peers": 3}}
     assert list(validator.iter_errors(doc)) == []
