@@ -874,7 +874,10 @@ def _build(cls: Any, data: Any, path: str, pr: Problems) -> Any:
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        value = _convert(hints[name], data[name], sub, pr) if name in data else _BAD
+        raw = data.get(name, _BAD)
+        if name.endswith("_s") and isinstance(raw, str):  # a duration in seconds, written as one: 5s, 1m30s, 500ms
+            raw = _seconds(raw, hints[name], sub, pr)
+        value = _convert(hints[name], raw, sub, pr) if raw is not _BAD else _BAD
         if name not in data and required:
             pr.add(sub, "required field is missing")
         if value is not _BAD:
@@ -882,6 +885,21 @@ def _build(cls: Any, data: Any, path: str, pr: Problems) -> Any:
         elif required:
             kwargs[name] = _placeholder(hints[name])
     return cls(**kwargs)
+
+
+def _seconds(text: str, tp: Any, path: str, pr: Problems) -> Any:
+    """A `_s` field given as a Prometheus duration (docs/configuration.md, "Units"): its seconds, a number of the
+    field's type (a whole one for an int field such as lease_ttl_s); _BAD, recorded, for anything else."""
+    if not DURATION_RE.match(text):
+        pr.add(path, f"expected a number of seconds or a duration such as 5s, 1m or 500ms, got {_show(text)}")
+        return _BAD
+    seconds = duration_seconds(text)
+    if int in typing.get_args(tp) or tp is int:
+        if seconds != int(seconds):
+            pr.add(path, f"must be whole seconds, got {_show(text)}")
+            return _BAD
+        return int(seconds)
+    return seconds
 
 
 # A recorded series with a window: level:metric:[op_]rate<window>, as rules/render.py names them

@@ -147,7 +147,7 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
 def _unit(field: str) -> str | None:
     """The unit a field's name says (docs/configuration.md, "Units")."""
     if field.endswith("_s"):
-        return "seconds, a number (e.g. 2.5)"
+        return "seconds: a Prometheus duration (e.g. 5s, 1m30s, 500ms) or a number of seconds (e.g. 2.5)"
     if field.endswith(("_window", "_interval")) or field == "alert_for":
         return "a Prometheus duration string (e.g. 30s, 5m, 1d), written into the rule files as it is"
     return None
@@ -166,6 +166,9 @@ def json_schema() -> dict[str, Any]:
             extra = prop.get("additionalProperties")
             if isinstance(extra, dict) and set(extra) == {"$ref"}:  # servers: {node1: null} is an empty override
                 prop["additionalProperties"] = {"anyOf": [extra, {"type": "null"}]}
+            if field.endswith("_s") and prop.get("type") in ("number", "integer"):  # or a duration: 5s, 1m
+                number = {k: prop.pop(k) for k in list(prop) if k not in ("default", "description")}
+                prop["anyOf"] = [number, {"type": "string", **DURATION}]
             unit = _unit(field)
             if unit:
                 prop["description"] = unit

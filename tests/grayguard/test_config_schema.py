@@ -96,6 +96,23 @@ def test_five_mistakes_in_one_file_are_five_errors_for_both(validator, tmp_path)
     assert {p for p, _ in e.value.errors} == paths
 
 
+def test_seconds_are_durations_or_numbers_for_both(validator):
+    """One unit convention (docs/configuration.md, "Units"): every duration may be written as Prometheus writes
+    one; a `_s` field takes a number of seconds too, as it always did."""
+    doc = {**copy.deepcopy(BASE), "prometheus": {"timeout_s": "1m30s"}, "recovery": {"min_quarantine_s": "500ms"},
+           "registry": {"lease_ttl_s": "10s"}, "tick_interval_s": 2}
+    assert list(validator.iter_errors(doc)) == []
+    cfg = parse_config(doc)
+    assert (cfg.prometheus.timeout_s, cfg.recovery.min_quarantine_s, cfg.registry.lease_ttl_s,
+            cfg.tick_interval_s) == (90.0, 0.5, 10, 2.0)
+    assert isinstance(cfg.registry.lease_ttl_s, int)
+    for bad in ("90 seconds", "1.5s", "-5s"):
+        wrong = {**copy.deepcopy(BASE), "prometheus": {"timeout_s": bad}}
+        assert list(validator.iter_errors(wrong)), bad
+        with pytest.raises(ConfigError, match="prometheus.timeout_s"):
+            parse_config(wrong)
+
+
 def test_removed_fields_are_accepted_as_deprecated(validator):
     doc = {**BASE, "thresholds": {"min_peers": 3}}
     assert list(validator.iter_errors(doc)) == []
