@@ -3,7 +3,7 @@ the controller (a `grayguard controller` process, leader election on) fills from
 registry`); nodes that join and crash mid-run, each its own process (NodeHost: a simulated vLLM node and its
 exporter, like a machine), so a crash is a real SIGKILL.
 
-`python -m localstack.registrystack host ...` is NodeHost's child process. Used by `grayguard demo --scenario
+`python -m grayguard.localstack.registrystack host ...` is NodeHost's child process. Used by `grayguard demo --scenario
 membership` and its tests.
 """
 
@@ -249,7 +249,7 @@ def _host_main(argv: list[str]) -> int:
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
     from grayguard.sim.fleet import Fleet, FleetThread
 
-    p = argparse.ArgumentParser(prog="python -m localstack.registrystack host")
+    p = argparse.ArgumentParser(prog="python -m grayguard.localstack.registrystack host")
     p.add_argument("--name", required=True, help="the node's name (its HAProxy server name)")
     p.add_argument("--port", type=int, required=True, help="the simulated vLLM node's port")
     p.add_argument("--seed", type=int, default=1)
@@ -280,5 +280,6 @@ def _host_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["host"]:
-        sys.exit("usage: python -m localstack.registrystack host --name NODE --port PORT [grayguard exporter flags]")
+        sys.exit("usage: python -m grayguard.localstack.registrystack host --name NODE --port PORT "
+                 "[grayguard exporter flags]")
     sys.exit(_host_main(sys.argv[2:]))

@@ -8,7 +8,7 @@ port with the same data; Alertmanager stopped and started again likewise; HAProx
 or without a `server-state-file`), killed outright and started again; a second HAProxy of the same tier;
 the controller as a child process (`grayguard controller` with a state file) that can be SIGKILLed.
 
-`python -m localstack.stack exporter ...` is the child process of `StackSpec(exporter_processes=True)`: the
+`python -m grayguard.localstack.stack exporter ...` is the child process of `StackSpec(exporter_processes=True)`: the
 `grayguard exporter` command's flags and Exporter, with a fake GPU in place of NVML (healthy, or what the node's
 fault does to it: the stack writes that into a file the child follows).
 """
@@ -122,7 +122,8 @@ def _child_env() -> dict[str, str]:
 
 
 class ExporterProcess:
-    """One node's exporter in a child process (`python -m localstack.stack exporter`), as the stack uses it."""
+    """One node's exporter in a child process (`python -m grayguard.localstack.stack exporter`), as the stack uses
+    it."""
 
     prober = None  # the probe state lives in the child: read it from /metrics
 
@@ -673,7 +674,7 @@ def _exporter_main(argv: list[str]) -> int:
     from grayguard.exporters import cli
     from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 
-    p = argparse.ArgumentParser(prog="python -m localstack.stack exporter")
+    p = argparse.ArgumentParser(prog="python -m grayguard.localstack.stack exporter")
     p.add_argument("--gpu-index", type=int, default=0, help="index of the fake H100 (its uuid and serial)")
     p.add_argument("--gpu-state-file", type=Path, default=None,
                    help="follow the fault's GPU effects that the stack writes here (ExporterProcess.set_gpu)")
@@ -702,5 +703,5 @@ def _exporter_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["exporter"]:
-        sys.exit("usage: python -m localstack.stack exporter [grayguard exporter flags] [--gpu-index N]")
+        sys.exit("usage: python -m grayguard.localstack.stack exporter [grayguard exporter flags] [--gpu-index N]")
     sys.exit(_exporter_main(sys.argv[2:]))

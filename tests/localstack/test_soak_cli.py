@@ -1,5 +1,5 @@
 """The soak command: its analysis (pure), and a 30 s run on the real stack (the 20-minute soak is run by hand:
-`python -m localstack.soak --minutes 20 --out docs/soak.md`, see docs/benchmarks.md)."""
+`python -m grayguard.localstack.soak --minutes 20 --out docs/soak.md`, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -61,8 +61,9 @@ def test_a_process_that_exited_or_was_never_seen_fails():
 
 def report(**kw) -> SoakReport:
     flat = ProcResult("controller", 60, 60.5, 61, 0.5, 0.2, 14, 14, 17, 0, ())
-    meta = {"date": "2026-11-30 00:00 UTC", "command": "python -m localstack.soak --minutes 20", "host": "2 CPUs",
-            "commit": "abc1234", "nodes": 5, "rate": 12.0, "minutes": 20.0, "sample_s": 10.0, "warmup_s": 180.0,
+    meta = {"date": "2026-11-30 00:00 UTC", "command": "python -m grayguard.localstack.soak --minutes 20",
+            "host": "2 CPUs", "commit": "abc1234", "nodes": 5, "rate": 12.0, "minutes": 20.0, "sample_s": 10.0,
+            "warmup_s": 180.0,
             "thresholds": TH, "processes": {"controller": "pid 7: python -m grayguard.cli controller"}}
     return SoakReport(**{"processes": [flat], "writes": 0, "off_weight": [], "transitions": {},
                          "ticks": {"ok": 1200.0}, "requests": {"ok": 14000}, "meta": meta, **kw})
@@ -95,7 +96,7 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
     assert rows[1:] == ["controller", "exporter node1", "exporter node2", "exporter node3"], text
     # What was measured is the controller and the exporters themselves, each its own process.
     assert "controller = `pid " in text and "-m grayguard.cli controller --config.file" in text
-    assert text.count("-m localstack.stack exporter") == 3
+    assert text.count("-m grayguard.localstack.stack exporter") == 3
     assert "Ticks: ok" in text and "Requests:" in text
     for ln in text.splitlines():  # every process sampled: no empty row
         if ln.startswith("| controller") or ln.startswith("| exporter"):
@@ -117,9 +118,9 @@ def test_the_soak_runs_at_the_shipped_timing_by_default():
 
 
 def test_the_soak_stopped_by_sigterm_stops_its_stack():
-    """`python -m localstack.soak` under `timeout` or a CI runner gets SIGTERM: Python's default died at once and left
-    HAProxy, Prometheus, Alertmanager, the controller and every exporter running (issue 34). It unwinds now: exit 143,
-    none of its processes left."""
+    """`python -m grayguard.localstack.soak` under `timeout` or a CI runner gets SIGTERM: Python's default died at once
+    and left HAProxy, Prometheus, Alertmanager, the controller and every exporter running (issue 34). It unwinds now:
+    exit 143, none of its processes left."""
     require("haproxy", "prometheus", "alertmanager")
     proc = subprocess.Popen([sys.executable, "-m", "grayguard.localstack.soak", "--minutes", "5", "--nodes", "3",
                              "--timing", "demo", "--sample-s", "2"], cwd=Path(__file__).resolve().parents[2],
