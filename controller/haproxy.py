@@ -28,10 +28,12 @@ from grayguard.reflexes import CHECK_STATUS_HANA
 CHK_ST_CONFIGURED, CHK_ST_ENABLED = 0x0002, 0x0004
 # `show stat` status of a server its agent check marked down (exporters/agent.py answered "down")
 STATUS_AGENT_DOWN = "DOWN (agent)"
-# srv_admin_state bits (HAProxy src/server.h)
+# srv_admin_state bits (HAProxy include/haproxy/server-t.h, enum srv_admin). HMAINT (0x40) is no maintenance: it says
+# the server's FQDN was set at run time, which HAProxy does on every server-template slot an SRV record fills (a filled
+# slot shows 64, an emptied one 96 = HMAINT | RMAINT); tests/deploy/test_gateway_srv.py fails if it counted as MAINT
 ADMF_FMAINT, ADMF_IMAINT, ADMF_CMAINT, ADMF_FDRAIN, ADMF_IDRAIN, ADMF_RMAINT, ADMF_HMAINT = (
-    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x80)
-MAINT_MASK = ADMF_FMAINT | ADMF_IMAINT | ADMF_CMAINT | ADMF_RMAINT | ADMF_HMAINT
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40)
+MAINT_MASK = ADMF_FMAINT | ADMF_IMAINT | ADMF_CMAINT | ADMF_RMAINT
 DRAIN_MASK = ADMF_FDRAIN | ADMF_IDRAIN
 STATIC_ALGOS = frozenset({"static-rr", "first"})
 PROMPT_SEP = b"\n> "
