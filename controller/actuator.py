@@ -220,9 +220,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"plan: {hap.endpoint}: {c.command.render()}    # {c.reason}")
         print(res.error or f"pools: {', '.join(res.pools) or 'none'}; {len(res.changes)} change(s)")
         return 1 if res.error or res.failed else 0
-    from grayguard.controller.health import Beat, readiness, stall_limit_s
-    from grayguard.controller.httpserver import probe
     from grayguard.controller.ticker import Periodic
+    from grayguard.health import Beat, probe, readiness, stall_limit_s
     from grayguard.httpserve import metrics_handler
     from grayguard.httpserve import serve as serve_routes
 

@@ -19,10 +19,10 @@ from grayguard import flags, terminate
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.controller import gcpolicy
 from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
-from grayguard.controller.health import Beat, readiness, stall_limit_s
 from grayguard.controller.loop import Controller, TickResult
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.statefile import StateFile, StateLock, StateLockError
+from grayguard.health import Beat, readiness, stall_limit_s
 from grayguard.httpserve import parse_address
 from grayguard.promclient import PromError, PrometheusClient, build_session_headers, tls_settings
 from grayguard.redact import redact_url
@@ -352,7 +352,7 @@ def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender
     Both schedules run on the monotonic clock (controller/ticker.py): a wall-clock step neither bursts nor
     freezes the ticks. The alert re-render (promtool may take a minute, a reload may time out) is a job of
     its own, every rerender_interval_s (default rules.rerender_interval_s): it never delays a tick and never
-    overlaps itself. beat hears of every completed tick (/healthz and /readyz, controller/health.py).
+    overlaps itself. beat hears of every completed tick (/healthz and /readyz, grayguard/health.py).
     """
     from grayguard.controller.ticker import Periodic
 

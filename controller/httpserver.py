@@ -1,4 +1,4 @@
-"""The controller's HTTP endpoint: /metrics (its own registry), /status (JSON), /healthz and /readyz (health.py)."""
+"""The controller's HTTP endpoint: /metrics (its own registry), /status (JSON), /healthz, /readyz (grayguard.health)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from grayguard.controller.health import Verdict
+from grayguard.health import Verdict, probe
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 from grayguard.httpserve import serve as serve_routes
 
 log = logging.getLogger("grayguard.http")
 INDEX = (b"grayguard controller: <a href='/metrics'>/metrics</a> <a href='/status'>/status</a> "
          b"<a href='/healthz'>/healthz</a> <a href='/readyz'>/readyz</a>\n")
-
-
-def probe(verdict: Callable[[], Verdict]) -> Callable[[Request], Response]:
-    """A GET handler for a probe: 200 or 503 with the verdict's one-line reason."""
-    def handler(_req: Request) -> Response:
-        v = verdict()
-        return 200 if v.ok else 503, "text/plain; charset=utf-8", (v.reason + "\n").encode()
-    return handler
 
 
 def serve(address: str, registry: CollectorRegistry, status: Callable[[], dict],

@@ -93,7 +93,7 @@ class Controller:
         self.leadership = leadership
         self._led: frozenset[str] | None = None
         # whether the last turn knew if this replica leads (it leads a pool, or reached the registry and every scope
-        # has a leader): /readyz waits for it (controller/health.py); alone, it always knows
+        # has a leader): /readyz waits for it (grayguard/health.py); alone, it always knows
         self.knows_leadership = leadership is None
         self._restoring: set[tuple[str, str]] = set()  # (endpoint, backend): a registry pool's servers all gone
         self._reseed: set[str] = set()  # pools just taken over: drains HAProxy has and their states do not, kept

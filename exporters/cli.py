@@ -46,6 +46,10 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
     TLS with --registry.ca-file, --registry.cert-file and --registry.key-file; an etcd user with --registry.user
     and --registry.password-file (docs/operations.md, "etcd security").
 
+  * /healthz: 503 when its probe round, its fast-path reads or its registry round have completed nothing for
+    their stall limit (12 s, 32 s with the defaults); /readyz: 503 until the first probe round and the first
+    fast-path read have completed (docs/exporters.md, "Health probes").
+
 A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
 No node label is added: Prometheus' scrape config sets `instance` and `pool`.
 

@@ -37,6 +37,7 @@ from grayguard.exporters.probe import (
 from grayguard.exporters.probehttp import VllmClient
 from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
 from grayguard.exporters.traffic import TrafficCollector
+from grayguard.health import Beat
 from grayguard.vocab import ProbeResult
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class Prober:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        # what /healthz and /readyz watch (exporters/liveness.py): every completed round, and every completed read of
+        # vLLM's /metrics (the live fast path), failed ones too
+        self.rounds, self.reads = Beat(clock), Beat(clock)
         self.client = VllmClient(base_url, model=self.config.model, prompt=self.config.prompt, rng=self._rng,
                                  clock=clock, on_discovery_error=lambda: self.errors.labels("model_discovery").inc())
         r = registry if registry is not None else CollectorRegistry()
@@ -113,6 +117,7 @@ class Prober:
     def start(self) -> None:
         """Start probing in a daemon thread with its own event loop."""
         self._started = self._clock()
+        self.rounds, self.reads = Beat(self._clock), Beat(self._clock)  # the loop starts now
         ready = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="prober", daemon=True)
         self._thread.start()
@@ -219,6 +224,7 @@ class Prober:
                 except Exception:  # a bug must not end probing: count it, try again next interval
                     log.exception("probe failed unexpectedly")
                     self.errors.labels("internal").inc()
+                self.rounds.done()  # failed or not, the round completed: the loop is alive
                 await asyncio.sleep(cfg.interval * (1 + self._rng.uniform(-cfg.jitter, cfg.jitter)))
 
     def _session(self) -> aiohttp.ClientSession:
@@ -262,6 +268,7 @@ class Prober:
             self._readings = add_reading(self._readings, reading, self.config.live_window)
             self._stalls = self._stalls.observe(load, at)  # the engine's own silences (exporters/hang.py)
             self._traffic = account(self._traffic, reading.load, self._probes, at)
+        self.reads.done()
         return load, at
 
     async def _progress(self, session: aiohttp.ClientSession, headers: dict[str, str],

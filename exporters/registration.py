@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from grayguard.etcdconn import EtcdSettings
 from grayguard.exporters.gpumetrics import NvmlSnapshot
 from grayguard.exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
+from grayguard.health import Beat
 from grayguard.registry import (
     DEFAULT_PREFIX,
     ERROR_KINDS,
@@ -123,6 +124,7 @@ class Registrar:
         self._errors = dict.fromkeys(ERROR_KINDS, 0)
         self._verify_in = VERIFY_EVERY
         self._said = ""  # the last problem logged, so a repeated one is not logged every heartbeat
+        self.rounds = Beat(clock)  # every completed round, failed ones too: /healthz watches it (exporters/liveness.py)
         if registry is not None:
             registry.register(_Collector(self))
 
@@ -135,6 +137,7 @@ class Registrar:
         self.agent = agent
         if self.exporter is None:
             raise ValueError("the exporter's host:port is needed for the record")
+        self.rounds = Beat(self._clock)  # the loop starts now
         self._thread = threading.Thread(target=self._run, name="registry", daemon=True)
         self._thread.start()
         return self
@@ -170,6 +173,7 @@ class Registrar:
             except Exception:  # never let a surprise end registration: log it and retry at the next heartbeat
                 log.exception("registry: unexpected error")
                 delay = self.config.heartbeat
+            self.rounds.done()
 
     def step(self) -> float:
         """One round: register (pre-checks first) when not registered, else one heartbeat; seconds to wait."""

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pynvml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from grayguard.exporters import liveness
 from grayguard.exporters.agent import Agent
 from grayguard.exporters.fastpath import fast_registry
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.registration import Registrar, RegistrationConfig, api_key_reader
+from grayguard.health import Verdict, probe
 from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,9 @@ DEFAULT_PROBE = ProbeConfig()
 INDEX_PAGE = """<html><head><title>grayguard exporter</title></head><body>
 <h1>grayguard exporter</h1><p>Gray-failure signals of the vLLM at {vllm}: GPU health from NVML and
 a one-token micro-probe.</p><p><a href="/metrics">Metrics</a></p>
-<p><a href="/metrics/fast">Live fast path</a> (scrape every second)</p></body></html>
+<p><a href="/metrics/fast">Live fast path</a> (scrape every second)</p>
+<p><a href="/healthz">/healthz</a> (its loops alive) <a href="/readyz">/readyz</a> (it has looked at vLLM)</p>
+</body></html>
 """
 
 
@@ -72,13 +76,14 @@ class Exporter:
     nvml=None switches the GPU collector off; probe=None switches the prober off. agent=(host, port) answers
     HAProxy's agent check there (exporters/agent.py; off by default here, on by default in the CLI; off without
     the prober). registration registers the node in etcd (exporters/registration.py; off by default). Several
-    exporters can run in one process: each has its own registry, threads and ports.
+    exporters can run in one process: each has its own registry, threads and ports. clock: the monotonic clock of
+    the prober and the registrar, and so of /healthz (exporters/liveness.py).
     """
 
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
                  nvml: Any = pynvml, probe: ProbeConfig | None = DEFAULT_PROBE, nvml_read_timeout: float = 1.0,
                  xid_events: bool = True, agent: tuple[str, int] | None = None,
-                 registration: RegistrationConfig | None = None):
+                 registration: RegistrationConfig | None = None, clock: Callable[[], float] = time.monotonic):
         self.vllm_url = vllm_url
         self.registry = CollectorRegistry()
         self._host, self._port = host, port
@@ -88,7 +93,7 @@ class Exporter:
             self.registry.register(_Timed(self.nvml, "nvml"))
         else:
             self.registry.register(_NvmlDisabled())
-        self.prober = Prober(vllm_url, probe, registry=self.registry) if probe is not None else None
+        self.prober = Prober(vllm_url, probe, registry=self.registry, clock=clock) if probe is not None else None
         self.agent: Agent | None = None
         if agent is not None and self.prober is None:
             log.info("agent check off: it answers from the probe, and probing is off")
@@ -104,7 +109,8 @@ class Exporter:
         if registration is not None:
             self.registrar = Registrar(registration, vllm_url=vllm_url, registry=self.registry,
                                        nvml_snapshot=self.nvml.snapshot if self.nvml is not None else None,
-                                       api_key=api_key_reader(registration.api_key_file, registration.api_key_env))
+                                       api_key=api_key_reader(registration.api_key_file, registration.api_key_env),
+                                       clock=clock)
         self._httpd: HttpServer | None = None
 
     @property
@@ -125,7 +131,8 @@ class Exporter:
         # Metrics are collected at scrape time, in the request's thread: NVML reads are bounded by
         # nvml_read_timeout and probe results are cached, so a hung backend never slows a scrape.
         routes = {"GET /metrics": metrics_handler(self.registry, negotiate=True),
-                  "GET /metrics/fast": metrics_handler(self.fast_registry, negotiate=True), "GET /": self._index}
+                  "GET /metrics/fast": metrics_handler(self.fast_registry, negotiate=True), "GET /": self._index,
+                  "GET /healthz": probe(self.health), "GET /readyz": probe(self.ready)}
         self._httpd = HttpServer((self._host, self._port), routes, name="exporter-http", logger=log)
         if self.agent is not None:
             try:
@@ -163,6 +170,29 @@ class Exporter:
             self.prober.stop()
         if self.nvml is not None:
             self.nvml.stop()
+
+    def loops(self) -> list[liveness.Loop]:
+        """The loops /healthz and /readyz watch (exporters/liveness.py). Registration does not gate readiness: the
+        pod's readiness is whether this exporter has looked at its vLLM and serves what it saw; an etcd outage must not
+        turn every pod of the fleet unready at once, and the pre-checks that keep a sick node out of the registry are
+        its membership's business, which a sick node that is still scraped has to keep reporting."""
+        out = []
+        if self.prober is not None:
+            limit = liveness.probe_stall_limit_s(self.prober.config)
+            out += [liveness.Loop(liveness.PROBE_ROUND, self.prober.rounds, limit),
+                    liveness.Loop(liveness.FAST_READ, self.prober.reads, limit)]
+        if self.registrar is not None:
+            out.append(liveness.Loop(liveness.REGISTRY_ROUND, self.registrar.rounds,
+                                     liveness.registry_stall_limit_s(self.registrar.config), gates_readiness=False))
+        return out
+
+    def health(self) -> Verdict:
+        """/healthz: 503 when one of the loops has stalled."""
+        return liveness.health(self.loops())
+
+    def ready(self) -> Verdict:
+        """/readyz: 503 until the first probe round and the first fast-path read have completed."""
+        return liveness.ready(self.loops())
 
     def _index(self, _req: Request) -> Response:
         return 200, "text/html; charset=utf-8", INDEX_PAGE.format(vllm=self.vllm_url).encode()

@@ -1,5 +1,6 @@
 """/healthz and /readyz: is the loop alive, is the process ready. Pure decisions on times passed in, and the small
-record (Beat) a loop keeps of its completed rounds; the controller's and the actuator's HTTP servers answer with them.
+record (Beat) a loop keeps of its completed rounds; the controller's, the actuator's and the exporter's HTTP servers
+answer with them (the exporter's loops: exporters/liveness.py).
 
 /healthz (liveness) fails when the last completed tick is older than the stall limit: a loop wedged for good, which
 only a restart cures. A tick that is merely slow, waiting out its own I/O deadlines (Prometheus, HAProxy, etcd), is
@@ -10,8 +11,10 @@ has completed and, with a registry, until this replica knows whether it leads.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from grayguard.httpserve import Request, Response
 
 MIN_STALL_S = 10.0  # a 1 s tick must not flap /healthz on a GC pause or a slow disk
 STALL_TICKS = 10  # ticks missed in a row before the loop counts as stalled
@@ -57,6 +60,23 @@ def readiness(completed: int, knows_leadership: bool = True, what: str = "tick")
         return Verdict(False, "not ready: the registry has not answered, so this replica does not know whether it "
                        "leads")
     return Verdict(True, f"ready: {completed} {what}(s) completed")
+
+
+def combined(verdicts: Sequence[Verdict], empty: Verdict) -> Verdict:
+    """Several loops' verdicts as one line: the failing ones' reasons when any fails, else every one's; `empty` when
+    there are none (a process with no loop switched on)."""
+    failing = [v.reason for v in verdicts if not v.ok]
+    if failing:
+        return Verdict(False, "; ".join(failing))
+    return Verdict(True, "; ".join(v.reason for v in verdicts)) if verdicts else empty
+
+
+def probe(verdict: Callable[[], Verdict]) -> Callable[[Request], Response]:
+    """A GET handler for a probe: 200 or 503 with the verdict's one-line reason."""
+    def handler(_req: Request) -> Response:
+        v = verdict()
+        return 200 if v.ok else 503, "text/plain; charset=utf-8", (v.reason + "\n").encode()
+    return handler
 
 
 class Beat:

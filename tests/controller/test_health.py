@@ -1,5 +1,6 @@
-"""/healthz fails when the controller's tick loop stalls and /readyz until it has ticked (controller/health.py):
-the pure verdicts, the loop and its server with an injected clock, and a real `grayguard controller` process."""
+"""/healthz fails when the controller's tick loop stalls and /readyz until it has ticked (grayguard/health.py; its pure
+verdicts: tests/grayguard/test_health.py): the loop and its server with an injected clock, and a real `grayguard
+controller` process."""
 
 from __future__ import annotations
 
@@ -7,58 +8,22 @@ import sys
 import threading
 import time
 
-import pytest
 import requests
 import yaml
 from prometheus_client import CollectorRegistry
 
 from grayguard.config import load_config, parse_config
 from grayguard.controller.cmd_controller import run_loop, tick_budget_s
-from grayguard.controller.health import MIN_STALL_S, Beat, Verdict, health, readiness, stall_limit_s
 from grayguard.controller.httpserver import serve
+from grayguard.health import MIN_STALL_S, Beat, readiness, stall_limit_s
 from grayguard.localstack.procs import free_port, start_process, wait_until
 from tests.support.ctl_helpers import FakeHaproxy, FakeProm, fake_controller, samples, servers
 
 
-# ---- the pure decisions ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("interval,budget,limit", [(1.0, 0.0, 10.0), (0.1, 0.0, 10.0), (5.0, 0.0, 50.0),
-                                                   (1.0, 8.0, 16.0), (5.0, 30.0, 60.0)])
-def test_the_stall_limit_is_ten_ticks_at_least_ten_seconds_and_never_under_the_ticks_own_deadlines(interval, budget,
-                                                                                                   limit):
-    assert stall_limit_s(interval, budget) == limit
-
-
+# ---- the controller's stall limit ----------------------------------------------------------------------------
 def test_the_shipped_defaults_stall_limit():
     cfg = parse_config({"pools": [{"name": "chat", "backend": "b"}]})
     assert stall_limit_s(cfg.tick_interval_s, tick_budget_s(cfg)) >= max(MIN_STALL_S, 10 * cfg.tick_interval_s)
-
-
-@pytest.mark.parametrize("now,last,ok,reason", [
-    (105.0, None, True, "ok: starting, the first tick has not completed yet (5.0s)"),
-    (110.0, None, True, "ok: starting, the first tick has not completed yet (10.0s)"),  # at the limit: still alive
-    (111.0, None, False, "stalled: no tick has completed in the 11s since the loop started (stall limit 10s)"),
-    (200.0, 195.5, True, "ok: the last tick completed 4.5s ago (stall limit 10s)"),
-    (200.0, 189.0, False, "stalled: the last tick completed 11s ago (stall limit 10s)"),
-])
-def test_health(now, last, ok, reason):
-    assert health(now, 100.0, last, 10.0) == Verdict(ok, reason)
-
-
-def test_readiness():
-    assert readiness(0) == Verdict(False, "not ready: the first tick has not completed yet")
-    assert readiness(0, knows_leadership=False).ok is False
-    assert readiness(1, knows_leadership=False) == Verdict(False, "not ready: the registry has not answered, so "
-                                                                  "this replica does not know whether it leads")
-    assert readiness(3) == Verdict(True, "ready: 3 tick(s) completed")
-
-
-def test_a_beat_follows_its_clock():
-    t = [50.0]
-    b = Beat(clock=lambda: t[0])
-    t[0] = 70.0
-    assert not b.health(10.0).ok and b.completed == 0
-    b.done()
-    assert b.health(10.0).ok and b.completed == 1 and b.last == 70.0
 
 
 # ---- the loop and its server, the clock injected ------------------------------------------------------------------
