@@ -109,20 +109,32 @@ def build_leadership(cfg: Config, replica_id: str, metrics: ControllerMetrics) -
 
 def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
     """What the config file alone cannot show, checked by --check and at startup: the environment variables
-    and files it names exist and load, and the state file's directory can exist. ConfigError names the field."""
-    build_session_headers(cfg.prometheus, os.environ if environ is None else environ)  # headers_env, *_env, token
-    tls_settings(cfg.prometheus)  # ca_file, cert_file, key_file
+    and files it names exist and load, and the state file's directory can exist. One ConfigError names every
+    field with a problem (each check runs, as the file's own checks do)."""
+    env = os.environ if environ is None else environ
+    errors: list[tuple[str, str]] = []
+
+    def check(fn, *args) -> None:
+        try:
+            fn(*args)
+        except ConfigError as e:
+            errors.extend(e.errors)
+
+    check(build_session_headers, cfg.prometheus, env)  # headers_env, *_env, token
+    check(tls_settings, cfg.prometheus)  # ca_file, cert_file, key_file
     if cfg.registry.url is not None:  # its TLS files and the etcd user's password
         from grayguard.etcdconn import settings as etcd_settings
 
-        etcd_settings(cfg.registry, os.environ if environ is None else environ)
+        check(etcd_settings, cfg.registry, env)
     if cfg.state_file:
         path = Path(cfg.state_file)
-        if path.is_dir():
-            raise ConfigError("state_file", f"{path} is a directory")
         parent = next((a for a in path.parents if a.exists()), None)  # the first ancestor that exists
-        if parent is not None and not parent.is_dir():
-            raise ConfigError("state_file", f"{parent} is not a directory, so {path} cannot be written")
+        if path.is_dir():
+            errors.append(("state_file", f"{path} is a directory"))
+        elif parent is not None and not parent.is_dir():
+            errors.append(("state_file", f"{parent} is not a directory, so {path} cannot be written"))
+    if errors:
+        raise ConfigError(errors=errors)
 
 
 def startup_checks(ctl: Controller) -> list[str]:
@@ -224,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")
             return 0
     except ConfigError as e:
+        if e.source is None and not e.path.startswith("--"):  # the environment's problems (preflight) of this file
+            e.source = args.config
         print(e.report(), file=sys.stderr)  # every problem, one a line, under the file's name
         return 2
     lock = None

@@ -3,6 +3,7 @@ given twice, signals of another window than rules.control_window and PromQL prom
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -198,3 +199,26 @@ def test_config_check_command(tmp_path, capsys):
     f = write(tmp_path, "pools: [{name: a, backend: b}]\nstale_after_s: 0\n")
     assert main(["config", "check", "--config.file", str(f)]) == 2
     assert capsys.readouterr().err == f"grayguard: config error in {f}:\n  stale_after_s: must be > 0\n"
+
+
+def test_check_names_every_problem_of_the_environment_too(tmp_path, monkeypatch):
+    """What the file alone cannot show (an environment variable it names, a file it names, the state file's folder)
+    is reported the same way: every problem at once, under the file's name, exit 2."""
+    monkeypatch.delenv("GRAYGUARD_TEST_UNSET_TOKEN", raising=False)
+    (tmp_path / "afile").write_text("x")
+    f = write(tmp_path, f"""\
+prometheus:
+  bearer_token_env: GRAYGUARD_TEST_UNSET_TOKEN
+  ca_file: {tmp_path / "missing-ca.pem"}
+pools:
+  - name: chat
+    backend: vllm_chat
+state_file: {tmp_path / "afile" / "state.json"}
+""")
+    p = subprocess.run([sys.executable, "-m", "grayguard.cli", "controller", "--config.file", str(f), "--check"],
+                       capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                                       if k != "GRAYGUARD_TEST_UNSET_TOKEN"})
+    assert p.returncode == 2, p.stderr
+    report = p.stderr[p.stderr.index(f"grayguard: config error in {f}:"):].splitlines()
+    assert [line.partition(": ")[0].strip() for line in report[1:]] == [
+        "prometheus.bearer_token_env", "prometheus.ca_file", "state_file"], p.stderr
