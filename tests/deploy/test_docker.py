@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy import dockerignore as di
+from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
@@ -84,8 +85,8 @@ def tracked(paths: set[Path]) -> set[str]:
 
 
 def test_the_context_holds_every_source_of_both_wheels():
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("not a git checkout: the tracked files are unknown")
+    require("git")  # the tests run from a checkout (`make test`, .ci/run's clone): the tracked files are the sources
+    assert (REPO / ".git").exists(), f"{REPO} is not a git checkout: the tracked files are unknown"
     ctx = set(di.context(REPO, ignore()))
     need = tracked(wheel_sources())
     assert {"pyproject.toml", "README.md", "LICENSE", "packaging/dev/pyproject.toml", "packaging/dev/LICENSE",

@@ -4,7 +4,6 @@ given twice, signals of another window than rules.control_window and PromQL prom
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 from grayguard.cli import main
 from grayguard.config import ConfigError, Problems, SignalsConfig, check_signal_windows, load_config, parse_config
 from grayguard.promqlcheck import check_queries, parse_problems
+from tests.support.stack import require
 
 # Five independent mistakes, each of a different kind: a section given twice, a typo, a wrong type, a value out of
 # range (in the block that counts), the signals' window against rules.control_window.
@@ -181,8 +181,7 @@ def test_without_promtool_the_queries_are_not_checked_and_it_says_so(caplog):
 
 
 def test_promtool_names_each_query_it_cannot_parse(tmp_path):
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed")
+    require("promtool")  # `make test` installs it: a missing one is a broken set-up, not a pass
     f = write(tmp_path, "pools: [{name: a, backend: b}]\nsignals:\n  latency_query: 'max by (pool (x)'\n"
                         "  gpu_xid_query: 'increase(x[5m]'\n  probe_ttft_query: ''\n")
     assert load_config(f).signals.probe_ttft_query == ""  # without promql: not parsed
