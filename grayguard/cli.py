@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "HAProxy traffic away from them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    logsetup.add_flags(parser)
-    flags.alias(parser, "--log-level", _action(parser, "--log.level"))  # before the subcommand only, as it was
+    flags.alias(parser, "--log-level", logsetup.add_flags(parser))  # before the subcommand only, as it was
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     absent = []
     for name, modname in SUBCOMMANDS.items():
@@ -61,10 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     if absent:
         parser.epilog = f"not installed here: {', '.join(absent)} (they come with pip install 'grayguard[dev]')"
     return parser
-
-
-def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
-    return next(a for a in parser._actions if flag in a.option_strings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,15 +41,17 @@ def parse_format(text: str) -> str:
     return fmt
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    """--log.level and --log.format on p. Their default is SUPPRESS: a subcommand's parser that does not see the
-    flag leaves what the top-level parser set (argparse copies a subparser's defaults over its parent's)."""
+def add_flags(p: argparse.ArgumentParser) -> argparse.Action:
+    """--log.level and --log.format on p; returns --log.level's action. Their default is SUPPRESS: a subcommand's
+    parser that does not see the flag leaves what the top-level parser set (argparse copies a subparser's defaults
+    over its parent's)."""
     g = p.add_argument_group("logging")
-    g.add_argument("--log.level", dest="log_level", type=parse_level, default=argparse.SUPPRESS, metavar="LEVEL",
-                   help=f"only log messages at this level or above: {', '.join(LEVELS)}, any case "
-                   f"(default {DEFAULT_LEVEL})")
+    level = g.add_argument("--log.level", dest="log_level", type=parse_level, default=argparse.SUPPRESS,
+                           metavar="LEVEL", help=f"only log messages at this level or above: {', '.join(LEVELS)}, "
+                           f"any case (default {DEFAULT_LEVEL})")
     g.add_argument("--log.format", dest="log_format", type=parse_format, default=argparse.SUPPRESS,
                    metavar="FORMAT", help=f"logfmt (key=value) or json (one object a line) (default {DEFAULT_FORMAT})")
+    return level
 
 
 def chosen(args: argparse.Namespace) -> tuple[str, str]:
