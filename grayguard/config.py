@@ -36,6 +36,7 @@ _JOB_RE = re.compile(r'^[^"\\\s]+$')  # a Prometheus job name that is safe insid
 _ALERT_RE = re.compile(r"^Grayguard[A-Za-z0-9]+$")
 DISCOVERY_MODES = ("static", "registry")
 HAPROXY_WRITERS = ("controller", "actuators")  # who writes HAProxy (haproxy.writer)
+GATEWAY_KINDS = ("haproxy", "nginx")  # what the controller steers (gateway.kind; docs/gateways.md)
 # an etcd key prefix: /segments of letters, digits, '-', '_', '.'; no trailing '/' (keys are <prefix>/leader/...)
 _PREFIX_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
@@ -226,10 +227,47 @@ class HaproxyConfig:
 
 
 @dataclass(frozen=True)
+class NginxConfig:
+    # One file per pool, <upstream_dir>/<backend>.conf, holding its `server` lines, which grayguard writes; the
+    # NGINX config includes it inside `upstream <backend> { ... }` (docs/gateways.md)
+    upstream_dir: str = "/etc/nginx/grayguard"
+    conf: str = "/etc/nginx/nginx.conf"  # the main config: `nginx -t -c <conf>` checks it before every reload
+    binary: str = "nginx"  # runs `nginx -t` and `nginx -s reload` (graceful: old workers finish their requests)
+    prefix: str | None = None  # nginx -p <prefix>; null: the binary's own
+    timeout_s: float = 10.0  # each of `nginx -t` and `nginx -s reload`
+
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
+        for name in ("upstream_dir", "conf", "binary"):
+            pr.check(bool(getattr(self, name)), f"{path}.{name}", "must not be empty")
+        pr.check(self.prefix is None or bool(self.prefix), f"{path}.prefix", "must not be empty (null: nginx's own)")
+        pr.check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        _check_finite(pr, self, path)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    # What the controller steers: "haproxy" (its runtime API, the haproxy section) or "nginx" (a rendered upstream
+    # file per pool and a graceful reload; pools[].servers then name every server with its address)
+    kind: str = "haproxy"
+    nginx: NginxConfig = field(default_factory=NginxConfig)
+
+    @_collects
+    def validate(self, path: str, pr: Problems) -> None:
+        """Check every field under path (ConfigError names each bad one)."""
+        pr.check(self.kind in GATEWAY_KINDS, f"{path}.kind",
+                 f"must be {' or '.join(GATEWAY_KINDS)}, got {_show(self.kind)}")
+        self.nginx.validate(f"{path}.nginx", problems=pr)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     series: str | None = None  # value of the pool's series label; default: the server's address
     peer_group: str | None = None  # compare only with servers of the same group (mixed hardware)
     canary_url: str | None = None  # base URL for canaries; default http://<server address>
+    address: str | None = None  # gateway.kind nginx only: the server's host:port (HAProxy's config has its own)
+    weight: int | None = None  # gateway.kind nginx only: its full weight, 1..256; null: 100
 
 
 @dataclass(frozen=True)
@@ -665,6 +703,7 @@ class Config:
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     tick_interval_s: float = 1.0  # the live signals move every second; the 30 s window once per rule evaluation
     stale_after_s: float = 60.0  # older Prometheus data holds every weight as it is
     state_file: str | None = "grayguard-state.json"
@@ -689,6 +728,7 @@ class Config:
         self.detectors.validate("detectors", problems=pr)
         self.rules.validate("rules", problems=pr)
         self.registry.validate("registry", problems=pr)
+        self.gateway.validate("gateway", problems=pr)
         pr.check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
         pr.check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
         _check_finite(pr, self, "")
@@ -714,6 +754,30 @@ class Config:
         pr.check(self.haproxy.writer == "controller" or self.registry.url is not None, "haproxy.writer",
                  "actuators needs registry.url (the leader publishes the desired state there)")
         self._validate_lease(pr)
+        self._validate_gateway_servers(pr)
+
+    def _validate_gateway_servers(self, pr: Problems) -> None:
+        """NGINX has no runtime API to list a pool's servers: the config names each with its address (and HAProxy
+        alone has fencing, registry membership and actuators); with HAProxy its own config has them."""
+        nginx = self.gateway.kind == "nginx"
+        if nginx:
+            pr.check(self.registry.url is None, "gateway.kind", "nginx runs without registry.url: one controller "
+                     "writes the upstream files (NGINX keeps no fencing epoch and no dynamic servers)")
+        for i, p in enumerate(self.pools):
+            pr.check(not nginx or bool(p.servers), f"pools[{i}].servers",
+                     "gateway.kind nginx needs the pool's servers, each with its address")
+            for s, sc in p.servers.items():
+                where = f"pools[{i}].servers.{s}"
+                if not nginx:
+                    for name in ("address", "weight"):
+                        pr.check(getattr(sc, name) is None, f"{where}.{name}",
+                                 "only with gateway.kind: nginx (HAProxy's own config has its servers)")
+                    continue
+                host, _, port = (sc.address or "").rpartition(":")
+                pr.check(bool(host) and _port_ok(port) and not any(c in (sc.address or "") for c in " ;{}#\n"),
+                         f"{where}.address", f"expected host:port, got {_show(sc.address)}")
+                pr.check(sc.weight is None or 1 <= sc.weight <= 256, f"{where}.weight",
+                         f"must be in 1..256, got {_show(sc.weight)}")
 
     def _validate_lease(self, pr: Problems) -> None:
         """With a registry, the leader's lease must outlast what a tick does between two renewals."""
