@@ -63,7 +63,10 @@ class ActuatorMetrics:
         self.write_errors = Counter("grayguard_actuator_write_errors", "Writes HAProxy refused or a batch that "
                                     "failed, by kind", ["kind"], registry=r)
         self.invalid = Counter("grayguard_actuator_invalid_documents", "Desired-state documents that could not be "
-                               "applied (left as they were)", registry=r)
+                               "applied (left as they were), by reason: version (another major version: a newer "
+                               "leader's; upgrade the actuators) or invalid", ["reason"], registry=r)
+        for reason in ("version", "invalid"):  # both shown from the start: 0, not absent
+            self.invalid.labels(reason)
         self.pools = Gauge("grayguard_actuator_pools", "Pools whose desired state this HAProxy applies", registry=r)
         self.view_requests = request_counter(r)
         self.last_success = Gauge("grayguard_actuator_last_success_timestamp_seconds", "Unix time of the last round "
@@ -100,7 +103,8 @@ class Actuator:
                 if key != desired_doc.desired_key(self.prefix, d.pool):
                     raise desired_doc.DesiredError(f"pool {d.pool!r} under another pool's key")
             except desired_doc.DesiredError as err:
-                self.metrics.invalid.inc()
+                self.metrics.invalid.labels("version" if isinstance(err, desired_doc.DesiredVersionError)
+                                            else "invalid").inc()
                 self._once(f"invalid:{key}:{e.mod_revision}",
                            f"{key} (revision {e.mod_revision}) left as it was: {err}")
                 continue

@@ -4,6 +4,10 @@ The leader puts it to <prefix>/desired/<pool> in the same guarded transaction as
 (controller/leader.py, `publish`), before it would have written HAProxy: a deposed leader's late put fails in etcd,
 and what an actuator applies is always a leader's decision. Each actuator turns it back into the decisions
 `plan_backend` takes, so a tier driven by actuators gets exactly the writes the leader would have sent. Pure.
+
+A stable, versioned format (grayguard/verdict.py, grayguard/schemas/desired.v1.json, docs/api.md): load() reads
+version 1 (a document without `version` too), ignores fields it does not know, and refuses another major version
+with DesiredVersionError, so the actuator leaves its HAProxy as it is and counts it.
 """
 
 from __future__ import annotations
@@ -14,14 +18,18 @@ from dataclasses import dataclass, field
 
 from grayguard.config import HAPROXY_NAME_RE
 from grayguard.controller.policy import NodeDecision, NodeState, PoolDecision
+from grayguard.verdict import VERSION, VersionError, document_version
 from grayguard.vocab import STATES
 
-VERSION = 1
 MAX_WEIGHT = 256  # HAProxy's largest weight
 
 
 class DesiredError(ValueError):
     """A desired-state document that cannot be applied; the message names the field."""
+
+
+class DesiredVersionError(DesiredError):
+    """A document of another major version (a newer leader's): applied by nobody here until the actuator is upgraded."""
 
 
 def desired_prefix(prefix: str) -> str:
@@ -79,8 +87,10 @@ def load(text: str | bytes) -> Desired:
         raise DesiredError(f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise DesiredError("expected an object")
-    if doc.get("version") != VERSION or type(doc.get("version")) is not int:
-        raise DesiredError(f"version: unsupported {doc.get('version')!r}")
+    try:
+        document_version(doc, "desired-state document")
+    except VersionError as e:
+        raise DesiredVersionError(str(e)) from None
     pool, backend = _name(doc.get("pool"), "pool"), _name(doc.get("backend"), "backend")
     servers, agents = doc.get("servers"), doc.get("agent_off", [])
     if not isinstance(servers, dict):

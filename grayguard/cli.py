@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "bench": "grayguard.bench.cli",
     "dashboards": "grayguard.dashboards.cli",
     "config": "grayguard.cmd_config",
+    "api": "grayguard.cmd_api",
 }
 
 # The components the production wheel leaves out: the simulator, the benchmarks, the local stack and the demo come
