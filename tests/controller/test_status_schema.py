@@ -9,10 +9,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import urllib.request
+from pathlib import Path
 
+import msgspec
 import pytest
 
+from grayguard import verdict
 from grayguard.cli import main
 from grayguard.controller.httpserver import serve, status_document
 from grayguard.verdict import VERSION, VersionError, json_schema, load_status, render, schema_file
@@ -179,3 +183,14 @@ def test_a_malformed_status_is_refused_with_the_field_named():
     doc["pools"][0]["nodes"][0]["weight"] = "heavy"
     with pytest.raises(ValueError, match=r"pools\[0\]\.nodes\[0\]\.weight"):
         load_status(doc)
+
+
+def test_docs_api_names_every_field_of_both_documents():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    named = set(re.findall(r"`\.?([a-z_]+)(?:\[\])?`", doc))  # `field`, `.field`, `field[]`
+    # `pools[].field`, `servers.<name>.field`
+    named |= set(re.findall(r"`[a-z_]+(?:\[\]|\.<name>)?\.([a-z_]+)(?:\[\])?`", doc))
+    for struct in (verdict.Status, verdict.PoolStatus, verdict.NodeStatus, verdict.ShadowFinding, verdict.Leadership,
+                   verdict.Desired, verdict.DesiredServer):
+        missing = {f.name for f in msgspec.structs.fields(struct)} - named
+        assert not missing, f"docs/api.md does not name {struct.__name__}'s {sorted(missing)}"
