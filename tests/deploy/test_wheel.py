@@ -157,8 +157,8 @@ def offered_commands(bin_dir: Path, cwd: Path) -> list[str]:
 
 
 # (folder in the checkout, glob): the files the commands read at run time, and the wheel that must hold them
-DATA = ("grayguard/config.schema.json", "rules/*.yml", "rules/templates/*.j2", "rules/tests/*.yml",
-        "rules/tests/*.yaml", "dashboards/*.json", "dashboards/provisioning/*.yaml")
+DATA = ("grayguard/config.schema.json", "grayguard/schemas/*.json", "rules/*.yml", "rules/templates/*.j2",
+        "rules/tests/*.yml", "rules/tests/*.yaml", "dashboards/*.json", "dashboards/provisioning/*.yaml")
 DEV_DATA = ("bench/suites/*.yaml", "bench/suites/traces/*", "bench/before34/*.y*ml", "sim/calibration/*.yaml",
             "localstack/vllm_site/*.py")
 DEV_COMMANDS = ("bench", "bench-controller", "demo", "fleet", "loadgen")
