@@ -13,6 +13,7 @@ import pynvml
 
 from grayguard import etcdconn
 from grayguard.config import ConfigError
+from grayguard.engines import DEFAULT_ENGINE, ENGINES
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.registration import RegistrationConfig
 from grayguard.exporters.server import AgentListenError, Exporter
@@ -89,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--vllm.url", dest="vllm_url", default="http://127.0.0.1:8000", metavar="URL",
       help="base URL of the vLLM server this sidecar sits beside (default %(default)s)")
+    a("--engine", dest="engine", choices=ENGINES, default=DEFAULT_ENGINE,
+      help="the inference engine at --vllm.url: its API for the probe and its /metrics names for the live fast path "
+      "and the traffic counters (default %(default)s; docs/engines.md)")
     a("--web.listen-address", dest="listen", type=parse_listen_address, default="127.0.0.1:9400",
       metavar="HOST:PORT", help="where to serve /metrics (default %(default)s; ':9400' = all interfaces)")
     g = p.add_argument_group("micro-probe")
@@ -248,7 +252,8 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
     probe = ProbeConfig(interval=args.probe_interval, jitter=args.probe_jitter, slow_threshold=args.probe_slow,
                         deadline=args.probe_deadline, model=args.probe_model, prompt=args.probe_prompt,
                         api_key_env=args.probe_key_env or None, api_key_file=args.probe_key_file,
-                        startup_grace=args.probe_grace, live_window=args.live_window) if args.probe else None
+                        startup_grace=args.probe_grace, live_window=args.live_window,
+                        engine=getattr(args, "engine", DEFAULT_ENGINE)) if args.probe else None
     if args.agent and probe is None:
         log.info("agent check off: --no-probe (the agent answers from the probe)")
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,

@@ -4,7 +4,9 @@ A probe that times out on a busy node may be an overload; one that times out whi
 token, generated or prefilled, is a hang (docs/exporters.md, "Agent check"): a busy engine still steps, and an
 idle one prefills the probe's few tokens at its next step. The probe itself was waiting for the engine the
 whole time, so the rule needs no other request (an idle hung node is caught too). Absent or broken series are
-no evidence, never a hang; the prompt-token series widens what counts as progress when present.
+no evidence, never a hang; the prompt-token series widens what counts as progress when present, and so do the
+engine steps of the engines that count them (TGI, llama.cpp and Triton with TensorRT-LLM count tokens only when a
+request ends or not at all: their forward passes are the progress, grayguard/engines.py).
 
 An engine whose steps can themselves last seconds (a CPU build sharing its cores, a long prompt prefilled in one
 step: vLLM counts its tokens only when the step ends) shows the same silence for a while, and recovers. So the node's
@@ -56,9 +58,9 @@ class Stalls:
 
     def observe(self, load: EngineLoad | None, at: float) -> Stalls:
         """The memory after a reading at `at` (None or a reading without the token series: no evidence)."""
-        if load is None or load.generation_tokens is None:
+        if load is None or load.generation_tokens is None and load.steps is None:
             return self
-        tokens = load.generation_tokens + (load.prompt_tokens or 0.0)
+        tokens = (load.generation_tokens or 0.0) + (load.prompt_tokens or 0.0) + (load.steps or 0.0)
         if self.tokens is None or self.moved_at is None or tokens < self.tokens:  # the first reading, or a restart
             return Stalls(tokens, at, self.recent)
         if tokens == self.tokens:
@@ -89,11 +91,15 @@ def token_progress(before: EngineLoad | None, after: EngineLoad | None, window: 
     if before is None or after is None or after.running is None:
         return None
     if before.generation_tokens is None or after.generation_tokens is None:
-        return None
-    tokens = after.generation_tokens - before.generation_tokens
-    if before.prompt_tokens is not None and after.prompt_tokens is not None:
-        prefilled = after.prompt_tokens - before.prompt_tokens
-        tokens = tokens + prefilled if prefilled >= 0 else -1.0
-    if tokens < 0:  # vLLM restarted between the readings
+        if before.steps is None or after.steps is None:
+            return None
+        tokens = 0.0  # an engine that counts steps and no tokens (Triton with TensorRT-LLM): its steps are the evidence
+    else:
+        tokens = after.generation_tokens - before.generation_tokens
+    for old, new in ((before.prompt_tokens, after.prompt_tokens), (before.steps, after.steps)):
+        if old is not None and new is not None:
+            moved = new - old
+            tokens = tokens + moved if moved >= 0 and tokens >= 0 else -1.0
+    if tokens < 0:  # the engine restarted between the readings
         return None
     return Progress(tokens=tokens, running=after.running + (after.waiting or 0.0), window=window)

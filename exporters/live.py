@@ -126,7 +126,8 @@ def live_signals(readings: tuple[Reading, ...], answers: tuple[Answer, ...], now
                        tokens_per_second=tokens / span if tokens is not None else None,
                        prompt_tokens_per_second=prompt / span if prompt is not None else None,
                        running=new.load.running, waiting=new.load.waiting, kv_usage=new.load.kv_usage,
-                       decode_batch=gaps / span if gaps is not None and itl is not None else None,
+                       decode_batch=gaps / span if gaps is not None and itl is not None and new.load.itl_per_token
+                       else None,
                        span=span, probe_ttft_median=median)
 
 

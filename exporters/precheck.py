@@ -11,6 +11,7 @@ from pathlib import Path
 
 import requests
 
+from grayguard.engines import DEFAULT_ENGINE, profile
 from grayguard.exporters.gpumetrics import NvmlSnapshot
 from grayguard.registry import GpuInfo
 
@@ -123,11 +124,33 @@ def vllm_checks(session: requests.Session, base_url: str, headers: dict[str, str
     return [key, Check("model", True)], want or ids[0]
 
 
-def vllm_version(session: requests.Session, base_url: str, headers: dict[str, str], timeout: float) -> str:
-    """vLLM's version from GET /version, "" when it does not say."""
+def triton_checks(session: requests.Session, base_url: str, headers: dict[str, str], want: str | None,
+                  timeout: float) -> tuple[list[Check], str | None]:
+    """([model, api_key] verdicts, the model) for Triton: GET /v2/models/<model>/ready (the profile's default model,
+    `ensemble`, without `want`)."""
+    model = want or profile("triton").default_model or "ensemble"
+    url = f"{base_url.rstrip('/')}/v2/models/{model}/ready"
     try:
-        resp = session.get(f"{base_url.rstrip('/')}/version", headers=headers, timeout=timeout)
-        version = resp.json().get("version") if resp.status_code == 200 else None
+        resp = session.get(url, headers=headers, timeout=timeout)
+    except requests.RequestException as e:
+        return [Check("model", False, f"GET {url}: {type(e).__name__}")], None
+    if resp.status_code in (401, 403):
+        return [Check("api_key", False, f"GET {url} answered {resp.status_code}: the probe's API key is missing or "
+                                        "wrong (--probe.api-key-file, --probe.api-key-env)")], None
+    if resp.status_code != 200:
+        return [Check("api_key", True), Check("model", False, f"{model!r} not ready: GET {url} answered "
+                                                              f"{resp.status_code}")], None
+    return [Check("api_key", True), Check("model", True)], model
+
+
+def vllm_version(session: requests.Session, base_url: str, headers: dict[str, str], timeout: float,
+                 engine: str = DEFAULT_ENGINE) -> str:
+    """The engine's version, "" when it does not say: vLLM's GET /version, SGLang's /get_server_info, TGI's /info,
+    llama.cpp's /props (its build_info), Triton's /v2 (grayguard/engines.py)."""
+    p = profile(engine)
+    try:
+        resp = session.get(f"{base_url.rstrip('/')}{p.version_path}", headers=headers, timeout=timeout)
+        version = resp.json().get(p.version_key) if resp.status_code == 200 else None
     except (requests.RequestException, ValueError, AttributeError):
         return ""
     return version if isinstance(version, str) and version.isprintable() and len(version) <= 64 else ""
@@ -135,8 +158,9 @@ def vllm_version(session: requests.Session, base_url: str, headers: dict[str, st
 
 def run_prechecks(*, nvml_snapshot: Callable[[], NvmlSnapshot] | None, advertise: str, vllm_url: str,
                   api_key: str | None, model: str | None, session: requests.Session, timeout: float,
-                  numa_of: Callable[[str], int | None] = numa_node_of) -> Prechecks:
-    """Every pre-check, in order: gpu (skipped without NVML), port, model and api_key, then the version."""
+                  numa_of: Callable[[str], int | None] = numa_node_of, engine: str = DEFAULT_ENGINE) -> Prechecks:
+    """Every pre-check, in order: gpu (skipped without NVML), port, model and api_key, then the version, each asked
+    the way the engine answers (grayguard/engines.py)."""
     checks: list[Check] = []
     gpu = GpuInfo()
     if nvml_snapshot is not None:
@@ -145,7 +169,8 @@ def run_prechecks(*, nvml_snapshot: Callable[[], NvmlSnapshot] | None, advertise
         gpu = gpu_info(snap, numa_of)
     checks.append(port_check(advertise, timeout))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    found, served = vllm_checks(session, vllm_url, headers, model, timeout)
+    ask = triton_checks if profile(engine).dialect == "triton" else vllm_checks
+    found, served = ask(session, vllm_url, headers, model, timeout)
     checks += found
-    version = vllm_version(session, vllm_url, headers, timeout) if served is not None else ""
+    version = vllm_version(session, vllm_url, headers, timeout, engine) if served is not None else ""
     return Prechecks(checks=tuple(checks), model=served, version=version, gpu=gpu)

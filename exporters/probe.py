@@ -224,14 +224,35 @@ def advance(state: ProbeState, result: str, ttft: float | None, *, ready: bool =
                    last_result=result, last_detail=detail, last_progress=progress)
 
 
-def completion_request(model: str, prompt: str, prefix: str) -> dict[str, Any]:
+def completion_request(model: str, prompt: str, prefix: str, usage_options: bool = True) -> dict[str, Any]:
     """Body of the probe: one token, greedy, streamed, behind a prefix the prefix cache has never seen.
 
-    It asks for usage in every chunk (vLLM's continuous_usage_stats), so the first one says how many prompt tokens
-    vLLM counted for it: the exporter takes exactly that out of the node's traffic (exporters/synthetic.py).
+    With usage_options (vLLM, SGLang) it asks for usage in every chunk (continuous_usage_stats), so the first one
+    says how many prompt tokens the engine counted for it: the exporter takes exactly that out of the node's traffic
+    (exporters/synthetic.py). TGI and llama.cpp get the plain OpenAI body (grayguard/engines.py).
     """
-    return {"model": model, "prompt": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body: dict[str, Any] = {"model": model, "prompt": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0,
+                            "stream": True}
+    if usage_options:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
+
+
+def triton_request(prompt: str, prefix: str) -> dict[str, Any]:
+    """Body of the probe for Triton's generate_stream endpoint (TensorRT-LLM's ensemble inputs): one token, greedy."""
+    return {"text_input": f"{prefix} {prompt}", "max_tokens": 1, "temperature": 0.0, "stream": True}
+
+
+def triton_event(payload: str) -> str:
+    """A generate_stream event in the OpenAI completion shape judge_event() reads: `text_output` becomes the first
+    choice's text; an error event, [DONE] or anything unparsable is returned as it is (judged as such)."""
+    try:
+        obj = json.loads(payload, parse_constant=_reject_constant)
+    except ValueError:
+        return payload
+    if not isinstance(obj, dict) or "error" in obj or "text_output" not in obj:
+        return payload
+    return json.dumps({"choices": [{"text": obj["text_output"]}]})
 
 
 def sse_payload(line: bytes) -> str | None:

@@ -17,6 +17,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from grayguard.engines import DEFAULT_ENGINE
 from grayguard.exporters.engineload import EngineLoad
 from grayguard.exporters.fastpath import LiveCollector
 from grayguard.exporters.hang import Progress, Stalls, judged, token_progress
@@ -65,6 +66,8 @@ class ProbeConfig:
     metrics_timeout: float = 1.0
     # W (s): the live values are deltas of those /metrics readings over about this span (exporters/live.py)
     live_window: float = LIVE_WINDOW_S
+    # which engine the node runs (grayguard/engines.py): its API for the probe, its /metrics names for the rest
+    engine: str = DEFAULT_ENGINE
 
 
 class Prober:
@@ -95,7 +98,8 @@ class Prober:
         # vLLM's /metrics (the live fast path), failed ones too
         self.rounds, self.reads = Beat(clock), Beat(clock)
         self.client = VllmClient(base_url, model=self.config.model, prompt=self.config.prompt, rng=self._rng,
-                                 clock=clock, on_discovery_error=lambda: self.errors.labels("model_discovery").inc())
+                                 clock=clock, on_discovery_error=lambda: self.errors.labels("model_discovery").inc(),
+                                 engine=self.config.engine)
         r = registry if registry is not None else CollectorRegistry()
         self.ttft = Histogram("grayguard_probe_ttft_seconds", "Time to the first streamed chunk of ok/slow probes",
                               buckets=TTFT_BUCKETS, registry=r)

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from grayguard.engines import DEFAULT_ENGINE, ENGINES
 from grayguard.redact import redact_url
 
 # HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
@@ -285,6 +286,9 @@ class PoolConfig:
     # Speed coefficient per peer group (latency relative to the pool), for groups too small to score
     # on their own; unset groups of 2+ nodes learn theirs from their fastest member.
     group_speed: dict[str, float] = field(default_factory=dict)
+    # The inference engine the pool's nodes run (grayguard/engines.py, docs/engines.md): which of its own series
+    # the recording rules fall back to where the exporter's grayguard_traffic_* are absent
+    engine: str = DEFAULT_ENGINE
 
     @_collects
     def validate(self, path: str, pr: Problems) -> None:
@@ -310,6 +314,8 @@ class PoolConfig:
         for g, c in self.group_speed.items():
             pr.check(c > 0, f"{path}.group_speed.{g}", "must be > 0 (latency relative to the pool)")
             pr.check(math.isfinite(c), f"{path}.group_speed.{g}", f"must be a finite number, got {c}")
+        pr.check(self.engine in ENGINES, f"{path}.engine", f"must be one of {', '.join(ENGINES)}, got "
+                 f"{_show(self.engine)}")
 
 
 @dataclass(frozen=True)

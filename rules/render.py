@@ -13,6 +13,7 @@ import jinja2
 import yaml
 
 from grayguard.config import MIN_PEERS, Config, ConfigError
+from grayguard.engines import ENGINES, Profile, Read, profile
 from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -215,6 +216,100 @@ def vllm_selector(prefix: str, name: str, matchers: str = "") -> str:
     return f"{prefix}{name}{{{matchers}}}" if matchers else f"{prefix}{name}"
 
 
+# The recording rules' engine-dependent inputs (docs/engines.md): for vLLM the series the rules have always read
+# (under rules.vllm_prefix), for the other engines the profile's (grayguard/engines.py).
+_VLLM_RATES = {"request_seconds": ("e2e_request_latency_seconds_sum", ""),
+               "request_prompt_tokens": ("request_prompt_tokens_sum", ""),
+               "request_generation_tokens": ("request_generation_tokens_sum", ""),
+               "requests": ("e2e_request_latency_seconds_count", ""),
+               "errors": ("request_success_total", 'finished_reason="error"'),
+               "finished": ("request_success_total", ""),
+               "ttft_bucket": ("time_to_first_token_seconds_bucket", "")}
+_VLLM_GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting"}
+
+
+def pool_engines(cfg: Config) -> list[str]:
+    """The engines the config's pools run (pools[].engine), in ENGINES order."""
+    used = {getattr(p, "engine", "vllm") for p in cfg.pools}
+    return [e for e in ENGINES if e in used]
+
+
+def _selector(name: str, matchers: str) -> str:
+    return f"{name}{{{matchers}}}" if matchers else name
+
+
+def _join(terms: list[str]) -> str:
+    """One term as it is; several as `(a or b ...)`: each node has the series of one engine."""
+    return terms[0] if len(terms) == 1 else "(" + " or ".join(terms) + ")"
+
+
+def _read_terms(read: Read, wrap) -> list[str]:
+    """The PromQL terms of a profile's Read, one per alternative (the first a node has wins: `or`)."""
+    out = []
+    for alt in read:
+        parts = []
+        for s in alt:
+            term = wrap(_selector(s.name, s.matchers()))
+            parts.append(term if s.scale == 1 else f"{term} * {_num(s.scale)}")
+        out.append(parts[0] if len(parts) == 1 and alt[0].scale == 1 else "(" + " + ".join(parts) + ")")
+    return out
+
+
+class EngineSeries:
+    """The engine-dependent parts of the recording rules for the config's engines (pool_engines).
+
+    For vLLM alone each renders exactly the expression the rules read before engine profiles existed; with other
+    engines the vLLM term comes first and each engine that has the signal adds its own (`or`). A signal none of the
+    config's engines has reads vLLM's name: absent on their pages, so absent in the rule (absent is not zero).
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.engines = cfg, pool_engines(cfg)
+        self.by = ", ".join(node_labels(cfg))
+
+    def _v(self, name: str, matchers: str = "") -> str:
+        return vllm_selector(self.cfg.rules.vllm_prefix, name, matchers)
+
+    def _profiles(self) -> list[Profile]:
+        return [profile(e) for e in self.engines if e != "vllm"]
+
+    def rs(self, signal: str, window: str, by: str | None = None, matchers: str = "") -> str:
+        """`sum by (by) (rate(<series>[window]))` of a counter signal, for every engine that has it."""
+        by = self.by if by is None else by
+        rate = lambda sel: f"sum by ({by}) (rate({sel}[{window}]))"  # noqa: E731
+        name, vm = _VLLM_RATES[signal]
+        vllm = rate(self._v(name, ", ".join(m for m in (vm, matchers) if m)))
+        terms = [vllm] if "vllm" in self.engines else []
+        for p in self._profiles():
+            if signal == "ttft_bucket":
+                terms += [rate(_selector(p.ttft_bucket, matchers))] if p.ttft_bucket else []
+            else:
+                terms += _read_terms(getattr(p, signal), rate)
+        return _join(terms or [vllm])
+
+    def gs(self, signal: str) -> str:
+        """`sum by (by) (<gauge>)` of running or waiting, for every engine that has it."""
+        total = lambda sel: f"sum by ({self.by}) ({sel})"  # noqa: E731
+        vllm = total(self._v(_VLLM_GAUGES[signal]))
+        terms = [vllm] if "vllm" in self.engines else []
+        for p in self._profiles():
+            terms += _read_terms(getattr(p, signal), total)
+        return _join(terms or [vllm])
+
+    def kv(self) -> str:
+        """KV-cache usage 0-1, the fullest label set, for every engine that says it."""
+        biggest = lambda sel: f"max by ({self.by}) ({sel})"  # noqa: E731
+        vllm = biggest(f'{self._v("kv_cache_usage_perc")} or {self._v("gpu_cache_usage_perc")}')
+        terms = [vllm] if "vllm" in self.engines else []
+        for p in self._profiles():
+            terms += _read_terms(p.kv_usage, biggest)
+            if p.kv_ratio is not None:
+                part, whole = p.kv_ratio.part, p.kv_ratio.whole
+                terms.append(f"(sum by ({self.by}) ({_selector(part.name, part.matchers())}) / "
+                             f"(sum by ({self.by}) ({_selector(whole.name, whole.matchers())}) > 0))")
+        return _join(terms or [vllm])
+
+
 @functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
     # << >> and <% %> because the alert descriptions carry Go templates ({{ $labels.pool }}).
@@ -233,7 +328,9 @@ def _context(cfg: Config) -> dict:
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
             "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
             "slowdown": "|".join(GPU_SLOWDOWN_REASONS), "links": functools.partial(alert_links, cfg),
-            "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers)}
+            "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers),
+            "engines": pool_engines(cfg), "rs": EngineSeries(cfg).rs, "gs": EngineSeries(cfg).gs,
+            "kv": EngineSeries(cfg).kv}
 
 
 def render_recording(cfg: Config, template: str = "recording.rules.yml.j2") -> str:
