@@ -76,6 +76,8 @@ PARALLEL_SAFE = frozenset({
     "demo/test_report.py",
     "demo/test_report_browser.py",
     "demo/test_report_html.py",
+    "exporters/test_engine_profiles.py",
+    "exporters/test_engine_rules.py",
     "exporters/test_live.py",
     "exporters/test_probe.py",
     "grayguard/test_config_all_errors.py",
