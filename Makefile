@@ -7,7 +7,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics etcd-server chromium
+DEBS := haproxy prometheus prometheus-alertmanager victoria-metrics etcd-server chromium nginx-light
 
 # The real fleet (localstack/vllmfleet.py): the pinned CPU build of vLLM in its own environment (it brings torch), and
 # the tiny random-weight model it serves, built offline (localstack/vllm_model.py; no hub is reached).
@@ -47,6 +47,7 @@ deps:
 	command -v vmalert >/dev/null 2>&1 || missing="$$missing victoria-metrics"; \
 	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v nginx >/dev/null 2>&1 || missing="$$missing nginx-light"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \

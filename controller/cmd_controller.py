@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from grayguard import flags, terminate
 from grayguard.config import Config, ConfigError, load_config
 from grayguard.controller import gcpolicy
-from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError, RuntimeClient
+from grayguard.controller.gateway import GatewayError, build_gateways
+from grayguard.controller.haproxy import STATIC_ALGOS, HaproxyError
 from grayguard.controller.loop import Controller, TickResult
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.statefile import StateFile, StateLock, StateLockError
@@ -78,7 +79,7 @@ def build_controller(cfg: Config, dry_run: bool = False, metrics: ControllerMetr
     return Controller(
         cfg,
         PrometheusClient(cfg.prometheus),
-        [RuntimeClient(ep, cfg.haproxy.timeout_s) for ep in cfg.haproxy.endpoints],
+        build_gateways(cfg),  # HAProxy's endpoints, or NGINX (gateway.kind; controller/gateway.py)
         canary=make_canary(cfg.recovery),
         metrics=metrics,
         state_file=StateFile(cfg.state_file, save_errors=metrics.state_save_errors) if cfg.state_file else None,
@@ -126,6 +127,8 @@ def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
         from grayguard.etcdconn import settings as etcd_settings
 
         check(etcd_settings, cfg.registry, env)
+    if cfg.gateway.kind == "nginx":
+        errors += nginx_preflight(cfg)
     if cfg.state_file:
         path = Path(cfg.state_file)
         parent = next((a for a in path.parents if a.exists()), None)  # the first ancestor that exists
@@ -137,10 +140,33 @@ def preflight(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
         raise ConfigError(errors=errors)
 
 
+def nginx_preflight(cfg: Config) -> list[tuple[str, str]]:
+    """gateway.nginx's binary runs, its main config exists, its upstream folder can be written."""
+    import shutil
+
+    n, errors = cfg.gateway.nginx, []
+    if shutil.which(n.binary) is None:
+        errors.append(("gateway.nginx.binary", f"{n.binary!r} is not an executable on PATH"))
+    if not Path(n.conf).is_file():
+        errors.append(("gateway.nginx.conf", f"{n.conf} is not a file"))
+    d = Path(n.upstream_dir)
+    if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
+        errors.append(("gateway.nginx.upstream_dir", f"{d} is not a folder this user can write"))
+    if n.prefix is not None and not Path(n.prefix).is_dir():
+        errors.append(("gateway.nginx.prefix", f"{n.prefix} is not a folder"))
+    return errors
+
+
 def startup_checks(ctl: Controller) -> list[str]:
-    """Problems worth saying before the first tick: missing backends, static balance algorithms."""
+    """Problems worth saying before the first tick: missing backends, static balance algorithms; with NGINX, a
+    config `nginx -t` rejects or that does not include a pool's upstream file."""
+    from grayguard.controller.nginx import NginxGateway
+
     problems = []
     for hc in ctl.haproxies:
+        if isinstance(hc, NginxGateway):
+            problems += hc.check()
+            continue
         try:
             algos = hc.backend_algorithms()
         except HaproxyError as e:
@@ -233,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("--web.listen-address", str(e)) from None
         preflight(cfg)
         if args.check:
-            print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {len(cfg.haproxy.endpoints)} HAProxy endpoint(s))")
+            gw = (f"NGINX {cfg.gateway.nginx.conf}" if cfg.gateway.kind == "nginx"
+                  else f"{len(cfg.haproxy.endpoints)} HAProxy endpoint(s)")
+            print(f"{args.config}: OK ({len(cfg.pools)} pool(s), {gw})")
             return 0
     except ConfigError as e:
         if e.source is None and not e.path.startswith("--"):  # the environment's problems (preflight) of this file
@@ -308,6 +336,7 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
 
 def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> int:
     gcpolicy.tune()  # a tick's decoded answers would set the collector off many times a tick (controller/gcpolicy.py)
+    prepare_gateways(ctl)
     for problem in startup_checks(ctl):
         log.warning("%s", problem)
     if args.once:
@@ -354,9 +383,24 @@ def make_rerender(cfg: Config, metrics: ControllerMetrics | None = None) -> Call
 
 def tick_budget_s(cfg: Config) -> float:
     """The longest a healthy tick takes: every deadline it may wait on, one after the other (canaries run off the
-    tick: none of theirs)."""
-    return (cfg.tick_interval_s + 2 * cfg.prometheus.timeout_s
-            + 2 * cfg.haproxy.timeout_s * len(cfg.haproxy.endpoints) + 4 * cfg.registry.timeout_s)
+    tick: none of theirs). NGINX: `nginx -t` and a reload for each pool."""
+    gateway = (2 * cfg.gateway.nginx.timeout_s * len(cfg.pools) if cfg.gateway.kind == "nginx"
+               else 2 * cfg.haproxy.timeout_s * len(cfg.haproxy.endpoints))
+    return cfg.tick_interval_s + 2 * cfg.prometheus.timeout_s + gateway + 4 * cfg.registry.timeout_s
+
+
+def prepare_gateways(ctl: Controller) -> None:
+    """NGINX: write each pool's upstream file where there is none (its servers at full weight; NGINX cannot start
+    without the files it includes); a dry run writes nothing."""
+    from grayguard.controller.nginx import NginxGateway
+
+    for gw in ctl.haproxies:
+        if isinstance(gw, NginxGateway) and not ctl.dry_run:
+            try:
+                for path in gw.prepare():
+                    log.info("wrote %s: every server of its pool at full weight", path)
+            except GatewayError as e:
+                log.error("gateway %s: %s", gw.endpoint, e)
 
 
 def run_loop(ctl: Controller, interval_s: float, stop: threading.Event, rerender: Callable[[], None] | None = None,

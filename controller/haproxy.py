@@ -1,4 +1,5 @@
-"""HAProxy runtime API client: read server state, write weights and states in one batch.
+"""HAProxy runtime API client: read server state, write weights and states in one batch (the controller's
+gateway seam, controller/gateway.py, as HAProxy implements it).
 
 One connection per batch in interactive mode ("prompt"): each command on its own line, each reply
 ends with the prompt "\\n> ", so replies pair with commands one to one and a batch is not limited
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from grayguard.config import HAPROXY_NAME_RE
+from grayguard.controller.gateway import GatewayError
 from grayguard.reflexes import CHECK_STATUS_HANA
 
 # srv_agent_state bits (HAProxy include/haproxy/check-t.h CHK_ST_*): configured, administratively enabled
@@ -48,12 +50,8 @@ _VAR_RE = re.compile(r"type=sint value=<(-?\d+)>")
 _READ_VERBS = ("show ", "get ", "help")
 
 
-class HaproxyError(Exception):
+class HaproxyError(GatewayError):
     """A runtime API failure; kind is a short metric label."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class FencedError(HaproxyError):

@@ -1,6 +1,10 @@
 """The control tick: observe every pool (HAProxy, Prometheus, canaries) -> decide (pure, controller/decide.py)
 -> plan and act (HAProxy writes, metrics, state file).
 
+"HAProxy" here is the gateway seam (controller/gateway.py): HAProxy's runtime API, or NGINX's rendered upstream
+files (controller/nginx.py). Fencing, registry membership and actuators are HAProxy's alone (the config refuses them
+with NGINX); reading the servers and applying each pool's planned batch are every gateway's.
+
 Level-triggered: every tick re-reads HAProxy and Prometheus and writes only differences, so a
 restarted HAProxy or a lost write is repaired on the next tick. When the data cannot be trusted
 (Prometheus down, answers garbage, or too old) the tick holds: no decision, no write.
@@ -22,7 +26,8 @@ from grayguard.controller.clock import SteadyClock
 from grayguard.controller.desired import dump as dump_desired
 from grayguard.controller.desired import from_decision
 from grayguard.controller.export import NodeSeries, node_row
-from grayguard.controller.haproxy import Fence, HaproxyError, RuntimeClient, ServerState, epoch_var, write_backend
+from grayguard.controller.gateway import Gateway, GatewayError
+from grayguard.controller.haproxy import Fence, ServerState, epoch_var, write_backend
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.plan import Change, plan_backend, tier_view
 from grayguard.controller.policy import NodeState, PoolDecision, config_policy, pool_policies
@@ -61,7 +66,7 @@ class Controller:
     # plan (controller/membersync.py); set by the command when registry.url is; None: every pool is static
     membership: MembershipSync | None = None
 
-    def __init__(self, cfg: Config, prom: PrometheusClient, haproxies: list[RuntimeClient],
+    def __init__(self, cfg: Config, prom: PrometheusClient, haproxies: list[Gateway],
                  canary: CanaryFn | None = None, metrics: ControllerMetrics | None = None,
                  state_file: StateFile | None = None, clock: Callable[[], float] | None = None,
                  dry_run: bool = False, leadership: Leadership | None = None,
@@ -71,7 +76,7 @@ class Controller:
         self.policy = config_policy(cfg)
         self.policies = pool_policies(cfg)  # the same builder as replay
         self.prom = prom
-        self.haproxies = haproxies
+        self.haproxies = haproxies  # the gateways (controller/gateway.py): HAProxy endpoints, or one NGINX
         self.canary = canary
         self.metrics = metrics or ControllerMetrics.create()
         self.state_file = state_file
@@ -115,10 +120,10 @@ class Controller:
         for hc in self.haproxies:
             try:  # a replica leading part of the pools reads their backends only (controller/readscope.py)
                 servers = hc.show_servers_state() if scope is None else hc.show_backends_state(sorted(wanted))
-            except HaproxyError as e:
+            except GatewayError as e:
                 self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
                 result.errors.append(str(e))
-                log.warning("HAProxy %s: %s", hc.endpoint, e)
+                log.warning("gateway %s: %s", hc.endpoint, e)
                 continue
             by_backend: dict[str, dict[str, ServerState]] = {}
             for s in servers:
@@ -450,10 +455,10 @@ class Controller:
                 break
             try:
                 replies = hc.apply([c.command for c in changes])
-            except HaproxyError as e:
+            except GatewayError as e:
                 self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
                 result.errors.append(str(e))
-                log.error("HAProxy %s: batch not applied: %s", hc.endpoint, e)
+                log.error("gateway %s: batch not applied: %s", hc.endpoint, e)
                 continue
             for c, r in zip(changes, replies, strict=True):
                 self.metrics.haproxy_writes.labels(hc.endpoint, c.command.kind).inc()
@@ -461,7 +466,7 @@ class Controller:
                     self.metrics.haproxy_errors.labels(hc.endpoint, r.kind).inc()
                     result.failed.append((hc.endpoint, c, r.reply))
                     result.errors.append(f"{c.command.render()}: {r.reply}")
-                    log.error("HAProxy %s refused %r: %s", hc.endpoint, c.command.render(), r.reply)
+                    log.error("gateway %s refused %r: %s", hc.endpoint, c.command.render(), r.reply)
 
     # ---- membership (pools with discovery: registry; controller/membersync.py) --------------------
     def sync_membership(self, hap: dict, result: TickResult) -> dict:
@@ -501,7 +506,7 @@ class Controller:
         for hc in self.haproxies:
             try:
                 servers = hc.show_backends_state(sorted({p.backend for p in pools}))
-            except HaproxyError as e:
+            except GatewayError as e:
                 self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
                 continue
             by_backend: dict[str, dict[str, ServerState]] = {p.backend: {} for p in pools}
@@ -591,7 +596,7 @@ class Controller:
                 try:
                     if hold is not None:
                         hold(fence)
-                except HaproxyError as e:
+                except GatewayError as e:
                     self.metrics.haproxy_errors.labels(hc.endpoint, e.kind).inc()
 
     def _leads(self, pool: str) -> bool:

@@ -58,6 +58,7 @@ PARALLEL_SAFE = frozenset({
     "controller/test_export.py",
     "controller/test_fuzz_parsers.py",
     "controller/test_garbage_one_strike.py",
+    "controller/test_gateway.py",
     "controller/test_gcpolicy.py",
     "controller/test_kv_outlier.py",
     "controller/test_leader.py",

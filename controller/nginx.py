@@ -1,0 +1,270 @@
+"""NGINX as the gateway: one rendered upstream file per pool, checked by `nginx -t`, then a graceful reload.
+
+NGINX OSS has no runtime API. Each pool's servers live in <upstream_dir>/<backend>.conf, which the NGINX config
+includes inside `upstream <backend> { ... }` (docs/gateways.md). The file is the gateway's state as far as the
+controller can know it: each tick reads it back (weights, which servers are down) and the loop plans against it as
+against HAProxy's `show servers state`; apply renders the whole file from what it read plus the changes (the
+desired state, not deltas). An unchanged file is not written and NGINX not reloaded. A new file is put in place
+atomically, checked with `nginx -t`, then NGINX reloads (`nginx -s reload`: its master starts new workers on the new
+config and the old ones finish their requests); a rejected check or a failed reload puts the old file back and
+raises a classified GatewayError.
+
+Weights: grayguard's weight (0..256, a server's full weight from pools[].servers.<name>.weight, default 100) is
+NGINX's `weight=`, which must be >= 1: a drained server, or one at weight 0, is `down`. Each line keeps grayguard's
+own weight and drain flag in a comment, so that reading the file back gives what was written. NGINX OSS has no slow
+start: the controller's slow-start weights ramp a returning node. It has no per-server state to read either: every
+server reads as up (op_state 2), with no check status, error-limit counter or agent (docs/gateways.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from grayguard.config import NginxConfig, PoolConfig
+from grayguard.controller.gateway import GatewayError
+from grayguard.controller.haproxy import ADMF_FDRAIN, Command, CommandResult, ServerState
+
+FULL_WEIGHT = 100  # a server's full weight when pools[].servers.<name>.weight is unset (HAProxy's configs use 100)
+OP_RUNNING = 2  # srv_op_state "running": NGINX OSS shows no server state, so every server reads as up
+HEADER = "# grayguard upstream servers (controller/nginx.py writes this file; edits are overwritten)"
+_LINE_RE = re.compile(r"server (?P<addr>\S+) (?:weight=\d+|down); +# grayguard node=(?P<node>\S+) "
+                      r"weight=(?P<weight>\d+)(?P<drain> drain)?")
+
+
+class NginxError(GatewayError):
+    """An NGINX gateway failure: a file it cannot read or write, a config `nginx -t` rejects, a failed reload."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server line of an upstream file, in grayguard's terms."""
+
+    node: str
+    address: str
+    weight: int  # grayguard's weight, 0..256
+    drain: bool
+
+    def render(self) -> str:
+        """Its `server` line: NGINX's weight is >= 1, so a drained server or one at weight 0 is `down`."""
+        nginx = "down" if self.drain or self.weight == 0 else f"weight={self.weight}"
+        return f"server {self.address} {nginx};  # grayguard node={self.node} weight={self.weight}" + (
+            " drain" if self.drain else "")
+
+
+def render_file(pool: str, backend: str, servers: Iterable[Server]) -> str:
+    """The upstream file's text: a header, then one line per server, sorted by node (one text per state)."""
+    lines = [HEADER, f"# pool {pool}, upstream {backend}"]
+    lines += [s.render() for s in sorted(servers, key=lambda s: s.node)]
+    return "\n".join(lines) + "\n"
+
+
+def parse_file(text: str, path: str) -> dict[str, Server]:
+    """node -> Server of an upstream file; NginxError (bad_file) on a line render_file would not write."""
+    out = {}
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = _LINE_RE.fullmatch(line)
+        s = m and Server(m["node"], m["addr"], int(m["weight"]), bool(m["drain"]))
+        if not s or s.render() != line or s.weight > 256 or s.node in out:
+            raise NginxError("bad_file", f"{path}:{i}: not a line grayguard writes (hand-edited?): {line[:120]!r}")
+        out[s.node] = s
+    return out
+
+
+def configured(pool: PoolConfig) -> dict[str, Server]:
+    """The pool's servers as the config names them, each at its full weight, in rotation."""
+    return {n: Server(n, sc.address or "", full_weight(pool, n), False) for n, sc in sorted(pool.servers.items())}
+
+
+def full_weight(pool: PoolConfig, node: str) -> int:
+    sc = pool.servers.get(node)
+    return sc.weight if sc is not None and sc.weight is not None else FULL_WEIGHT
+
+
+class NginxGateway:
+    """The pools' upstream files and the NGINX that includes them; the loop's gateway seam (controller/gateway.py).
+
+    run: the subprocess runner (a seam: tests of the file logic pass a fake NGINX)."""
+
+    def __init__(self, cfg: NginxConfig, pools: Sequence[PoolConfig], run=subprocess.run):
+        self.cfg = cfg
+        self.pools = {p.backend: p for p in pools}
+        self.endpoint = f"nginx:{cfg.conf}"
+        self.run = run
+        self.reloads = 0  # reloads that succeeded (tests, /status of a later version)
+
+    def path(self, backend: str) -> Path:
+        return Path(self.cfg.upstream_dir) / f"{backend}.conf"
+
+    # ---- read ------------------------------------------------------------------------------------
+    def read(self, backend: str) -> dict[str, Server]:
+        """The backend's upstream file as written; NginxError when it is missing, unreadable or not grayguard's."""
+        p = self.path(backend)
+        try:
+            text = p.read_text()
+        except FileNotFoundError as e:
+            raise NginxError("no_file", f"{p} is missing (written at start-up; deleted since?)") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise NginxError("io", f"cannot read {p}: {e}") from e
+        return parse_file(text, str(p))
+
+    def show_servers_state(self, backend: str | None = None) -> list[ServerState]:
+        """The configured servers of one backend (or every pool's) as the upstream files have them."""
+        if backend is not None and backend not in self.pools:
+            raise NginxError("no_such_backend", f"no pool has backend {backend!r} (pools[].backend)")
+        return self.show_backends_state([backend] if backend is not None else list(self.pools))
+
+    def show_backends_state(self, backends: Sequence[str]) -> list[ServerState]:
+        """The configured servers of these backends. A configured server the file does not have (or has at another
+        address) gets no traffic through NGINX: it reads as drained at weight 0, and comes in through canaries."""
+        out = []
+        for b in backends:
+            pool = self.pools.get(b)
+            if pool is None:
+                continue
+            written = self.read(b)
+            for n, want in configured(pool).items():
+                got = written.get(n)
+                if got is None or got.address != want.address:
+                    got = replace(want, weight=0, drain=True)
+                out.append(ServerState(backend=b, name=n, address=want.address, weight=got.weight,
+                                       initial_weight=want.weight, admin_state=ADMF_FDRAIN if got.drain else 0,
+                                       op_state=OP_RUNNING))
+        return out
+
+    # ---- write -----------------------------------------------------------------------------------
+    def apply(self, commands: list[Command]) -> list[CommandResult]:
+        """Apply the changes backend by backend onto what each file has: one write and one reload per backend
+        whose file changes, none when the changes leave it as it is."""
+        results: dict[int, CommandResult] = {}
+        for backend in dict.fromkeys(c.backend for c in commands):
+            mine = [(i, c) for i, c in enumerate(commands) if c.backend == backend]
+            results.update(self._apply_backend(backend, mine))
+        return [results[i] for i in range(len(commands))]
+
+    def _apply_backend(self, backend: str, commands: list[tuple[int, Command]]) -> dict[int, CommandResult]:
+        pool = self.pools.get(backend)
+        if pool is None:
+            return {i: CommandResult(c, False, f"no pool has backend {backend!r}", "no_such_server")
+                    for i, c in commands}
+        servers = {n: s for n, s in self.read(backend).items() if n in pool.servers}  # unconfigured ones leave
+        want = configured(pool)
+        for n, s in want.items():  # a server the file lacks (or has elsewhere) joins at weight 0, drained
+            if n not in servers or servers[n].address != s.address:
+                servers[n] = replace(s, weight=0, drain=True)
+        out = {}
+        for i, c in commands:
+            why = _refusal(c, servers)
+            if why:
+                out[i] = CommandResult(c, False, why[1], why[0])
+                continue
+            s = servers[c.server]
+            if c.kind == "weight":
+                servers[c.server] = replace(s, weight=c.value)
+            else:
+                servers[c.server] = replace(s, drain=c.value == "drain")
+            out[i] = CommandResult(c, True, "")
+        self.write(pool, servers.values())
+        return out
+
+    def write(self, pool: PoolConfig, servers: Iterable[Server]) -> bool:
+        """Put the pool's file in place, check it, reload NGINX; False when the file already says so (nothing done).
+        NginxError (the old file back in place) when NGINX rejects it or does not reload."""
+        path = self.path(pool.backend)
+        text = render_file(pool.name, pool.backend, servers)
+        try:
+            old = path.read_text()
+        except FileNotFoundError:
+            old = None
+        except (OSError, UnicodeDecodeError) as e:
+            raise NginxError("io", f"cannot read {path}: {e}") from e
+        if old == text:
+            return False
+        _replace(path, text)
+        try:
+            self._nginx("check_failed", "-t", "-q")
+            self._nginx("reload_failed", "-s", "reload")
+        except NginxError:
+            if old is None:
+                path.unlink(missing_ok=True)
+            else:
+                _replace(path, old)
+            raise
+        self.reloads += 1
+        return True
+
+    def prepare(self) -> list[str]:
+        """Write the file of every pool that has none (each server at its full weight), without a reload: NGINX cannot
+        start without the files it includes. The paths written."""
+        written = []
+        for pool in self.pools.values():
+            path = self.path(pool.backend)
+            if not path.exists():
+                _replace(path, render_file(pool.name, pool.backend, configured(pool).values()))
+                written.append(str(path))
+        return written
+
+    def check(self) -> list[str]:
+        """Problems worth saying at start-up: `nginx -t` fails, or the config does not include a pool's file."""
+        try:
+            dump = self._nginx("check_failed", "-T", "-q")
+        except NginxError as e:
+            return [str(e)]
+        return [f"{self.cfg.conf} does not include {self.path(p.backend)} (inside `upstream {p.backend} {{ ... }}`): "
+                f"pool {p.name}'s weights would change nothing" for p in self.pools.values()
+                if f"# configuration file {self.path(p.backend)}:" not in dump]
+
+    def _nginx(self, kind: str, *args: str) -> str:
+        """Run the NGINX binary on the configured config (its error log to stderr); its output, or NginxError."""
+        argv = [self.cfg.binary, "-e", "stderr", "-c", self.cfg.conf]
+        argv += ["-p", self.cfg.prefix] if self.cfg.prefix else []
+        try:
+            done = self.run([*argv, *args], capture_output=True, text=True, timeout=self.cfg.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise NginxError("timeout", f"`nginx {' '.join(args)}` did not finish within "
+                             f"{self.cfg.timeout_s:g}s") from e
+        except OSError as e:
+            raise NginxError("io", f"cannot run {self.cfg.binary}: {e}") from e
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout or "").strip()
+            raise NginxError(kind, f"`nginx {' '.join(args)}` failed ({done.returncode}): {said[-300:]}")
+        return done.stdout or ""
+
+
+def _refusal(c: Command, servers: dict[str, Server]) -> tuple[str, str] | None:
+    """(error kind, reply) when NGINX's file cannot take c; None when it can."""
+    if c.server not in servers:
+        return "no_such_server", f"no server {c.server!r} in pool's servers (pools[].servers)"
+    if c.kind == "weight" and (not isinstance(c.value, int) or isinstance(c.value, bool) or not 0 <= c.value <= 256):
+        return "bad_value", f"weight must be an int in 0..256, got {c.value!r}"
+    if c.kind == "state" and c.value not in ("ready", "drain"):
+        return "unsupported", f"NGINX has no state {c.value!r} (ready and drain only)"
+    if c.kind not in ("weight", "state"):
+        return "unsupported", f"NGINX has no {c.kind} command (no agent checks)"
+    return None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write text to path atomically: a temp file in the same folder, flushed, then renamed over it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise NginxError("io", f"cannot write {path}: {e}") from e
