@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import threading
@@ -14,6 +15,7 @@ import pynvml
 from grayguard import etcdconn
 from grayguard.config import ConfigError
 from grayguard.engines import DEFAULT_ENGINE, ENGINES
+from grayguard.exporters.podinfo import NAMESPACE_ENV, POD_ENV
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.registration import RegistrationConfig
 from grayguard.exporters.server import AgentListenError, Exporter
@@ -140,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="DURATION", help="longest a scrape waits for NVML (default %(default)s)")
     n.add_argument("--no-collector.nvml.xid", dest="xid", action="store_false",
                    help="do not listen for XID error events")
+    k = p.add_argument_group("pod (rules.gpu_source: dcgm joins dcgm-exporter's GPUs to this node by it; docs/dcgm.md)")
+    k.add_argument("--pod.name", dest="pod_name", default=os.environ.get(POD_ENV), metavar="NAME",
+                   help=f"this pod's name, for grayguard_node_pod_info (default ${POD_ENV}: %(default)s)")
+    k.add_argument("--pod.namespace", dest="pod_namespace", default=os.environ.get(NAMESPACE_ENV), metavar="NAME",
+                   help=f"this pod's namespace (default ${NAMESPACE_ENV}: %(default)s); without both, no pod info")
     _add_registry_arguments(p)  # --log.level and --log.format: grayguard/cli.py gives every subcommand them
 
 
@@ -259,7 +266,8 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,
                     nvml_read_timeout=args.nvml_timeout, xid_events=args.xid,
                     agent=args.agent_listen if args.agent and probe is not None else None,
-                    registration=registration_config(args))
+                    registration=registration_config(args),
+                    pod=(getattr(args, "pod_namespace", None), getattr(args, "pod_name", None)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from grayguard.exporters import liveness
 from grayguard.exporters.agent import Agent
 from grayguard.exporters.fastpath import fast_registry
 from grayguard.exporters.nvml import NvmlCollector
+from grayguard.exporters.podinfo import PodInfoCollector
 from grayguard.exporters.prober import ProbeConfig, Prober
 from grayguard.exporters.registration import Registrar, RegistrationConfig, api_key_reader
 from grayguard.health import Verdict, probe
@@ -83,7 +84,8 @@ class Exporter:
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
                  nvml: Any = pynvml, probe: ProbeConfig | None = DEFAULT_PROBE, nvml_read_timeout: float = 1.0,
                  xid_events: bool = True, agent: tuple[str, int] | None = None,
-                 registration: RegistrationConfig | None = None, clock: Callable[[], float] = time.monotonic):
+                 registration: RegistrationConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 pod: tuple[str | None, str | None] = (None, None)):
         self.vllm_url = vllm_url
         self.registry = CollectorRegistry()
         self._host, self._port = host, port
@@ -93,6 +95,8 @@ class Exporter:
             self.registry.register(_Timed(self.nvml, "nvml"))
         else:
             self.registry.register(_NvmlDisabled())
+        # pod = (namespace, name): grayguard_node_pod_info, the join of dcgm-exporter's GPUs to this node
+        self.registry.register(PodInfoCollector(*pod))
         self.prober = Prober(vllm_url, probe, registry=self.registry, clock=clock) if probe is not None else None
         self.agent: Agent | None = None
         if agent is not None and self.prober is None:

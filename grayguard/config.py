@@ -512,6 +512,13 @@ class DetectorsConfig:
         """Nothing beyond the types: every detector may be enforced or shadowed."""
 
 
+# rules.gpu_source: the sidecar's NVML collector, or dcgm-exporter's series through recording rules (docs/dcgm.md)
+GPU_SOURCES = ("exporter", "dcgm")
+# the signals whose default reads another series when rules.gpu_source is dcgm (follow_gpu_source): dcgm-exporter's
+# XID field is the last XID's code, not a counter, so the rules record the XIDs new within the window instead
+DCGM_SIGNALS = {"gpu_xid_query": "max by (pool, instance) (gpu:dcgm_xid_errors:new)"}
+
+
 @dataclass(frozen=True)
 class RulesConfig:
     omega: float = 0.25  # prompt-token weight in normalized latency: T / (omega*prompt + completion)
@@ -547,11 +554,18 @@ class RulesConfig:
     # How vLLM's series are named in Prometheus: "vllm:" (text format), "vllm_" (scraped as OpenMetrics
     # from a prometheus_client that escapes ':', e.g. by Prometheus < 2.49), or "any" (matches both).
     vllm_prefix: str = "vllm:"
+    # Where the GPU evidence comes from (docs/dcgm.md): "exporter" (the sidecar's NVML collector) or "dcgm" (NVIDIA's
+    # dcgm-exporter: recording rules map its series to the same grayguard_gpu_* series, joined to nodes by the pod
+    # dcgm-exporter labels a GPU with and the sidecar's grayguard_node_pod_info; run the sidecar with
+    # --no-collector.nvml)
+    gpu_source: str = "exporter"
 
     @_collects
     def validate(self, path: str, pr: Problems) -> None:
         """Check every field under path (ConfigError names each bad one)."""
         p = f"{path}."
+        pr.check(self.gpu_source in GPU_SOURCES, p + "gpu_source",
+                 f"must be one of {', '.join(GPU_SOURCES)}, got {self.gpu_source!r}")
         pr.check(0 < self.omega <= 1, p + "omega", "must be in (0, 1]")
         for name in ("control_window", "human_window", "baseline_window"):
             pr.check(bool(DURATION_RE.match(getattr(self, name))), p + name,
@@ -996,6 +1010,15 @@ def follow_control_window(signals: SignalsConfig, control_window: str, given: It
     return dataclasses.replace(signals, **changes)
 
 
+def follow_gpu_source(signals: SignalsConfig, gpu_source: str, given: Iterable[str] = ()) -> SignalsConfig:
+    """signals with every query of DCGM_SIGNALS not in given reading the dcgm rules' series when gpu_source is dcgm
+    (the other GPU signals read grayguard_gpu_* series, which those rules record under the exporter's names)."""
+    if gpu_source != "dcgm":
+        return signals
+    given = set(given)
+    return dataclasses.replace(signals, **{k: q for k, q in DCGM_SIGNALS.items() if k not in given})
+
+
 def check_signal_windows(cfg: Config, pr: Problems) -> None:
     """Every recorded series a signal reads is of rules.control_window: the rules record no other, so a signal of
     another window would be absent and the controller would hold every weight."""
@@ -1023,6 +1046,7 @@ def _parse(data: Any, pr: Problems) -> Config | None:
     signals = (data or {}).get("signals")
     given = [k for k in signals if isinstance(k, str)] if isinstance(signals, dict) else ()
     cfg = dataclasses.replace(cfg, signals=follow_control_window(cfg.signals, cfg.rules.control_window, given))
+    cfg = dataclasses.replace(cfg, signals=follow_gpu_source(cfg.signals, cfg.rules.gpu_source, given))
     cfg.validate(problems=pr)
     check_signal_windows(cfg, pr)
     return cfg

@@ -14,6 +14,7 @@ import yaml
 
 from grayguard.config import MIN_PEERS, Config, ConfigError
 from grayguard.engines import ENGINES, Profile, Read, profile
+from grayguard.rules import dcgm
 from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -333,9 +334,18 @@ def _context(cfg: Config) -> dict:
             "kv": EngineSeries(cfg).kv}
 
 
+DCGM_TEMPLATE = "dcgm.rules.yml.j2"  # rules.gpu_source: dcgm (rules/dcgm.py, docs/dcgm.md)
+
+
 def render_recording(cfg: Config, template: str = "recording.rules.yml.j2") -> str:
-    """The recording rules file for cfg."""
-    return _env().get_template(template).render(**_context(cfg))
+    """The recording rules file for cfg; with rules.gpu_source dcgm, dcgm-exporter's group appended."""
+    text = _env().get_template(template).render(**_context(cfg))
+    return text + render_dcgm(cfg) if cfg.rules.gpu_source == "dcgm" else text
+
+
+def render_dcgm(cfg: Config) -> str:
+    """dcgm-exporter's recording group, the items of a `groups:` list (render_recording appends it)."""
+    return _env().get_template(DCGM_TEMPLATE).render(**_context(cfg), **dcgm.context())
 
 
 def render_alerts(cfg: Config, baselines: Mapping[str, float] | None = None,
