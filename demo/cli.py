@@ -77,6 +77,7 @@ class DemoOptions:
     keep_workdir: bool = False
     fleet: str = "sim"  # sim: the simulated fleet; vllm: real vLLM servers (localstack/vllmfleet.py)
     trace: Any = None  # a sim.traces.TracePlan (--trace): its arrivals and lengths replace the Poisson load
+    gateway: str = "haproxy"  # the gateway the load goes through and the controller steers: haproxy or nginx
 
 
 # --fleet vllm: 4 real vLLM servers on 2 cores start in about 90 s and run at the shipped timing (Prometheus as
@@ -194,6 +195,7 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
     """Bring the stack up, run the load and the fault, tear down; return (and write) the report.
 
     records: where the clients' request records go (a new list by default), for a caller that plots them."""
+    from grayguard.localstack.nginx import NginxStack
     from grayguard.localstack.stack import LocalStack, StackSpec
     from grayguard.sim.loadgen import LoadConfig, run_load
     from grayguard.sim.loadstats import Phase
@@ -205,12 +207,14 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
         print(f"[setup] {msg}", file=out, flush=True)
 
     real = opts.fleet == "vllm"
-    stack = LocalStack(StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
-                                 balance=opts.balance, control_window=opts.control_window,
-                                 overrides=opts.overrides, fleet=opts.fleet,
-                                 timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5,
-                                 record=str(report_dir / RECORDING) if report_dir is not None else None),
-                       progress=progress)
+    spec = StackSpec(nodes=opts.nodes, seed=opts.seed, controller=False,
+                     balance=opts.balance, control_window=opts.control_window,
+                     overrides=opts.overrides, fleet=opts.fleet,
+                     timing="shipped" if real else "demo", probe_interval_s=1.0 if real else 0.5,
+                     record=str(report_dir / RECORDING) if report_dir is not None else None)
+    # --gateway nginx: the load goes through nginx, whose upstream file the controller writes (docs/gateways.md)
+    stack = (NginxStack(spec, progress, balance="least_conn" if opts.balance == "leastconn" else "")
+             if opts.gateway == "nginx" else LocalStack(spec, progress=progress))
     interrupted, stopped_by = False, None
     records = [] if records is None else records
     sampler = watcher = fut = None
@@ -227,7 +231,7 @@ def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, rec
                          timeout_s=opts.timeout_s, phases=phases, trace=opts.trace)
         load = (f"the trace {Path(opts.trace.meta['file']).name} (mean {opts.trace.meta['mean_rate']:g} req/s)"
                 if opts.trace is not None else f"{opts.rate:g} req/s")
-        print(f"[run] {opts.duration_s:.0f} s of load at {load} through HAProxy "
+        print(f"[run] {opts.duration_s:.0f} s of load at {load} through {GATEWAY_NAMES[opts.gateway]} "
               f"({'controller ON' if opts.controller else 'controller OFF'})", file=out, flush=True)
         t0 = time.time()
         fut = stack.fleet.submit(run_load(cfg, sink=records))
@@ -423,6 +427,9 @@ def compare(opts: DemoOptions, report_dir: Path, out=sys.stdout, run=run_scenari
     return cmp
 
 
+GATEWAY_NAMES = {"haproxy": "HAProxy", "nginx": "NGINX"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d, v = FLEET_DEFAULTS["sim"], FLEET_DEFAULTS["vllm"]
     # the flags whose default depends on --fleet default to None here: options_from_args fills them in
@@ -455,6 +462,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", choices=["roundrobin", "leastconn"], default=d.balance,
                    help="HAProxy balance algorithm (default roundrobin, HAProxy's own default; leastconn already "
                    "sends fewer requests to a node that holds connections longer)")
+    p.add_argument("--gateway", choices=sorted(GATEWAY_NAMES), default="haproxy",
+                   help="the gateway the load goes through and the controller steers: haproxy (its runtime API, "
+                   "the default) or nginx (Debian's nginx, a rendered upstream file and a graceful reload; "
+                   "--balance leastconn is its least_conn; docs/gateways.md)")
     p.add_argument("--control-window", default=None,
                    help=f"rate window of the controller's signals (default {d.control_window}; with --fleet vllm "
                    "the shipped config's, which this flag cannot change)")
@@ -507,7 +518,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
                     fault_node=args.fault_node, fault_start_s=given(args.fault_at, d.fault_start_s), fault_end_s=until,
                     fault_params=params, controller=not args.no_controller, seed=args.seed, timeout_s=args.timeout,
                     live=args.live, balance=args.balance, control_window=given(args.control_window, d.control_window),
-                    keep_workdir=args.keep_workdir, fleet=args.fleet)
+                    keep_workdir=args.keep_workdir, fleet=args.fleet, gateway=args.gateway)
     o.trace = trace_from_args(args, o)
     if o.nodes < 3:
         raise ValueError("--nodes must be at least 3 (no peer comparison below)")
@@ -563,6 +574,10 @@ def run(args: argparse.Namespace) -> int:
     from grayguard.binaries import BinaryMissing
     if args.scenario == "membership" and getattr(args, "trace", None):
         print("grayguard demo: --trace: the membership scenario runs its own Poisson load", file=sys.stderr)
+        return 2
+    if args.scenario == "membership" and args.gateway != "haproxy":
+        print("grayguard demo: --gateway: the membership scenario needs HAProxy (registry membership writes its "
+              "runtime API)", file=sys.stderr)
         return 2
     if args.scenario == "membership":
         from grayguard.demo import membership

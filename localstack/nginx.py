@@ -157,7 +157,8 @@ class NginxStack(LocalStack):
         self.progress("starting the controller (gateway nginx)")
         cfg = self.cfg
         self.controller = Controller(cfg, PrometheusClient(cfg.prometheus), build_gateways(cfg),
-                                     canary=make_canary(cfg.recovery), metrics=ControllerMetrics.create())
+                                     canary=make_canary(cfg.recovery), metrics=ControllerMetrics.create(),
+                                     recorder=self._recorder())
         for problem in startup_checks(self.controller):
             self.progress(f"controller start-up check: {problem}")
         self._http = serve(cfg.listen_address, self.controller.metrics.registry, self.controller.status)
@@ -171,6 +172,11 @@ class NginxStack(LocalStack):
         from grayguard.controller.nginx import parse_file
         path = self.nginx.upstreams[BACKEND]
         return {n: (s.weight, s.drain) for n, s in parse_file(path.read_text(), str(path)).items()}
+
+    def haproxy_weights(self, i: int = 0) -> dict[str, tuple[int, bool]]:
+        """The weights of the gateway the controller steers (nginx's file), where the demo's sampler and watcher
+        read the base stack's HAProxy."""
+        return self.nginx_weights()
 
     def stop(self, keep_workdir: bool = False) -> None:
         """The controller first (it would reload a stopped nginx), then nginx, then the rest; never raises."""

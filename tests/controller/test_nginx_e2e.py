@@ -2,14 +2,17 @@
 a real Prometheus with grayguard's rules) with a real nginx in front of the fleet and the real controller steering it
 through its rendered upstream file (gateway.kind: nginx). The slow node's weight in the file is cut, then it is
 `down` (drained); nginx reloads each time and its own access log shows the node's share of the traffic fall, then
-stop. Every wait shares one deadline; about a minute."""
+stop. Every wait shares one deadline; about 35 s. Then `grayguard demo --gateway nginx`, shortened: about 40 s."""
 
 import contextlib
+import io
+import json
 import threading
 import time
 
 import pytest
 
+from grayguard.demo.cli import DemoOptions, run_scenario
 from grayguard.localstack.nginx import NginxStack
 from grayguard.localstack.stack import StackSpec
 from grayguard.promclient import PrometheusClient
@@ -115,3 +118,22 @@ def test_nginx_gateway_cuts_then_drains_a_slow_node():
             load.cancel()
             with contextlib.suppress(TimeoutError):
                 wait_until(lambda: all(r.status != "pending" for r in records), 8, 0.1, "the load's requests to end")
+
+
+def test_the_demo_scenario_runs_on_nginx(tmp_path):
+    """`grayguard demo --gateway nginx`, shortened as tests/demo/test_stack_e2e.py runs it (about 40 s)."""
+    require("nginx", "haproxy", "prometheus", "alertmanager")
+    opts = DemoOptions(nodes=5, rate=12, duration_s=36, fault="thermal", fault_node="node2", fault_start_s=13,
+                       fault_end_s=None, fault_params={"k": 8}, live="off", seed=3, control_window="10s",
+                       timeout_s=6, gateway="nginx")
+    out = io.StringIO()
+    r = run_scenario(opts, tmp_path / "report", out)
+    log = out.getvalue()
+    assert "through NGINX" in log
+    assert r["quarantine_s"] is not None and r["quarantine_s"] - r["fault_start_s"] <= 30, log
+    # the weights the report plots are nginx's file's: the cut is seen there, no later than a poll after the drain
+    assert r["first_weight_cut_s"] is not None and r["first_weight_cut_s"] <= r["quarantine_s"] + 1.0, log
+    assert r["false_quarantines"] == [], log
+    samples = json.loads((tmp_path / "report" / "report.json").read_text())["samples"]
+    drained = [s for s in samples if s["nodes"].get("node2", {}).get("drained")]
+    assert drained and all(not v.get("drained") for s in drained for n, v in s["nodes"].items() if n != "node2")
