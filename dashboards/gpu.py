@@ -31,6 +31,13 @@ G = matchers(pool="~$pool", instance="~$instance", gpu="~$gpu")  # per-GPU expor
 E = matchers(pool="~$pool", instance="~$instance")  # per-exporter series
 L = "{{instance}} GPU {{gpu}}"
 BY = "pool, instance, gpu"
+# 1 for an exporter without NVML whose node has no GPU from elsewhere, else 0: with rules.gpu_source dcgm the sidecar's
+# collector is off (NVML up 0) and the dcgm rules record grayguard_gpu_info for the node's GPUs (docs/dcgm.md)
+# rules.gpu_source dcgm: the code of an XID new within the rules' human window, as xid "new (dcgm, value: code)"
+DCGM_XID = (f'\nor label_replace(max by ({BY}) (grayguard_gpu_xid_recent{{{G}}}), "xid", "new (dcgm, value: code)", '
+            '"", "")')
+NVML_DOWN = (f"(1 - grayguard_exporter_nvml_up{{{E}}}) * on (pool, instance) (1 - (group by (pool, instance) "
+             f"(grayguard_gpu_info{{{E}}}) or on (pool, instance) (0 * grayguard_exporter_nvml_up{{{E}}})))")
 # Clock-event reasons that explain a slow GPU directly; sw_power_cap is normal at the power limit.
 SLOWDOWN = "|".join(GPU_SLOWDOWN_REASONS)
 ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
@@ -84,8 +91,9 @@ def build(cfg: DashboardConfig) -> dict:
     for p in (
         single("GPUs", "GPUs the exporters report.", [Q(f"count(grayguard_gpu_info{{{G}}})", "GPUs")], w=3,
                base="blue"),
-        single("NVML down", "Exporters without NVML: their GPU signals are unavailable, not healthy.",
-               [Q(f"sum(1 - grayguard_exporter_nvml_up{{{E}}})", "down")], w=3, steps=[(1, "red")]),
+        single("NVML down", "Exporters without NVML: their GPU signals are unavailable, not healthy. With "
+               "rules.gpu_source dcgm (the sidecar's NVML off): nodes no dcgm-exporter GPU is joined to.",
+               [Q(f"sum({NVML_DOWN})", "down")], w=3, steps=[(1, "red")]),
         single("GPUs lost", "NVML reports the GPU lost or needing a reset (fallen off the bus, XID 79).",
                [Q(f"sum(grayguard_gpu_lost{{{G}}})", "lost")], w=3, steps=[(1, "red")]),
         single("Slowed down", "GPUs held down by a hardware, thermal or power-brake clock-event reason now.",
@@ -160,13 +168,16 @@ def build(cfg: DashboardConfig) -> dict:
                          Q(s("grayguard_gpu_row_remap_failure", G), f"{L} failed")], "none", w=6, lo=0,
                         step_line=True))
     d = d.with_panel(gpu_ts("XID events", "XID critical errors seen per GPU and code since the exporter started (a "
-                        "step up is an event). 0: none seen on a GPU the exporter reports.",
+                        "step up is an event). 0: none seen on a GPU the exporter reports. With rules.gpu_source "
+                        "dcgm the counts stay 0 (dcgm-exporter keeps the last XID's code, no count): a new XID "
+                        "shows as its code for one rules.human_window.",
                         [Q(zero_fill(f"max by ({BY}, xid) (grayguard_gpu_xid_errors_total{{{G}}})", gpus, "xid",
-                                     on=BY), f"{L} xid {{{{xid}}}}")], "none", w=6, lo=0, step_line=True))
+                                     on=BY) + DCGM_XID, f"{L} xid {{{{xid}}}}")], "none", w=6, lo=0,
+                        step_line=True))
     d = d.with_panel(timeline(
         "GPU lost / NVML down", "LOST: NVML answers GpuIsLost/ResetRequired or the GPU left the bus. NVML down: "
         "the exporter has no NVML, so its GPUs show nothing (unknown, not healthy).",
-        [Q(s("grayguard_gpu_lost", G), L), Q(f"1 - grayguard_exporter_nvml_up{{{E}}}", "{{instance}} NVML")],
+        [Q(s("grayguard_gpu_lost", G), L), Q(NVML_DOWN, "{{instance}} NVML")],
         [("0", "ok", "green"), ("1", "LOST / DOWN", "red")], w=6))
 
     d = d.with_row(row("Utilization and memory"))

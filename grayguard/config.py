@@ -516,7 +516,7 @@ class DetectorsConfig:
 GPU_SOURCES = ("exporter", "dcgm")
 # the signals whose default reads another series when rules.gpu_source is dcgm (follow_gpu_source): dcgm-exporter's
 # XID field is the last XID's code, not a counter, so the rules record the XIDs new within the window instead
-DCGM_SIGNALS = {"gpu_xid_query": "max by (pool, instance) (gpu:dcgm_xid_errors:new)"}
+DCGM_SIGNALS = {"gpu_xid_query": "max by (pool, instance) (grayguard_gpu_xid_recent)"}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ GROUP = "grayguard-gpu-dcgm"
 POD_MAP = "gpu:dcgm_gpu_pod:info"
 # the XIDs new within rules.human_window, per GPU; the value is the XID's code (dcgm-exporter's field is a gauge of
 # the last XID, not a counter: config.DCGM_SIGNALS reads it)
-XID_NEW = "gpu:dcgm_xid_errors:new"
+XID_NEW = "grayguard_gpu_xid_recent"
 # the series that names a GPU's pod (in dcgm-exporter's default counters) and the sidecar's series that names its own
 JOIN_FIELD = "DCGM_FI_DEV_GPU_UTIL"
 POD_INFO = "grayguard_node_pod_info"
