@@ -241,6 +241,12 @@ def test_the_fixture_pages_are_dcgm_exporters_default_counters_under_both_names(
                                                       "DCGM_FI_DEV_PCIE_LINK_GEN", "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH"}
 
 
+def test_the_rules_decode_the_reasons_with_the_exporters_bits():
+    from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
+
+    assert dcgm.CLOCK_EVENT_REASONS == CLOCK_EVENT_REASONS
+
+
 def test_gpu_source_is_validated_and_names_the_field():
     with pytest.raises(ConfigError) as e:
         parse_config({"pools": [{"name": "a", "backend": "b"}], "rules": {"gpu_source": "nvml"}})
