@@ -176,10 +176,16 @@ LLAMACPP = Profile(
     kv_usage=one("llamacpp:kv_cache_usage_ratio"),  # removed from later builds: then absent
     # the slots' decode seconds over the tokens they generated: seconds per token, per slot
     itl=(Pair(Series("llamacpp:tokens_predicted_seconds_total"), Series("llamacpp:tokens_predicted_total")),),
+    # no finished-request count; the slots' prefill and decode seconds, added when a slot ends its prompt and its
+    # generation, over the tokens they processed: the normalized latency without the queue time (no request rate,
+    # so no traffic counters: the exporter's probes stay in)
+    request_seconds=((Series("llamacpp:prompt_seconds_total"), Series("llamacpp:tokens_predicted_seconds_total")),),
+    request_prompt_tokens=one("llamacpp:prompt_tokens_total"),
+    request_generation_tokens=one("llamacpp:tokens_predicted_total"),
     version_path="/props", version_key="build_info",
     source="ggml-org/llama.cpp tools/server/server.cpp (examples/server/server.cpp before 2025)",
-    lacks=("time to first token", "finished requests (request rate, normalized latency, error ratio)",
-           "KV-cache usage in builds after the unified KV cache"))
+    lacks=("time to first token", "finished requests (request rate, error ratio; the normalized latency leaves the "
+           "queue out and keeps the probes in)", "KV-cache usage in builds after the unified KV cache"))
 
 ENSEMBLE = (("model", "ensemble"),)
 TRITON = Profile(

@@ -35,9 +35,11 @@ EXPECTED = {
     "tgi": EngineLoad(generation_tokens=50000.0, running=6.0, prompt_tokens=88000.0, waiting=2.0, itl_sum=180.0,
                       itl_count=9000.0, requests=400.0, request_seconds=1200.0, request_prompt_tokens=88000.0,
                       request_generation_tokens=50000.0, steps=9350.0, itl_per_token=False),
-    # no finished-request series, no TTFT, no KV usage in this (late-2025) build; 6 significant digits as printed
+    # no finished-request count, no TTFT, no KV usage in this (late-2025) build; 6 significant digits as printed;
+    # the slots' busy seconds (prefill + decode) and tokens stand for the per-request sums
     "llamacpp": EngineLoad(generation_tokens=50000.0, running=4.0, prompt_tokens=1234570.0, waiting=1.0,
-                           itl_sum=1000.0, itl_count=50000.0, steps=9500.0),
+                           itl_sum=1000.0, itl_count=50000.0, steps=9500.0, request_seconds=1617.0,
+                           request_prompt_tokens=1234570.0, request_generation_tokens=50000.0),
     # no tokens at all: steps, queues, KV usage and the ensemble's TTFT (ms -> s)
     "triton": EngineLoad(running=6.0, waiting=2.0, ttft_sum=60.0, ttft_count=400.0, kv_usage=0.42, steps=9500.0),
 }
