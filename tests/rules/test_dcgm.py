@@ -181,6 +181,11 @@ DCGM_FILE = "grayguard-dcgm.rules.yml"
 
 
 def run_promtool(promtool: str, tmp_path: Path, cfg, page: str, honor_labels: bool) -> subprocess.CompletedProcess:
+    """promtool test rules on dcgm-exporter's group and the alerts, fed by the page's series."""
+    return promtool_case(promtool, tmp_path, cfg, input_series(page, honor_labels), expr_tests(cfg))
+
+
+def promtool_case(promtool: str, tmp_path: Path, cfg, series: list[dict], tests: list[dict]):
     """promtool test rules on dcgm-exporter's group (render_dcgm: what render_recording appends in dcgm mode) and
     the alerts: the vLLM recording rules are not needed (the alerts' load test is the GPU's utilization here)."""
     files = {DCGM_FILE: "groups:\n" + render_dcgm(cfg), ALERTS_FILE: render_alerts(cfg)}
@@ -188,11 +193,39 @@ def run_promtool(promtool: str, tmp_path: Path, cfg, page: str, honor_labels: bo
         (tmp_path / name).write_text(text)
     groups = [g["name"] for name in files for g in yaml.safe_load(files[name])["groups"]]
     test = {"rule_files": list(files), "evaluation_interval": "1m", "group_eval_order": groups,
-            "tests": [{"interval": "1m", "input_series": input_series(page, honor_labels),
-                       "promql_expr_test": expr_tests(cfg)}]}
+            "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}]}
     (tmp_path / "dcgm.test.yml").write_text(yaml.safe_dump(test, sort_keys=False, width=1000))
     return subprocess.run([promtool, "test", "rules", "dcgm.test.yml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
+
+
+def test_a_restarted_pod_does_not_make_an_old_xid_new(promtool, tmp_path):
+    """GPU 0 holds XID 43 from long ago. Its pod is replaced at 10m (a Deployment: a new pod, a new node): the new
+    pod's series carry the old code from their first sample, and no XID is new, for the old node or the new one. A
+    new XID after that (31 at 20m) is."""
+    page = page_samples(PAGES["throttle_reasons"])
+    gpu0 = {n: labels for n, labels, _ in page if labels.get("pod") == "vllm-chat-0"}
+    old, new = "vllm-chat-0", "vllm-chat-5d9f7"
+    nodes = {old: "10.0.0.10:8000", new: "10.0.0.30:8000"}
+    series = []
+    for name in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_XID_ERRORS"):
+        values = ("93", "93") if name == "DCGM_FI_DEV_GPU_UTIL" else ("43", "43")
+        later = "93x10" if name == "DCGM_FI_DEV_GPU_UTIL" else "43x9 31x10"
+        series.append({"series": _series(name, {**DCGM_TARGET, **gpu0[name]}), "values": f"{values[0]}x9"})
+        series.append({"series": _series(name, {**DCGM_TARGET, **gpu0[name], "pod": new}),
+                       "values": "_x10 " + later})
+    for pod, values in ((old, "1x9"), (new, "_x10 1x20")):
+        info = {"job": "grayguard-exporter", "pool": "chat", "instance": nodes[pod], "namespace": "inference",
+                "pod": pod}
+        series.append({"series": _series("grayguard_node_pod_info", info), "values": values})
+    uuid = gpu0["DCGM_FI_DEV_GPU_UTIL"]["UUID"]
+    at_new = {"pool": "chat", "instance": nodes[new], "gpu": "0", "uuid": uuid}
+    tests = [{"expr": dcgm.XID_NEW, "eval_time": f"{m}m", "exp_samples": []} for m in (5, 9, 10, 11, 15, 19)]
+    tests += [{"expr": dcgm.XID_NEW, "eval_time": "20m", "exp_samples": samples(dcgm.XID_NEW, [(at_new, 31)])},
+              {"expr": "grayguard_gpu_utilization_ratio", "eval_time": "12m",
+               "exp_samples": samples("grayguard_gpu_utilization_ratio", [(at_new, 0.93)])}]
+    res = promtool_case(promtool, tmp_path, dcgm_config(), series, tests)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("honor_labels", [True, False], ids=["honor_labels", "exported_pod"])
