@@ -21,7 +21,7 @@ LIVE_WINDOW_S = 5.0  # W: the span the live values are measured over (--live.win
 MEDIAN_PROBES = 5  # the probe median takes the last this many answered probes ...
 MEDIAN_MIN_PROBES = 3  # ... that ended within 2 W, and needs at least this many of them
 _COUNTERS = ("generation_tokens", "prompt_tokens", "itl_sum", "itl_count", "ttft_sum", "ttft_count",
-             "requests", "request_seconds", "request_prompt_tokens", "request_generation_tokens")
+             "requests", "request_seconds", "request_prompt_tokens", "request_generation_tokens", "steps")
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,14 @@ def test_tgi_step_times_give_a_live_itl_but_no_decode_batch():
     assert live.ttft is None and live.kv_usage is None  # TGI has neither
 
 
+def test_an_engine_whose_steps_went_back_restarted():
+    """Triton counts no tokens: its iteration counter going back is the restart that drops the older readings."""
+    kept = ()
+    for at, steps in ((100.0, 50.0), (101.0, 60.0), (102.0, 3.0)):
+        kept = add_reading(kept, Reading(at, EngineLoad(running=1, steps=steps, ttft_sum=0.0, ttft_count=0.0)), 5.0)
+    assert [r.at for r in kept] == [102.0]
+
+
 def test_the_openai_probe_asks_usage_only_of_engines_that_take_continuous_usage_stats():
     assert "stream_options" in completion_request("m", "p", "[x]", usage_options=profile("sglang").usage_options)
     for engine in ("tgi", "llamacpp"):
