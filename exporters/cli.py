@@ -53,6 +53,10 @@ Per-node sidecar for one vLLM server. It exports, on /metrics (Prometheus text f
     their stall limit (12 s, 32 s with the defaults); /readyz: 503 until the first probe round and the first
     fast-path read have completed (docs/exporters.md, "Health probes").
 
+  * With --pod.name and --pod.namespace (by default $POD_NAME and $POD_NAMESPACE): grayguard_node_pod_info, which
+    joins dcgm-exporter's GPUs to this node when the rules take GPU evidence from dcgm-exporter instead of this
+    sidecar's NVML collector (rules.gpu_source: dcgm, run with --no-collector.nvml; docs/dcgm.md).
+
 A scrape never waits on vLLM: probes run in the background and a scrape reads their last result.
 No node label is added: Prometheus' scrape config sets `instance` and `pool`.
 
