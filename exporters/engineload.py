@@ -51,19 +51,24 @@ class EngineLoad:
     request_generation_tokens: float | None = None  # request_generation_tokens_sum
     steps: float | None = None  # engine steps (forward passes), where the engine counts them (not vLLM)
     itl_per_token: bool = True  # False: the ITL pair counts engine steps, not tokens (TGI): no decode batch from it
+    # False: the engine counts finished requests and their seconds but no tokens of them (Triton): the traffic
+    # counters are requests and seconds only (exporters/synthetic.py)
+    request_tokens: bool = True
 
 
 Sample = tuple[str, dict[str, str], float | None]
 
 
-def parse_engine_load(text: str, engine: str = DEFAULT_ENGINE) -> EngineLoad:
-    """The engine series of a /metrics text (absent is not zero), read as the engine's profile says.
+def parse_engine_load(text: str, engine: str = DEFAULT_ENGINE, model: str | None = None) -> EngineLoad:
+    """The engine series of a /metrics text (absent is not zero), read as the engine's profile says; model: the
+    probed model, whose per-model series are read where the engine counts per model (Triton; None: the profile's
+    default model, `ensemble`).
 
     Of a profile's alternatives (vLLM's inter-token latency, then its older time_per_output_token name) the first
     with any of its series on the page is read, broken or not: a broken new name is no evidence, not a reason to
     read the old one.
     """
-    p = profile(engine)
+    p = profile(engine).for_model(model)
     page = _Page(list(_samples(text, p.prefixes)))
     itl = page.pair(p.itl)
     ttft = page.pair(p.ttft)
@@ -76,7 +81,8 @@ def parse_engine_load(text: str, engine: str = DEFAULT_ENGINE) -> EngineLoad:
                       requests=_v(page.read(p.requests)), request_seconds=_v(page.read(p.request_seconds)),
                       request_prompt_tokens=_v(page.read(p.request_prompt_tokens)),
                       request_generation_tokens=_v(page.read(p.request_generation_tokens)),
-                      steps=_v(page.read(p.steps)), itl_per_token=p.itl_per_token)
+                      steps=_v(page.read(p.steps)), itl_per_token=p.itl_per_token,
+                      request_tokens=not p.per_request)
 
 
 class _Absent:

@@ -155,7 +155,7 @@ class VllmClient:
             return None
         if len(body) > METRICS_LIMIT:  # cut short: its last line could be a wrong number
             return None
-        return parse_engine_load(body.decode("utf-8", errors="replace"), self.engine.name)
+        return parse_engine_load(body.decode("utf-8", errors="replace"), self.engine.name, self.model)
 
 
 async def _read_some(resp: aiohttp.ClientResponse, limit: int = 4096) -> str:

@@ -9,7 +9,9 @@ Requests and tokens come out exactly (vLLM's usage says what it counted for each
 overhead of a probe, which the exporter learns where vLLM finished only probes. Subtracting here, where the probe
 tally and vLLM's counters are read together, is exact; subtracting in Prometheus would compare two targets
 scraped at different moments, an error of about a probe per window (up to 0.08 req/s over 30 s, as large as
-`thresholds.min_request_rate` itself). Time is a parameter, never read.
+`thresholds.min_request_rate` itself). An engine that counts no tokens of its requests (Triton: successful requests
+and their microseconds) gives a tally of requests and seconds: its tokens stay 0 on both sides and are not exported
+(EngineLoad.request_tokens, Traffic.tokens). Time is a parameter, never read.
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ def probe_tally(ttft: float, prompt_tokens: int | None, generation_tokens: int |
 
 
 def vllm_tally(load: EngineLoad) -> Tally | None:
-    """vLLM's finished requests from a reading of its /metrics; None when any of the four series is absent."""
-    values = (load.requests, load.request_seconds, load.request_prompt_tokens, load.request_generation_tokens)
+    """vLLM's finished requests from a reading of its /metrics; None when any of the four series is absent (for an
+    engine that counts no tokens, either of requests and seconds: its tokens are 0)."""
+    if not load.request_tokens:
+        values: tuple[float | None, ...] = (load.requests, load.request_seconds, 0.0, 0.0)
+    else:
+        values = (load.requests, load.request_seconds, load.request_prompt_tokens, load.request_generation_tokens)
     if any(v is None for v in values):
         return None
     return Tally(*values)  # type: ignore[arg-type]
@@ -82,6 +88,7 @@ class Traffic:
     # s: how much longer the exporter's TTFT of a probe is than vLLM's e2e of it (connection, HTTP, the API
     # server's event loop), learned where vLLM finished only probes; new probes are tallied that much shorter
     gap: float = 0.0
+    tokens: bool = True  # False: the engine counts no tokens (Triton): the token counters are not exported
 
 
 def account(t: Traffic, load: EngineLoad, probes: Tally, at: float) -> Traffic:
@@ -98,13 +105,17 @@ def account(t: Traffic, load: EngineLoad, probes: Tally, at: float) -> Traffic:
     In an interval in which vLLM finished as many requests and generated tokens as the probes, it finished only
     them: their seconds and prompt tokens are vLLM's (nothing is added, not even a prompt whose usage was not
     reported), and the difference with the tally teaches the gap (an EMA, per probe). A reading without the four
-    series is not usable (nothing changes); a counter of vLLM that went back (a restart) starts a new base.
+    series is not usable (nothing changes); a counter of vLLM that went back (a restart) starts a new base. For an
+    engine that counts no tokens the probes' tokens are left out too (an interval of only probes is one in which it
+    finished as many requests as the probes).
     """
     now = vllm_tally(load)
     if now is None:
         return t
+    if not load.request_tokens:
+        probes = Tally(probes.requests, probes.seconds, 0.0, 0.0)
     if t.vllm is None or any(n < o for n, o in zip(_values(now), _values(t.vllm), strict=True)):
-        return dataclasses.replace(t, vllm=now, probes=probes, owed=NONE, at=at)
+        return dataclasses.replace(t, vllm=now, probes=probes, owed=NONE, at=at, tokens=load.request_tokens)
     vllm, own, gap = now - t.vllm, probes - t.probes, t.gap
     if own.requests > 0 and vllm.requests == own.requests and vllm.generation_tokens == own.generation_tokens:
         # only probes finished: vLLM's seconds and prompt tokens of the interval are theirs, to the last digit
@@ -116,4 +127,4 @@ def account(t: Traffic, load: EngineLoad, probes: Tally, at: float) -> Traffic:
         rest = d - p + debt
         grown.append(max(rest, 0.0))
         owed.append(min(0.0, max(rest, -2 * p) if p > 0 else rest))  # without a probe, rest >= debt: it only shrinks
-    return Traffic(t.total + Tally(*grown), now, probes, Tally(*owed), at, gap)
+    return Traffic(t.total + Tally(*grown), now, probes, Tally(*owed), at, gap, load.request_tokens)

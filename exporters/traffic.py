@@ -3,7 +3,8 @@
 Four counters on /metrics (not /metrics/fast), which the recording rules read in place of vLLM's per-request
 histograms when they exist (docs/rules.md): the same sums, without the probes. Absent until the exporter has a
 usable reading of vLLM's /metrics, and while it has none within the live window (absent is not zero: the rules
-then read vLLM's own series, probes included).
+then read vLLM's own series, probes included). For an engine that counts no tokens (Triton) only the requests and
+their seconds are exported: the rules read them as seconds per request (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ SERIES = (  # (name without _total, help, Tally field)
      "less the probes'", "generation_tokens"),
 )
 
+TOKENLESS = ("requests", "seconds")  # what is exported for an engine that counts no tokens
+
 
 class TrafficCollector:
     """Exports the traffic counters of one node; none while they are unknown."""
@@ -42,7 +45,8 @@ class TrafficCollector:
         fams = self._families()
         for fam, (_, _, field) in zip(fams, SERIES, strict=True):
             fam.add_metric([], getattr(t.total, field))
-        return iter(fams)
+        return iter(fams if t.tokens else [f for f, (_, _, field) in zip(fams, SERIES, strict=True)
+                                           if field in TOKENLESS])
 
     @staticmethod
     def _families() -> list[CounterMetricFamily]:

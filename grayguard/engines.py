@@ -10,7 +10,7 @@ from the engine's own metric definitions, named in tests/fixtures/engines/<engin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ENGINES = ("vllm", "sglang", "tgi", "llamacpp", "triton")
 DEFAULT_ENGINE = "vllm"
@@ -92,8 +92,35 @@ class Profile:
     version_path: str = "/version"
     version_key: str = "version"
     default_model: str | None = None  # the model probed when --probe.model is not given and none is listed
+    # the label naming the model in the engine's per-model series (Triton's `model`): the exporter reads the probed
+    # model's (--probe.model) where the profile names default_model; None: the series are not per model
+    model_label: str | None = None
     source: str = ""  # where the metric names come from
     lacks: tuple[str, ...] = field(default_factory=tuple)  # the grayguard signals it cannot give (docs/engines.md)
+
+    @property
+    def per_request(self) -> bool:
+        """True when the engine counts finished requests and their seconds but no tokens of them (Triton): its
+        normalized latency is seconds per request, not per token (docs/engines.md)."""
+        return bool(self.requests and self.request_seconds) and not (self.request_prompt_tokens
+                                                                     or self.request_generation_tokens)
+
+    def for_model(self, model: str | None) -> Profile:
+        """The profile reading `model`'s per-model series in place of default_model's (itself when the engine has
+        no per-model series, or model is None)."""
+        if model is None or self.model_label is None or model == self.default_model:
+            return self
+        key = self.model_label
+
+        def series(s: Series) -> Series:
+            return replace(s, match=tuple((k, model if k == key else v) for k, v in s.match))
+
+        def read(r: Read) -> Read:
+            return tuple(tuple(series(s) for s in alt) for alt in r)
+
+        reads = ("requests", "request_seconds", "errors", "finished")
+        return replace(self, **{f: read(getattr(self, f)) for f in reads},
+                       ttft=tuple(Pair(series(p.sum), series(p.count)) for p in self.ttft))
 
     def names(self) -> frozenset[str]:
         """Every sample name the exporter reads for this engine."""
@@ -200,13 +227,20 @@ TRITON = Profile(
     # the request series are the ensemble's, the model the probe asks (tensorrtllm_backend's all_models layout)
     # decoupled (streaming) models: time to the first response, when Triton runs with histogram_latencies=true
     ttft=(_hist("nv_inference_first_response_histogram_ms", match=ENSEMBLE, scale=0.001),),
+    # successful requests and their duration, arrival to the last response, in whole microseconds (core's
+    # InferenceStatsAggregator::UpdateSuccess adds both; a failure adds neither): no tokens, so the normalized
+    # latency is seconds per request (per_request), compared only between the nodes of one pool
+    requests=one("nv_inference_request_success", match=ENSEMBLE),
+    request_seconds=one("nv_inference_request_duration_us", match=ENSEMBLE, scale=1e-6),
     errors=one("nv_inference_request_failure", match=ENSEMBLE),
     finished=((Series("nv_inference_request_success", ENSEMBLE), Series("nv_inference_request_failure", ENSEMBLE)),),
     dialect="triton", health_path="/v2/health/ready", version_path="/v2", default_model="ensemble",
-    source="triton-inference-server/core src/metric_model_reporter.cc, triton-inference-server/tensorrtllm_backend "
+    model_label="model",
+    source="triton-inference-server/core src/metric_model_reporter.cc, src/infer_stats.cc, "
+           "triton-inference-server/tensorrtllm_backend "
            "inflight_batcher_llm/src/custom_metrics_reporter/custom_metrics_reporter.cc",
-    lacks=("tokens (tokens per second, normalized latency)", "inter-token latency", "request rate",
-           "time to first token unless histogram_latencies is on"))
+    lacks=("tokens (tokens per second; the normalized latency is seconds per request, not per token)",
+           "inter-token latency", "time to first token unless histogram_latencies is on"))
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM, SGLANG, TGI, LLAMACPP, TRITON)}
 

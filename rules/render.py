@@ -288,6 +288,26 @@ class EngineSeries:
                 terms += _read_terms(getattr(p, signal), rate)
         return _join(terms or [vllm])
 
+    def per_request(self, window: str) -> str:
+        """The normalized latency of the engines that count no tokens (Triton, Profile.per_request): seconds per
+        finished request, from the exporter's tokens-less traffic counters (probes left out), else the engine's
+        own; only on the nodes that have the engine's request counter. "" when no engine of the config is one."""
+        by = self.by
+        rate = lambda sel: f"sum by ({by}) (rate({sel}[{window}]))"  # noqa: E731
+        out = []
+        for p in self._profiles():
+            if not p.per_request:
+                continue
+            seconds = "\n      or\n        ".join([rate("grayguard_traffic_request_seconds_total"),
+                                                    *_read_terms(p.request_seconds, rate)])
+            requests = "\n          or\n            ".join([rate("grayguard_traffic_requests_total"),
+                                                            *_read_terms(p.requests, rate)])
+            marker = " or ".join(f"sum by ({by}) ({_selector(s.name, s.matchers())})"
+                                 for alt in p.requests for s in alt)
+            out.append(f"(\n    (\n        {seconds}\n    )\n    /\n    (\n        (\n            {requests}\n"
+                       f"        )\n      > 0\n    )\n  and on ({by})\n    {marker}\n)")
+        return "\nor\n".join(out)
+
     def gs(self, signal: str) -> str:
         """`sum by (by) (<gauge>)` of running or waiting, for every engine that has it."""
         total = lambda sel: f"sum by ({self.by}) ({sel})"  # noqa: E731
@@ -331,7 +351,7 @@ def _context(cfg: Config) -> dict:
             "slowdown": "|".join(GPU_SLOWDOWN_REASONS), "links": functools.partial(alert_links, cfg),
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers),
             "engines": pool_engines(cfg), "rs": EngineSeries(cfg).rs, "gs": EngineSeries(cfg).gs,
-            "kv": EngineSeries(cfg).kv}
+            "kv": EngineSeries(cfg).kv, "per_request": EngineSeries(cfg).per_request}
 
 
 DCGM_TEMPLATE = "dcgm.rules.yml.j2"  # rules.gpu_source: dcgm (rules/dcgm.py, docs/dcgm.md)

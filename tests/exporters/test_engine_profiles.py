@@ -19,6 +19,8 @@ from grayguard.exporters.probe import (
     triton_event,
     triton_request,
 )
+from grayguard.exporters.synthetic import NONE, Tally, Traffic, account, probe_tally
+from grayguard.exporters.traffic import TrafficCollector
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 
@@ -40,8 +42,10 @@ EXPECTED = {
     "llamacpp": EngineLoad(generation_tokens=50000.0, running=4.0, prompt_tokens=1234570.0, waiting=1.0,
                            itl_sum=1000.0, itl_count=50000.0, steps=9500.0, request_seconds=1617.0,
                            request_prompt_tokens=1234570.0, request_generation_tokens=50000.0),
-    # no tokens at all: steps, queues, KV usage and the ensemble's TTFT (ms -> s)
-    "triton": EngineLoad(running=6.0, waiting=2.0, ttft_sum=60.0, ttft_count=400.0, kv_usage=0.42, steps=9500.0),
+    # no tokens at all: steps, queues, KV usage, the ensemble's TTFT (ms -> s), its successful requests and their
+    # seconds (us -> s)
+    "triton": EngineLoad(running=6.0, waiting=2.0, ttft_sum=60.0, ttft_count=400.0, kv_usage=0.42, steps=9500.0,
+                         requests=400.0, request_seconds=1200.0, request_tokens=False),
 }
 
 
@@ -62,7 +66,8 @@ def test_each_fixture_names_the_source_it_was_taken_from(engine):
 def test_another_engines_page_reads_as_nothing(engine):
     """An exporter started with the wrong --engine reads no series (absent), never zeros."""
     other = "tgi" if engine != "tgi" else "sglang"
-    assert parse_engine_load(page(other), engine) == EngineLoad(itl_per_token=profile(engine).itl_per_token)
+    assert parse_engine_load(page(other), engine) == EngineLoad(itl_per_token=profile(engine).itl_per_token,
+                                                                request_tokens=not profile(engine).per_request)
     assert parse_engine_load(page(engine), "vllm") == EngineLoad()
 
 
@@ -181,3 +186,52 @@ def test_the_triton_probe_and_its_events():
     assert classify(Observation(status=200, first_event=err, ttft=0.05), 0.3) == ProbeResult.CUDA_ERROR
     assert classify(Observation(status=200, first_event=triton_event("not json"), ttft=0.05), 0.3) \
         == ProbeResult.BAD_RESPONSE
+
+
+# --- Triton: seconds per request ---------------------------------------------------------------------------------
+
+def test_only_triton_counts_requests_without_tokens():
+    assert [e for e in ENGINES if profile(e).per_request] == ["triton"]
+
+
+def test_triton_reads_the_probed_models_requests_when_probe_model_names_another():
+    extra = ('nv_inference_request_success{model="llama",version="1"} 7\n'
+             'nv_inference_request_duration_us{model="llama",version="1"} 3500000\n'
+             'nv_inference_request_failure{model="llama",reason="BACKEND",version="1"} 1\n')
+    load = parse_engine_load(page("triton") + extra, "triton", model="llama")
+    assert (load.requests, load.request_seconds) == (7.0, 3.5)
+    assert load.ttft_sum is None  # the ensemble's first responses are not this model's
+    assert parse_engine_load(page("triton") + extra, "triton", model="ensemble") == EXPECTED["triton"]
+    assert parse_engine_load(page("sglang"), "sglang", model="llama") == EXPECTED["sglang"]  # not per model
+
+
+def _triton(requests: float, us: float) -> EngineLoad:
+    return parse_engine_load(f'nv_inference_request_success{{model="ensemble",version="1"}} {requests:g}\n'
+                             f'nv_inference_request_duration_us{{model="ensemble",version="1"}} {us:g}\n', "triton")
+
+
+def test_tritons_traffic_is_its_requests_and_seconds_less_the_probes_without_tokens():
+    t = account(Traffic(), _triton(100, 50_000_000), NONE, 0.0)
+    probe = probe_tally(0.1, None, None)  # no usage report: 1 generated token, which Triton never counted
+    assert probe.generation_tokens == 1.0
+    # in the next second: 4 requests of 0.5 s and 2 probes of 0.1 s
+    t = account(t, _triton(106, 52_200_000), probe * 2, 1.0)
+    assert t.total == Tally(4.0, pytest.approx(2.0), 0.0, 0.0) and not t.tokens
+    assert t.owed == NONE  # the probes' token never counted is not a debt
+    fams = {f.name: f.samples[0].value for f in TrafficCollector(lambda: t).collect()}
+    assert fams == {"grayguard_traffic_requests": 4.0, "grayguard_traffic_request_seconds": pytest.approx(2.0)}
+
+
+def test_an_interval_of_only_probes_leaves_tritons_traffic_flat_and_teaches_the_gap():
+    t = account(Traffic(), _triton(100, 50_000_000), NONE, 0.0)
+    probe = probe_tally(0.12, None, None)
+    t = account(t, _triton(102, 50_200_000), probe * 2, 1.0)  # two probes, Triton saw 0.1 s of each
+    assert t.total == NONE and t.gap == pytest.approx(0.2 * 0.02)
+
+
+def test_vllms_traffic_keeps_its_four_counters():
+    load = EngineLoad(requests=1.0, request_seconds=0.5, request_prompt_tokens=10.0, request_generation_tokens=5.0)
+    t = account(account(Traffic(), load, NONE, 0.0), EngineLoad(requests=3.0, request_seconds=1.5,
+                request_prompt_tokens=30.0, request_generation_tokens=15.0), NONE, 1.0)
+    assert t.tokens and len(list(TrafficCollector(lambda: t).collect())) == 4
+    assert account(Traffic(), EngineLoad(requests=1.0, request_seconds=0.5), NONE, 0.0).vllm is None  # tokens absent

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "rules" / "tests"
 FIXTURES = REPO / "tests" / "fixtures" / "engines"
 PREFIXES = {"sglang:": "sglang", "tgi_": "tgi", "llamacpp:": "llamacpp", "nv_": "triton"}
+EXPORTER = {"grayguard_traffic_requests_total", "grayguard_traffic_request_seconds_total"}
 
 
 def test_the_committed_engines_rules_are_the_render_of_their_config():
@@ -31,6 +32,8 @@ def test_every_promtool_input_is_named_as_on_its_engines_fixture_page():
     for group in doc["tests"]:
         for s in group["input_series"]:
             name = re.match(r"[^{]+", s["series"]).group(0)
+            if name in EXPORTER:  # the exporter's own series beside an engine, not an engine's
+                continue
             engine = next(e for p, e in PREFIXES.items() if name.startswith(p))
             page = (FIXTURES / f"{engine}.metrics.txt").read_text()
             older = name == "llamacpp:kv_cache_usage_ratio"  # builds before the unified KV cache (the README's list)
@@ -55,3 +58,14 @@ def test_an_engine_without_a_signal_gets_vllms_name_there_absent_not_zero():
 def test_an_unknown_engine_is_a_config_error_naming_the_field(engine):
     with pytest.raises(ConfigError, match=r"pools\[0\]\.engine: must be one of vllm, sglang"):
         parse_config({"pools": [{"name": "a", "backend": "a", "engine": engine}]})
+
+
+def test_only_an_engine_that_counts_no_tokens_gets_the_seconds_per_request_branch():
+    for engine in ("vllm", "sglang", "tgi", "llamacpp"):
+        text = render_recording(parse_config({"pools": [{"name": "a", "backend": "a", "engine": engine}]}))
+        assert "nv_inference_request_duration_us" not in text and "seconds per" not in text, engine
+    text = render_recording(parse_config({"pools": [{"name": "n", "backend": "n", "engine": "triton"}]}))
+    assert 'rate(nv_inference_request_duration_us{model="ensemble"}[30s])) * 1e-06' in text
+    # only on Triton's nodes: an idle vLLM node's traffic counters never give it seconds per request
+    marker = 'sum by (pool, instance) (nv_inference_request_success{model="ensemble"})'
+    assert f"and on (pool, instance)\n                {marker}" in text
