@@ -1,4 +1,5 @@
-"""The node's membership in etcd: pre-checks, then a key on its own lease, kept alive every heartbeat with an
+"""The node's membership in etcd: pre-checks (asked as the node's engine answers: RegistrationConfig.engine, the
+exporter's --engine), then a key on its own lease, kept alive every heartbeat with an
 adaptive TTL (the first lease: a few configured heartbeats); "leaving" then a revoke on a graceful stop;
 registered again after a lost lease or an etcd restart (docs/exporters.md, "Registry"; the contract is
 grayguard/registry.py)."""
@@ -18,6 +19,7 @@ import requests
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from grayguard.engines import DEFAULT_ENGINE
 from grayguard.etcdconn import EtcdSettings
 from grayguard.exporters.gpumetrics import NvmlSnapshot
 from grayguard.exporters.precheck import CHECKS, Prechecks, numa_node_of, run_prechecks
@@ -60,6 +62,9 @@ class RegistrationConfig:
     api_key_env: str | None = "VLLM_API_KEY"  # ...or its environment variable (--probe.api-key-env)
     # how to reach etcd (every --registry.url, TLS files, the etcd user; grayguard/etcdconn.py); None: url alone
     etcd: EtcdSettings | None = None
+    # the node's engine (grayguard/engines.py): how the pre-checks ask for the model and the version (the Exporter
+    # sets the one it probes with, --engine)
+    engine: str = DEFAULT_ENGINE
 
 
 def api_key_reader(key_file: str | None, key_env: str | None,
@@ -189,7 +194,7 @@ class Registrar:
         cfg = self.config
         checks = run_prechecks(nvml_snapshot=self._nvml_snapshot, advertise=cfg.advertise, vllm_url=self._vllm_url,
                                api_key=self._api_key(), model=cfg.model, session=self._session,
-                               timeout=cfg.timeout, numa_of=self._numa_of)
+                               timeout=cfg.timeout, numa_of=self._numa_of, engine=cfg.engine)
         with self._lock:
             self.prechecks = checks
         if not checks.ok:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from html import escape
 from typing import Any
 
 import pynvml
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from grayguard.engines import DEFAULT_ENGINE, profile
 from grayguard.exporters import liveness
 from grayguard.exporters.agent import Agent
 from grayguard.exporters.fastpath import fast_registry
@@ -24,11 +27,14 @@ from grayguard.httpserve import HttpServer, Request, Response, metrics_handler
 log = logging.getLogger(__name__)
 DEFAULT_PROBE = ProbeConfig()
 
+# the engine as the index page names it (grayguard/engines.py's names are the config's)
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "Text Generation Inference", "llamacpp": "llama.cpp server",
+                "triton": "Triton Inference Server"}
 INDEX_PAGE = """<html><head><title>grayguard exporter</title></head><body>
-<h1>grayguard exporter</h1><p>Gray-failure signals of the vLLM at {vllm}: GPU health from NVML and
+<h1>grayguard exporter</h1><p>Gray-failure signals of the {engine} at {vllm}: GPU health from NVML and
 a one-token micro-probe.</p><p><a href="/metrics">Metrics</a></p>
 <p><a href="/metrics/fast">Live fast path</a> (scrape every second)</p>
-<p><a href="/healthz">/healthz</a> (its loops alive) <a href="/readyz">/readyz</a> (it has looked at vLLM)</p>
+<p><a href="/healthz">/healthz</a> (its loops alive) <a href="/readyz">/readyz</a> (it has looked at {engine})</p>
 </body></html>
 """
 
@@ -78,7 +84,9 @@ class Exporter:
     HAProxy's agent check there (exporters/agent.py; off by default here, on by default in the CLI; off without
     the prober). registration registers the node in etcd (exporters/registration.py; off by default). Several
     exporters can run in one process: each has its own registry, threads and ports. clock: the monotonic clock of
-    the prober and the registrar, and so of /healthz (exporters/liveness.py).
+    the prober and the registrar, and so of /healthz (exporters/liveness.py). The engine (grayguard/engines.py) is
+    the probe's (ProbeConfig.engine), else the registration's: the registration's pre-checks ask the engine the
+    probe asks, and the index page names it.
     """
 
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
@@ -87,6 +95,11 @@ class Exporter:
                  registration: RegistrationConfig | None = None, clock: Callable[[], float] = time.monotonic,
                  pod: tuple[str | None, str | None] = (None, None)):
         self.vllm_url = vllm_url
+        self.engine = probe.engine if probe is not None else (registration.engine if registration is not None
+                                                               else DEFAULT_ENGINE)
+        profile(self.engine)  # KeyError naming the known engines
+        if registration is not None and registration.engine != self.engine:
+            registration = replace(registration, engine=self.engine)
         self.registry = CollectorRegistry()
         self._host, self._port = host, port
         self.nvml: NvmlCollector | None = None
@@ -199,7 +212,8 @@ class Exporter:
         return liveness.ready(self.loops())
 
     def _index(self, _req: Request) -> Response:
-        return 200, "text/html; charset=utf-8", INDEX_PAGE.format(vllm=self.vllm_url).encode()
+        return 200, "text/html; charset=utf-8", INDEX_PAGE.format(
+            vllm=escape(self.vllm_url), engine=ENGINE_NAMES.get(self.engine, self.engine)).encode()
 
     def __enter__(self) -> Exporter:
         return self.start()
