@@ -226,7 +226,8 @@ def registration_config(args: argparse.Namespace) -> RegistrationConfig | None:
         heartbeat=args.registry_heartbeat, ttl_min=args.registry_ttl_min, ttl_max=args.registry_ttl_max,
         leave_grace=args.registry_leave_grace,
         timeout=args.registry_timeout, max_concurrency=args.registry_max_concurrency, model=args.probe_model,
-        api_key_file=args.probe_key_file, api_key_env=args.probe_key_env or None)
+        api_key_file=args.probe_key_file, api_key_env=args.probe_key_env or None,
+        engine=getattr(args, "engine", DEFAULT_ENGINE))
 
 
 def config_error(args: argparse.Namespace) -> str | None:

@@ -6,12 +6,14 @@ engine the model check fails, named, and the node stays out. vLLM's pre-checks a
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 
 import pytest
 import requests
 
+from grayguard.exporters import cli
 from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.registration import RegistrationConfig
 from grayguard.exporters.server import Exporter
@@ -99,3 +101,19 @@ def test_the_exporter_gives_the_registration_the_engine_it_probes_with_and_names
                 s.trust_env = False
                 page = s.get(ex.url + "/", timeout=5).text
             assert f"Triton Inference Server at {node.url}" in page and "vLLM" not in page
+
+
+def test_engine_reaches_the_registration_from_the_flags_with_or_without_the_probe():
+    reg = ["--registry.url", "http://127.0.0.1:2379", "--registry.pool", "p", "--registry.node", "n",
+           "--registry.advertise", "10.0.0.13:8000"]
+    for extra in ((), ("--no-probe",)):
+        args = _parse(*reg, "--engine", "triton", *extra)
+        assert cli.registration_config(args).engine == "triton"
+        assert cli.build_exporter(args, nvml=None).registrar.config.engine == "triton"
+    assert cli.registration_config(_parse(*reg)).engine == "vllm"
+
+
+def _parse(*argv: str):
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(list(argv))
