@@ -461,6 +461,8 @@ class Controller:
                 log.error("gateway %s: batch not applied: %s", hc.endpoint, e)
                 continue
             for c, r in zip(changes, replies, strict=True):
+                if r.kind == "deferred":  # a gateway holding back a raise (NGINX between reloads): planned next tick
+                    continue
                 self.metrics.haproxy_writes.labels(hc.endpoint, c.command.kind).inc()
                 if not r.ok:
                     self.metrics.haproxy_errors.labels(hc.endpoint, r.kind).inc()

@@ -7,7 +7,8 @@ against HAProxy's `show servers state`; apply renders the whole file from what i
 desired state, not deltas). An unchanged file is not written and NGINX not reloaded. A new file is put in place
 atomically, checked with `nginx -t`, then NGINX reloads (`nginx -s reload`: its master starts new workers on the new
 config and the old ones finish their requests); a rejected check or a failed reload puts the old file back and
-raises a classified GatewayError.
+raises a classified GatewayError. A batch that only adds traffic (a slow-start ramp's next step) waits until
+gateway.nginx.min_reload_interval_s after the pool's last reload, answered "deferred"; cuts and drains never wait.
 
 Weights: grayguard's weight (0..256, a server's full weight from pools[].servers.<name>.weight, default 100) is
 NGINX's `weight=`, which must be >= 1: a drained server, or one at weight 0, is `down`. Each line keeps grayguard's
@@ -18,10 +19,12 @@ server reads as up (op_state 2), with no check status, error-limit counter or ag
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,14 +94,16 @@ def full_weight(pool: PoolConfig, node: str) -> int:
 class NginxGateway:
     """The pools' upstream files and the NGINX that includes them; the loop's gateway seam (controller/gateway.py).
 
-    run: the subprocess runner (a seam: tests of the file logic pass a fake NGINX)."""
+    run: the subprocess runner (a seam: tests of the file logic pass a fake NGINX); clock: monotonic seconds."""
 
-    def __init__(self, cfg: NginxConfig, pools: Sequence[PoolConfig], run=subprocess.run):
+    def __init__(self, cfg: NginxConfig, pools: Sequence[PoolConfig], run=subprocess.run, clock=time.monotonic):
         self.cfg = cfg
         self.pools = {p.backend: p for p in pools}
         self.endpoint = f"nginx:{cfg.conf}"
         self.run = run
+        self.clock = clock
         self.reloads = 0  # reloads that succeeded (tests, /status of a later version)
+        self._reloaded_at: dict[str, float] = {}  # backend -> when its file last went in with a reload
 
     def path(self, backend: str) -> Path:
         return Path(self.cfg.upstream_dir) / f"{backend}.conf"
@@ -129,14 +134,19 @@ class NginxGateway:
             pool = self.pools.get(b)
             if pool is None:
                 continue
-            written = self.read(b)
-            for n, want in configured(pool).items():
-                got = written.get(n)
-                if got is None or got.address != want.address:
-                    got = replace(want, weight=0, drain=True)
-                out.append(ServerState(backend=b, name=n, address=want.address, weight=got.weight,
-                                       initial_weight=want.weight, admin_state=ADMF_FDRAIN if got.drain else 0,
-                                       op_state=OP_RUNNING))
+            out += [ServerState(backend=b, name=n, address=s.address, weight=s.weight,
+                                initial_weight=full_weight(pool, n), admin_state=ADMF_FDRAIN if s.drain else 0,
+                                op_state=OP_RUNNING) for n, s in self.current(pool).items()]
+        return out
+
+    def current(self, pool: PoolConfig) -> dict[str, Server]:
+        """The pool's configured servers as its file has them; one the file lacks, or has at another address, at
+        weight 0, drained (it gets no traffic through NGINX). A server the file has and the config not is left out."""
+        written = self.read(pool.backend)
+        out = {}
+        for n, want in configured(pool).items():
+            got = written.get(n)
+            out[n] = got if got is not None and got.address == want.address else replace(want, weight=0, drain=True)
         return out
 
     # ---- write -----------------------------------------------------------------------------------
@@ -154,11 +164,8 @@ class NginxGateway:
         if pool is None:
             return {i: CommandResult(c, False, f"no pool has backend {backend!r}", "no_such_server")
                     for i, c in commands}
-        servers = {n: s for n, s in self.read(backend).items() if n in pool.servers}  # unconfigured ones leave
-        want = configured(pool)
-        for n, s in want.items():  # a server the file lacks (or has elsewhere) joins at weight 0, drained
-            if n not in servers or servers[n].address != s.address:
-                servers[n] = replace(s, weight=0, drain=True)
+        servers = self.current(pool)  # a server no longer configured leaves the file at this write
+        before = dict(servers)
         out = {}
         for i, c in commands:
             why = _refusal(c, servers)
@@ -171,7 +178,12 @@ class NginxGateway:
             else:
                 servers[c.server] = replace(s, drain=c.value == "drain")
             out[i] = CommandResult(c, True, "")
-        self.write(pool, servers.values())
+        wait = self._reloaded_at.get(backend, -math.inf) + self.cfg.min_reload_interval_s - self.clock()
+        if wait > 0 and only_adds(before, servers):  # a ramp's next step: at the next tick past the interval
+            return {i: r if not r.ok else CommandResult(r.command, False, f"deferred {wait:.1f}s (gateway.nginx."
+                                                        "min_reload_interval_s)", "deferred") for i, r in out.items()}
+        if self.write(pool, servers.values()):
+            self._reloaded_at[backend] = self.clock()
         return out
 
     def write(self, pool: PoolConfig, servers: Iterable[Server]) -> bool:
@@ -236,6 +248,15 @@ class NginxGateway:
             said = (done.stderr or done.stdout or "").strip()
             raise NginxError(kind, f"`nginx {' '.join(args)}` failed ({done.returncode}): {said[-300:]}")
         return done.stdout or ""
+
+
+def only_adds(before: dict[str, Server], after: dict[str, Server]) -> bool:
+    """Whether after gives no server less traffic than before (no new drain, no weight lower), one at least more."""
+    def share(s: Server | None) -> int:
+        return 0 if s is None or s.drain else s.weight
+    nodes = set(before) | set(after)
+    return (all(share(after.get(n)) >= share(before.get(n)) for n in nodes)
+            and any(share(after.get(n)) > share(before.get(n)) for n in nodes))
 
 
 def _refusal(c: Command, servers: dict[str, Server]) -> tuple[str, str] | None:

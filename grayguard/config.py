@@ -236,6 +236,10 @@ class NginxConfig:
     binary: str = "nginx"  # runs `nginx -t` and `nginx -s reload` (graceful: old workers finish their requests)
     prefix: str | None = None  # nginx -p <prefix>; null: the binary's own
     timeout_s: float = 10.0  # each of `nginx -t` and `nginx -s reload`
+    # A batch that only adds traffic (raised weights, returns to ready: a slow-start ramp) waits this long after the
+    # pool's last reload; cuts and drains never wait. Each reload leaves the old workers serving their streams and
+    # closes their idle client connections: a ramp of one reload a tick would pile them up (docs/gateways.md)
+    min_reload_interval_s: float = 5.0
 
     @_collects
     def validate(self, path: str, pr: Problems) -> None:
@@ -244,6 +248,7 @@ class NginxConfig:
             pr.check(bool(getattr(self, name)), f"{path}.{name}", "must not be empty")
         pr.check(self.prefix is None or bool(self.prefix), f"{path}.prefix", "must not be empty (null: nginx's own)")
         pr.check(self.timeout_s > 0, f"{path}.timeout_s", "must be > 0")
+        pr.check(self.min_reload_interval_s >= 0, f"{path}.min_reload_interval_s", "must be >= 0")
         _check_finite(pr, self, path)
 
 

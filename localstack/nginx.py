@@ -23,9 +23,14 @@ READY_PATH = "/nginx-ready"  # answered by nginx itself: it is up and serving
 ACCESS_FORMAT = "$msec $request_time $upstream_addr $status"
 
 
-def nginx_config(workdir: Path, port: int, upstreams: dict[str, Path], balance: str = "") -> str:
+def nginx_config(workdir: Path, port: int, upstreams: dict[str, Path], balance: str = "",
+                 client_keepalive: bool = False) -> str:
     """The main config: the pid file, logs and temp paths in workdir; one upstream per entry including its
-    file; a frontend on 127.0.0.1:port proxying to the first upstream. balance: "" (round robin) or "least_conn"."""
+    file; a frontend on 127.0.0.1:port proxying to the first upstream. balance: "" (round robin) or "least_conn".
+
+    Without client_keepalive nginx closes each client connection after its response: at a reload the old workers
+    close their idle keep-alive connections, and a client that sent a request on one that moment loses it (measured
+    in docs/gateways.md). Prompts up to 128 KB stay in memory (larger ones go to the temp folder)."""
     d = workdir
     temp = "".join(f"  {k}_temp_path {d / 'temp' / k};\n" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     ups = "".join(f"  upstream {name} {{\n" + (f"    {balance};\n" if balance else "")
@@ -34,7 +39,9 @@ def nginx_config(workdir: Path, port: int, upstreams: dict[str, Path], balance: 
     return (f"daemon off;\nmaster_process on;\nworker_processes 1;\npid {d / 'nginx.pid'};\n"
             f"error_log {d / 'error.log'} notice;\nevents {{\n  worker_connections 1024;\n}}\n"
             f"http {{\n  log_format grayguard '{ACCESS_FORMAT}';\n  access_log {d / 'access.log'} grayguard;\n"
-            f"{temp}{ups}"
+            f"{temp}  client_body_buffer_size 128k;\n"
+            + ("" if client_keepalive else "  keepalive_timeout 0;\n")
+            + f"{ups}"
             f"  server {{\n    listen 127.0.0.1:{port};\n"
             f"    location = {READY_PATH} {{\n      return 200 \"ok\\n\";\n    }}\n"
             f"    location / {{\n      proxy_pass http://{first};\n      proxy_http_version 1.1;\n"
@@ -46,7 +53,7 @@ class NginxProc:
     """nginx in the foreground with its config in workdir; start, reload, stop. Output in workdir/nginx.out."""
 
     def __init__(self, workdir: Path, port: int | None = None, backends: tuple[str, ...] = (BACKEND,),
-                 balance: str = ""):
+                 balance: str = "", client_keepalive: bool = False):
         self.binary = find_binary("nginx")  # BinaryMissing (a FileNotFoundError) with the apt-get hint
         self.dir = Path(workdir)
         self.port = port or free_port()
@@ -55,6 +62,7 @@ class NginxProc:
         self.access_log = self.dir / "access.log"
         self.upstreams = {b: self.upstream_dir / f"{b}.conf" for b in backends}
         self.balance = balance
+        self.client_keepalive = client_keepalive
         self.proc: ManagedProcess | None = None
 
     @property
@@ -71,7 +79,8 @@ class NginxProc:
         (NginxGateway.prepare writes them)."""
         for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.dir / "temp" / k).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(nginx_config(self.dir, self.port, self.upstreams, self.balance))
+            (self.dir / "temp" / k).chmod(0o777)  # run as root, nginx's workers are nobody: they write here
+        self.conf.write_text(nginx_config(self.dir, self.port, self.upstreams, self.balance, self.client_keepalive))
         self.proc = ManagedProcess([self.binary, "-e", "stderr", "-p", str(self.dir), "-c", str(self.conf)],
                                    self.dir / "nginx.out")
         self.proc.wait_for(lambda: http_ok(self.url + READY_PATH), timeout_s, f"nginx at {self.url}")
@@ -108,9 +117,9 @@ class NginxProc:
 class NginxStack(LocalStack):
     """The local stack with nginx as the controller's gateway (its `gateway.kind: nginx`), the load through it."""
 
-    def __init__(self, spec=None, progress=lambda msg: None, balance: str = ""):
+    def __init__(self, spec=None, progress=lambda msg: None, balance: str = "", client_keepalive: bool = False):
         super().__init__(spec, progress)
-        self.nginx = NginxProc(self.dir / "nginx", balance=balance)
+        self.nginx = NginxProc(self.dir / "nginx", balance=balance, client_keepalive=client_keepalive)
         self._start_controller_after = self.spec.controller
 
     def _start(self) -> None:

@@ -220,3 +220,38 @@ def test_the_loop_counts_an_nginx_error_and_holds_without_a_file(tmp_path):
     assert r.held == "no HAProxy endpoint answered" and any("missing" in e for e in r.errors)
     assert ctl.metrics.registry.get_sample_value("grayguard_haproxy_errors_total",
                                                  {"endpoint": gw.endpoint, "kind": "no_file"}) == 1
+
+
+def test_a_raise_waits_for_the_reload_interval_and_a_cut_never_does(tmp_path):
+    now = [100.0]
+    cfg = parse_config(nginx_doc(tmp_path))
+    fake = FakeNginx()
+    gw = NginxGateway(cfg.gateway.nginx, cfg.pools, run=fake, clock=lambda: now[0])
+    gw.prepare()
+    assert cfg.gateway.nginx.min_reload_interval_s == 5.0
+    assert gw.apply([Command("vllm_chat", "node1", "weight", 10)])[0].ok  # a cut: at once
+    now[0] += 1
+    r = gw.apply([Command("vllm_chat", "node1", "weight", 30), Command("vllm_chat", "ghost", "weight", 1)])
+    assert [(x.ok, x.kind) for x in r] == [(False, "deferred"), (False, "no_such_server")]
+    assert "deferred 4.0s" in r[0].reply and fake.reloads() == 1  # a ramp's step waits: nothing written
+    assert gw.apply([Command("vllm_chat", "node2", "weight", 50)])[0].ok and fake.reloads() == 2  # a cut: at once
+    now[0] += 5
+    assert gw.apply([Command("vllm_chat", "node1", "weight", 30)])[0].ok and fake.reloads() == 3
+    assert {s.name: s.weight for s in gw.show_servers_state()} == {"node0": 100, "node1": 30, "node2": 50,
+                                                                    "node3": 100}
+
+
+def test_the_loop_counts_a_deferred_change_as_neither_a_write_nor_an_error(tmp_path):
+    now = [1000.0]
+    ctl, gw, fake = controller(tmp_path, lambda q: samples({a: 0.02 for a in NODES.values()}, now[0])
+                               if q in (LAT_Q, RATE_Q) else [], lambda: now[0])
+    gw.clock = lambda: now[0]
+    gw.write(ctl.cfg.pools[0], [Server(n, a, 60 if n == "node1" else 100, False) for n, a in NODES.items()])
+    assert not ctl.tick().changes  # node1 at 60 of 100 with no state: seeded in slow start at 60 %
+    now[0] += 30  # its ramp raises it (20 % a minute) ...
+    gw._reloaded_at["vllm_chat"] = now[0]  # ... right after a reload
+    r = ctl.tick()
+    assert r.changes and not r.failed and not r.errors, (r.changes, r.errors)
+    m = ctl.metrics.registry
+    assert m.get_sample_value("grayguard_haproxy_writes_total", {"endpoint": gw.endpoint, "kind": "weight"}) is None
+    assert {s.name: s.weight for s in gw.show_servers_state()}["node1"] == 60
