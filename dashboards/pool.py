@@ -145,7 +145,8 @@ def build(cfg: DashboardConfig) -> dict:
     d = d.with_panel(ts(
         "Normalized latency per node vs pool median",
         f"Seconds per token, Σ e2e latency / (ω·prompt + generated tokens), over {cfg.control_window} "
-        "(the controller's input). Dashed: the pool's median node.",
+        "(the controller's input); seconds per request on a Triton pool, whose engine counts no tokens "
+        "(docs/engines.md). Dashed: the pool's median node.",
         [Q(per_node(s(f"instance:vllm_normalized_latency_seconds_per_token:{ctl}", V)), "{{node}}"),
          Q(s(f"pool:vllm_normalized_latency_seconds_per_token:median_{ctl}", P), "{{pool}} median")],
         "s", dashed=" median$", legend_table=True, links=[NODE_LINK, GPU_LINK]))
