@@ -336,7 +336,8 @@ def start_discovery(cfg: Config, ctl: Controller) -> Discovery | None:
 
 def _run_controller(args: argparse.Namespace, cfg: Config, ctl: Controller) -> int:
     gcpolicy.tune()  # a tick's decoded answers would set the collector off many times a tick (controller/gcpolicy.py)
-    prepare_gateways(ctl)
+    if cfg.gateway.kind == "nginx":
+        prepare_gateways(ctl)
     for problem in startup_checks(ctl):
         log.warning("%s", problem)
     if args.once:
