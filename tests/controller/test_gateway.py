@@ -2,6 +2,7 @@
 file's text, the weight mapping, level-triggered writes, failures put back and classified, and the control loop
 steering a fake NGINX (every `nginx` run recorded, none executed). Real nginx: tests/controller/test_nginx.py."""
 
+import argparse
 import subprocess
 
 import pytest
@@ -255,3 +256,14 @@ def test_the_loop_counts_a_deferred_change_as_neither_a_write_nor_an_error(tmp_p
     m = ctl.metrics.registry
     assert m.get_sample_value("grayguard_haproxy_writes_total", {"endpoint": gw.endpoint, "kind": "weight"}) is None
     assert {s.name: s.weight for s in gw.show_servers_state()}["node1"] == 60
+
+
+def test_the_demo_takes_gateway_nginx_and_its_membership_scenario_refuses_it(capsys):
+    from grayguard.demo import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.options_from_args(p.parse_args(["--gateway", "nginx"])).gateway == "nginx"
+    assert cli.options_from_args(p.parse_args([])).gateway == "haproxy"
+    assert cli.run(p.parse_args(["--scenario", "membership", "--gateway", "nginx"])) == 2
+    assert "--gateway: the membership scenario needs HAProxy" in capsys.readouterr().err
