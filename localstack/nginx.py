@@ -178,7 +178,7 @@ class NginxStack(LocalStack):
 
     def nginx_weights(self) -> dict[str, tuple[int, bool]]:
         """node -> (grayguard weight, drained) as the pool's upstream file has them."""
-        from grayguard.controller.nginx import parse_file
+        from grayguard.controller.nginxfile import parse_file
         path = self.nginx.upstreams[BACKEND]
         return {n: (s.weight, s.drain) for n, s in parse_file(path.read_text(), str(path)).items()}
 

@@ -14,7 +14,8 @@ from grayguard.controller.gateway import Gateway, GatewayError, build_gateways
 from grayguard.controller.haproxy import Command, HaproxyError, RuntimeClient
 from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
-from grayguard.controller.nginx import NginxError, NginxGateway, Server, parse_file, render_file
+from grayguard.controller.nginx import NginxGateway
+from grayguard.controller.nginxfile import NginxError, Server, parse_file, render_file
 from tests.support.ctl_helpers import OPTIONAL, PROM, FakeProm, samples
 
 LAT_Q = "instance:vllm_normalized_latency_seconds_per_token:rate30s"

@@ -17,7 +17,8 @@ import requests
 
 from grayguard.config import parse_config
 from grayguard.controller.haproxy import Command
-from grayguard.controller.nginx import NginxError, NginxGateway
+from grayguard.controller.nginx import NginxGateway
+from grayguard.controller.nginxfile import NginxError
 from grayguard.localstack.nginx import NginxProc
 from tests.support.stack import require, wait_until
 
