@@ -16,6 +16,7 @@ from grayguard.controller.loop import Controller
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.nginx import NginxGateway
 from grayguard.controller.nginxfile import NginxError, Server, parse_file, render_file
+from grayguard.controller.policy import QUARANTINED, SLOW_START
 from tests.support.ctl_helpers import OPTIONAL, PROM, FakeProm, samples
 
 LAT_Q = "instance:vllm_normalized_latency_seconds_per_token:rate30s"
@@ -213,6 +214,35 @@ def test_the_loop_cuts_a_slow_node_in_the_file_and_a_converged_tick_writes_nothi
     assert "server 127.0.0.1:9102 down;" in gw.path("vllm_chat").read_text()
     m = ctl.metrics.registry
     assert m.get_sample_value("grayguard_haproxy_writes_total", {"endpoint": gw.endpoint, "kind": "state"}) == 1
+
+
+def test_a_fresh_controller_does_not_undo_what_the_file_says_another_controller_decided(tmp_path):
+    """A restart mid-incident (no state file) or a second controller: the upstream file is the gateway's state, so a
+    drained node and a cut weight are seeded from it as from HAProxy's servers state
+    (tests/controller/test_trust_decisions.py), and nothing is put back at full weight on the first ticks. (Four
+    nodes: the cap keeps one out of rotation; a second one out would be released by the cap, as on HAProxy.)"""
+    now = [1000.0]
+    healthy = {a: 0.02 for n, a in NODES.items() if n != "node0"}  # the drained node: no traffic
+    ctl_a, gw, fake = controller(tmp_path, lambda q: [], lambda: now[0])
+    # what controller A left behind: node0 drained, node1 cut to 40
+    left = {"node0": (100, True), "node1": (40, False), "node2": (100, False), "node3": (100, False)}
+    gw.write(ctl_a.cfg.pools[0], [Server(n, NODES[n], w, d) for n, (w, d) in left.items()])
+    reloads = fake.reloads()
+
+    def answers(q):
+        return samples(healthy if q == LAT_Q else {a: 5.0 for a in healthy}, now[0]) if q in (LAT_Q, RATE_Q) else []
+
+    b = Controller(ctl_a.cfg, FakeProm(answers, []), [gw], metrics=ControllerMetrics.create(), clock=lambda: now[0])
+    for _ in range(3):
+        b.tick()
+        now[0] += 1
+        got = {s.name: (s.weight, s.drain) for s in gw.show_servers_state()}
+        assert got["node0"][1], "the fresh controller readied a drained node"
+        assert got["node1"][0] < 100, "a cut weight must not come back to full weight at once"
+        assert got["node2"] == got["node3"] == (100, False)
+    states = b.states["chat"]
+    assert states["node0"].state == QUARANTINED and states["node1"].state == SLOW_START
+    assert fake.reloads() - reloads <= 1  # at most node1's ramp step: nothing undone
 
 
 def test_the_loop_counts_an_nginx_error_and_holds_without_a_file(tmp_path):
