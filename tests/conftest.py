@@ -77,6 +77,7 @@ PARALLEL_SAFE = frozenset({
     "demo/test_report.py",
     "demo/test_report_browser.py",
     "demo/test_report_html.py",
+    "exporters/test_engine_fuzz.py",
     "exporters/test_engine_profiles.py",
     "exporters/test_engine_rules.py",
     "exporters/test_live.py",
