@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grayguard.config import Config, RulesConfig, ThresholdsConfig
+from grayguard.rules.render import pool_engines
 
 _T, _R = ThresholdsConfig(), RulesConfig()
 _TICK_S = Config.__dataclass_fields__["tick_interval_s"].default
@@ -29,6 +30,7 @@ class DashboardConfig:
     probe_failures: int = _R.probe_failures  # drawn on the consecutive-probe-failures panel
     tick_interval_s: float = _TICK_S  # drawn on the tick-duration panel: a longer tick skips the next one
     vllm_prefix: str = _R.vllm_prefix  # "vllm:", "vllm_" or "any" (rules.vllm_prefix)
+    engines: tuple[str, ...] = ("vllm",)  # the pools' engines (pools[].engine): the per-node panels read their series
     refresh: str = "30s"  # dashboard auto-refresh
     time_from: str = "now-3h"  # default time range
 
@@ -53,4 +55,4 @@ class DashboardConfig:
                    kv_outlier_ratio=t.kv_outlier_ratio, kv_outlier_min=t.kv_outlier_min, kv_saturated=t.kv_saturated,
                    controller_job=r.controller_job, controller_stale_s=r.controller_stale_s,
                    probe_failures=r.probe_failures, tick_interval_s=cfg.tick_interval_s,
-                   vllm_prefix=r.vllm_prefix)
+                   vllm_prefix=r.vllm_prefix, engines=tuple(pool_engines(cfg)))

@@ -22,7 +22,7 @@ from grayguard.dashboards.panels import (
 )
 from grayguard.dashboards.promql import matchers, named, node_info, quantile, vllm, zero_fill
 from grayguard.dashboards.promql import series as s
-from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
+from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID, EngineSeries
 from grayguard.vocab import State
 
 UID = POOL_DASHBOARD_UID
@@ -67,6 +67,22 @@ def per_node(expr: str) -> str:
     return named(expr, C, P)
 
 
+def to_pool_median(suffix: str) -> str:
+    """Each node's normalized latency over its pool's median node (1 = typical), from the recorded control-window
+    series, for the pools shown (no sample where the median is absent or 0)."""
+    return (f"{s(f'instance:vllm_normalized_latency_seconds_per_token:{suffix}', V)}\n/ on (pool) group_left ()\n"
+            f"({s(f'pool:vllm_normalized_latency_seconds_per_token:median_{suffix}', P)} > 0)")
+
+
+def probe_failure_ratio(window: str) -> str:
+    """Share of each node's probes that failed over window (slow answers are answers; `starting` is not counted):
+    0 where every probe answered, no sample where none ran."""
+    def rate(result: str) -> str:
+        return f"sum by (pool, instance) (rate(grayguard_probe_results_total{{{result}, {V}}}[{window}]))"
+    failed, answered = rate('result!~"ok|slow|starting"'), rate('result!="starting"')
+    return f"(\n  {failed}\n  or\n  0 * {answered}\n)\n/\n({answered} > 0)"
+
+
 def state_code(m: str) -> str:
     """grayguard_node_state folded into one value per node (STATE_CODES)."""
     terms = " or ".join(f'grayguard_node_state{{{m}, state="{name}"}} * {code}' for code, name, _ in STATE_CODES)
@@ -87,6 +103,8 @@ def transitions_expr(m: str) -> str:
 def build(cfg: DashboardConfig) -> dict:
     """The Pool overview dashboard as Grafana JSON."""
     ctl, hum, px = cfg.control, cfg.human, cfg.vllm_prefix
+    # per node over the human window, computed here for the pools shown (the rules record no such per-node series)
+    engine = EngineSeries(px, cfg.engines, "pool, instance")
     J = matchers(job=cfg.controller_job)
     ticking = f"sum(rate(grayguard_ticks_total{{{J}}}[$__rate_interval]))"
     d = dashboard(UID, TITLE, "Per pool: which nodes are out of rotation now and why, which node is slow against "
@@ -156,7 +174,7 @@ def build(cfg: DashboardConfig) -> dict:
         f"live_drift ({cfg.live_drift:g}x), below which a node gathers no evidence; orange: live_cut_ratio "
         f"({cfg.live_cut_ratio:g}x), where one new sample cuts in a pool as quiet as min_spread (a few samples "
         "above the yellow line cut too: the sequential test adds them up).",
-        [Q(per_node(s(f"instance:vllm_normalized_latency_to_pool_median:ratio_{ctl}", V)), "{{node}}")],
+        [Q(per_node(to_pool_median(ctl)), "{{node}}")],
         "suffix:x", steps=[(cfg.live_drift, "yellow"), (cfg.live_cut_ratio, "orange")], legend_table=True,
         links=[NODE_LINK, GPU_LINK]))
     d = d.with_panel(ts(
@@ -233,13 +251,13 @@ def build(cfg: DashboardConfig) -> dict:
         links=[NODE_LINK, GPU_LINK]))
     d = d.with_panel(ts(
         "Request rate", f"Finished requests per second per node over {cfg.human_window}; dashed: the pool.",
-        [Q(per_node(s(f"instance:vllm_request_rate:{hum}", V)), "{{node}}"),
+        [Q(per_node(engine.request_rate(cfg.human_window, V, P)), "{{node}}"),
          Q(s(f"pool:vllm_request_rate:{hum}", P), "pool {{pool}}")], "reqps", dashed="^pool ", legend_table=True,
         links=[NODE_LINK, GPU_LINK]))
     d = d.with_panel(ts(
         "Error ratio", f"Share of finished requests that ended in an error, per node over {cfg.human_window}. "
         "No sample: no finished requests in the window.",
-        [Q(per_node(s(f"instance:vllm_request_errors:ratio_{hum}", V)), "{{node}}")], "percentunit", lo=0,
+        [Q(per_node(engine.error_ratio(cfg.human_window, V)), "{{node}}")], "percentunit", lo=0,
         legend_table=True, links=[NODE_LINK, GPU_LINK]))
 
     d = d.with_row(row("Probe (a 1-token request from each node's exporter)"))
@@ -256,7 +274,7 @@ def build(cfg: DashboardConfig) -> dict:
         "reqps", w=6, stacked=True, bars=True))
     d = d.with_panel(ts(
         "Probe failure ratio", f"Share of probes that failed per node over {cfg.human_window} (slow answers are "
-        "answers).", [Q(per_node(s(f"instance:grayguard_probe_failures:ratio_{hum}", V)), "{{node}}")],
+        "answers).", [Q(per_node(probe_failure_ratio(cfg.human_window)), "{{node}}")],
         "percentunit", w=6, lo=0, links=[NODE_LINK, GPU_LINK]))
     d = d.with_panel(ts(
         "Consecutive probe failures", f"Failures in a row per node; dashed: {cfg.probe_failures}, where "

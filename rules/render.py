@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,18 +239,24 @@ def _selector(name: str, matchers: str) -> str:
     return f"{name}{{{matchers}}}" if matchers else name
 
 
+def _indent(text: str, n: int) -> str:
+    """text with every line indented by n spaces."""
+    return "\n".join(" " * n + line for line in text.split("\n"))
+
+
 def _join(terms: list[str]) -> str:
     """One term as it is; several as `(a or b ...)`: each node has the series of one engine."""
     return terms[0] if len(terms) == 1 else "(" + " or ".join(terms) + ")"
 
 
-def _read_terms(read: Read, wrap) -> list[str]:
-    """The PromQL terms of a profile's Read, one per alternative (the first a node has wins: `or`)."""
+def _read_terms(read: Read, wrap, matchers: str = "") -> list[str]:
+    """The PromQL terms of a profile's Read, one per alternative (the first a node has wins: `or`); `matchers` are
+    added to every series' own."""
     out = []
     for alt in read:
         parts = []
         for s in alt:
-            term = wrap(_selector(s.name, s.matchers()))
+            term = wrap(_selector(s.name, ", ".join(m for m in (s.matchers(), matchers) if m)))
             parts.append(term if s.scale == 1 else f"{term} * {_num(s.scale)}")
         out.append(parts[0] if len(parts) == 1 and alt[0].scale == 1 else "(" + " + ".join(parts) + ")")
     return out
@@ -264,12 +270,16 @@ class EngineSeries:
     config's engines has reads vLLM's name: absent on their pages, so absent in the rule (absent is not zero).
     """
 
-    def __init__(self, cfg: Config):
-        self.cfg, self.engines = cfg, pool_engines(cfg)
-        self.by = ", ".join(node_labels(cfg))
+    def __init__(self, vllm_prefix: str, engines: Sequence[str], by: str):
+        self.prefix, self.engines, self.by = vllm_prefix, list(engines), by
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> EngineSeries:
+        """The recording rules' series: the config's engines, summed by node_labels."""
+        return cls(cfg.rules.vllm_prefix, pool_engines(cfg), ", ".join(node_labels(cfg)))
 
     def _v(self, name: str, matchers: str = "") -> str:
-        return vllm_selector(self.cfg.rules.vllm_prefix, name, matchers)
+        return vllm_selector(self.prefix, name, matchers)
 
     def _profiles(self) -> list[Profile]:
         return [profile(e) for e in self.engines if e != "vllm"]
@@ -285,8 +295,30 @@ class EngineSeries:
             if signal == "ttft_bucket":
                 terms += [rate(_selector(p.ttft_bucket, matchers))] if p.ttft_bucket else []
             else:
-                terms += _read_terms(getattr(p, signal), rate)
+                terms += _read_terms(getattr(p, signal), rate, matchers)
         return _join(terms or [vllm])
+
+    def request_rate(self, window: str, matchers: str = "", canary_matchers: str = "") -> str:
+        """Finished requests per second a node, probes and canaries left out; 0 (not absent) for an idle node.
+
+        The exporter's grayguard_traffic_requests_total (its probes left out) where it has one, else the engine's
+        own count, less the controller's canaries. The canary counter's `instance` is exported_instance when the
+        controller is scraped without honor_labels, so it takes only `canary_matchers` (the pool's)."""
+        def rate(sel: str) -> str:
+            return f"sum by ({self.by}) (rate({sel}[{window}]))"
+        requests = (f"(\n    {rate(_selector('grayguard_traffic_requests_total', matchers))}\n  or\n    "
+                    f"{self.rs('requests', window, matchers=matchers)}\n)")
+        canaries = (f"sum by (pool, instance) (\n  label_replace(rate("
+                    f"{_selector('grayguard_canary_requests_total', canary_matchers)}[{window}]),\n"
+                    f'                "instance", "$1", "exported_instance", "(.+)")\n)')
+        return (f"clamp_min(\n    (\n{_indent(requests, 8)}\n      - on (pool, instance) group_left ()\n"
+                f"{_indent(canaries, 8)}\n    )\n  or\n{_indent(requests, 4)},\n  0\n)")
+
+    def error_ratio(self, window: str, matchers: str = "") -> str:
+        """Share of finished requests that ended in an error; no sample where the engine does not count errors or
+        no request finished (absent is not zero)."""
+        return (f"{self.rs('errors', window, matchers=matchers)}\n/\n"
+                f"({self.rs('finished', window, matchers=matchers)} > 0)")
 
     def per_request(self, window: str) -> str:
         """The normalized latency of the engines that count no tokens (Triton, Profile.per_request): seconds per
@@ -345,13 +377,13 @@ def _env() -> jinja2.Environment:
 
 
 def _context(cfg: Config) -> dict:
-    ws = windows(cfg)
+    ws, es = windows(cfg), EngineSeries.for_config(cfg)
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
             "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
             "slowdown": "|".join(GPU_SLOWDOWN_REASONS), "links": functools.partial(alert_links, cfg),
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers),
-            "engines": pool_engines(cfg), "rs": EngineSeries(cfg).rs, "gs": EngineSeries(cfg).gs,
-            "kv": EngineSeries(cfg).kv, "per_request": EngineSeries(cfg).per_request}
+            "engines": pool_engines(cfg), "rs": es.rs, "gs": es.gs, "kv": es.kv,
+            "per_request": es.per_request, "request_rate": es.request_rate, "error_ratio": es.error_ratio}
 
 
 DCGM_TEMPLATE = "dcgm.rules.yml.j2"  # rules.gpu_source: dcgm (rules/dcgm.py, docs/dcgm.md)

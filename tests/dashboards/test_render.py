@@ -147,8 +147,13 @@ def test_pool_overview_has_what_the_pager_needs():
                    "grayguard_prometheus_errors_total", "grayguard_haproxy_errors_total",
                    "instance:vllm_normalized_latency_seconds_per_token:rate30s",
                    "pool:vllm_normalized_latency_seconds_per_token:median_rate30s",
-                   "instance:vllm_request_rate:rate5m", "instance:vllm_request_errors:ratio_rate5m"):
+                   "pool:vllm_request_rate:rate5m", "grayguard_traffic_requests_total",
+                   "grayguard_canary_requests_total", 'vllm:request_success_total{finished_reason="error"'):
         assert series in exprs, series
+    # per-node series the rules no longer record: the panels compute them for the pools shown (docs/rules.md)
+    for gone in ("instance:vllm_request_rate:rate5m", "instance:vllm_request_errors:ratio_rate5m",
+                 "instance:grayguard_probe_failures:", "instance:vllm_normalized_latency_to_pool_median:"):
+        assert gone not in exprs, gone
     assert panel(doc, "Node state")["type"] == "state-timeline"
     texts = {o["text"] for m in panel(doc, "Node state")["fieldConfig"]["defaults"]["mappings"]
              for o in m["options"].values()}

@@ -101,11 +101,13 @@ def test_victoria_metrics_stack_quarantines_a_slow_node_and_pages(monkeypatch):
                       if a["labels"].get("alertname") == "GrayguardNodeQuarantined"} - {SLOW}
             assert not others, others
 
-            # The recording rules, chained on vmalert (rate -> pool median -> ratio), see the slow node too.
+            # The recording rules, chained on vmalert (rate -> pool median), see the slow node too: its ratio to
+            # the median, as the dashboard queries it.
             addr = next(n.address for n in stack.nodes if n.name == SLOW)
-            ratio = f'instance:vllm_normalized_latency_to_pool_median:ratio_rate10s{{instance="{addr}"}}'
+            ratio = (f'instance:vllm_normalized_latency_seconds_per_token:rate10s{{instance="{addr}"}} '
+                     "/ on (pool) group_left () (pool:vllm_normalized_latency_seconds_per_token:median_rate10s > 0)")
             deadline.wait(lambda: [s for s in prom.query(ratio) if s.value >= 2], 30,
-                          f"{SLOW} at least 2x the pool median in vmalert's recorded ratio")
+                          f"{SLOW} at least 2x the pool median in vmalert's recorded series")
             assert stack.vmalert.rule_errors() == {}  # every grayguard rule evaluates on MetricsQL
 
             # The controller's re-render learned a TTFT baseline from VictoriaMetrics and vmalert reloaded the
