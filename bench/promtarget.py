@@ -42,8 +42,11 @@ SHARD_SIZE = 1000  # nodes per port: each port is one scrape target per job
 DESIGNS = ("shipped", "before")  # the exporter's pages now, and when issue 34 began
 RATE, PROMPT, GEN = 2.0, 1000, 200  # finished req/s, prompt and generated tokens per request
 QUEUE_S, PREFILL_S, ITL_S, TTFT_S, PROBE_S = 0.05, 0.0002, 0.03, 0.25, 0.05  # per request, per prompt token, ...
+# NVML's clock-event reasons in bit order (0x1 ... 0x100): the exporter serves their mask (one series a GPU); the
+# before design served one 0/1 series a reason
 CLOCK_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
                  "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting")
+HW_THERMAL_SLOWDOWN = 1 << CLOCK_REASONS.index("hw_thermal_slowdown")  # 0x40
 # the exporter's live fast path (exporters/fastpath.py; tests/bench/test_promcost.py checks the list is whole)
 LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
         "grayguard_live_prompt_tokens_per_second", "grayguard_live_requests_running",
@@ -115,6 +118,14 @@ def _gauges(names: tuple[str, ...], labels: str = "", prefix: str = "") -> list[
     return [(prefix + n, "gauge", [("", labels, n)]) for n in names]
 
 
+def _clock_reasons(design: str, gpu: str) -> Family:
+    # NVML's clock-event reasons: the mask, one series a GPU; before, one 0/1 series a reason (nine a GPU)
+    if design == "before":
+        return ("grayguard_gpu_clock_event_reason_active", "gauge",
+                [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS])
+    return ("grayguard_gpu_clock_event_reasons", "gauge", [("", gpu, "reasons")])
+
+
 def exporter_families(design: str = "shipped") -> list[Family]:
     """The exporter's full page (it carries the live gauges too): probe series, the GPU series grayguard reads."""
     gpu = ',gpu="0",uuid="GPU-0"'  # one GPU per node
@@ -126,8 +137,7 @@ def exporter_families(design: str = "shipped") -> list[Family]:
             *_verdicts(design), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]), *_gauges(LIVE),
             ("grayguard_exporter_nvml_up", "gauge", [("", "", "one")]),
             ("grayguard_gpu_info", "gauge", [("", info, "one")]),
-            ("grayguard_gpu_clock_event_reason_active", "gauge",
-             [("", f'{gpu},reason="{r}"', f"reason_{r}") for r in CLOCK_REASONS]),
+            _clock_reasons(design, gpu),
             *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
                       "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
             *(() if design == "before" else (("grayguard_gpu_slowed_under_load", "gauge", [("", gpu, "slowed")]),
@@ -149,6 +159,7 @@ def static_values(n: Node) -> dict[str, float]:
     out.update({f"probes_{r}": 0 for r in PROBE_RESULTS if r != verdict})
     out.update({f"last_{r}": int(r == verdict) for r in PROBE_RESULTS})  # the one-hot last result (before)
     out.update({f"reason_{r}": int(n.slow > 1 and r == "hw_thermal_slowdown") for r in CLOCK_REASONS})
+    out["reasons"] = HW_THERMAL_SLOWDOWN if n.slow > 1 else 0  # the mask: the slow node's GPU is throttled
     out["slowed"] = int(n.slow > 1)  # the exporter's flag: a slowdown reason on a busy GPU
     return out
 

@@ -21,8 +21,8 @@ from grayguard.dashboards.pool import TITLE as POOL_TITLE
 from grayguard.dashboards.pool import transitions_expr
 from grayguard.dashboards.promql import matchers, node_info, zero_fill
 from grayguard.dashboards.promql import series as s
+from grayguard.rules.dcgm import CLOCK_EVENT_REASONS, slowdown_bits
 from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
-from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 UID = GPU_DASHBOARD_UID
 TITLE = "grayguard / GPU health"
@@ -38,8 +38,7 @@ DCGM_XID = (f'\nor label_replace(max by ({BY}) (grayguard_gpu_xid_recent{{{G}}})
             '"", "")')
 NVML_DOWN = (f"(1 - grayguard_exporter_nvml_up{{{E}}}) * on (pool, instance) (1 - (group by (pool, instance) "
              f"(grayguard_gpu_info{{{E}}}) or on (pool, instance) (0 * grayguard_exporter_nvml_up{{{E}}})))")
-# Clock-event reasons that explain a slow GPU directly; sw_power_cap is normal at the power limit.
-SLOWDOWN = "|".join(GPU_SLOWDOWN_REASONS)
+REASONS = f"grayguard_gpu_clock_event_reasons{{{G}}}"  # NVML's clock-event reasons bitmask, one series a GPU
 ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
 
 # Back to the Pool overview: from a GPU's series (its instance), from a row of the GPUs table (its node).
@@ -49,6 +48,17 @@ ROW_NODE_LINK = Link(f"{POOL_TITLE}: this node", POOL_DASHBOARD_UID,
                      (("pool", "${__data.fields.pool}"), ("node", "${__value.raw}")))
 ROW_GPU_LINK = Link("This node's GPUs", UID, (("pool", "${__data.fields.pool}"), ("instance", "${__value.raw}")))
 POOL_LINK = Link(f"{POOL_TITLE}: these pools", POOL_DASHBOARD_UID, raw=("${pool:queryparam}",))
+
+
+def reason_bit(bit: int) -> str:
+    """1 while the reason with NVML's bit `bit` holds a GPU's clocks down, else 0 (decoded from the mask)."""
+    return f"floor({REASONS} / {bit}) % 2"
+
+
+# 1 while a reason that explains a slow GPU directly (hardware, thermal, power brake: grayguard/vocab.py) holds its
+# clocks down, else 0; sw_power_cap (bit 0x4) is normal at the power limit
+SLOWED = "(" + " + ".join(reason_bit(bit) for _, bit in slowdown_bits()) + ") > bool 0"
+POWER_CAP = reason_bit(dict(CLOCK_EVENT_REASONS)["sw_power_cap"])
 
 
 def gpu_ts(*args, **kwargs):
@@ -71,7 +81,6 @@ def _vs_max(name: str, max_name: str, tag: str = "max") -> list[Q]:
 def build(cfg: DashboardConfig) -> dict:
     """The GPU health dashboard as Grafana JSON."""
     gpus = f"max by ({BY}) (grayguard_gpu_info{{{G}}})"
-    reason = f"grayguard_gpu_clock_event_reason_active{{{G}, reason=~\"{SLOWDOWN}\"}}"
     d = dashboard(UID, TITLE, "Per node and GPU, NVML's evidence for a slow node: clocks below their maximum and "
                   "why, heat, power against its limit, PCIe links trained below their maximum and replaying, memory "
                   "errors, XIDs. Read it under load: an idle GPU legitimately drops clocks and PCIe generation. "
@@ -97,7 +106,7 @@ def build(cfg: DashboardConfig) -> dict:
         single("GPUs lost", "NVML reports the GPU lost or needing a reset (fallen off the bus, XID 79).",
                [Q(f"sum(grayguard_gpu_lost{{{G}}})", "lost")], w=3, steps=[(1, "red")]),
         single("Slowed down", "GPUs held down by a hardware, thermal or power-brake clock-event reason now.",
-               [Q(f"sum(max by ({BY}) ({reason}))", "GPUs")], w=3, steps=[(1, "red")]),
+               [Q(f"sum(max by ({BY}) ({SLOWED}))", "GPUs")], w=3, steps=[(1, "red")]),
         single("PCIe below max", "GPUs whose link trained below its maximum generation or width (judge under "
                "load: an idle GPU may downshift).",
                [Q(f"sum(clamp_max((grayguard_gpu_pcie_link_generation{{{G}}} < bool "
@@ -127,12 +136,12 @@ def build(cfg: DashboardConfig) -> dict:
     d = d.with_panel(timeline(
         "Clocks held down", "Per GPU: slowdown = a hardware, thermal or power-brake clock-event reason "
         "(cooling, failed fan, PSU); power cap = sw_power_cap, normal at the power limit.",
-        [Q(f"max by ({BY}) ({reason} * 2 or grayguard_gpu_clock_event_reason_active{{{G}, "
-           'reason="sw_power_cap"})', L)],
+        [Q(f"max by ({BY}) (2 * ({SLOWED}) > 0 or {POWER_CAP})", L)],
         [("0", "ok", "green"), ("1", "power cap", "yellow"), ("2", "slowdown", "red")], w=12))
     d = d.with_panel(ts("GPUs per clock-event reason", "How many GPUs each reason holds down (gpu_idle is normal "
-                        "when idle, sw_power_cap at the power limit).",
-                        [Q(f"sum by (reason) (grayguard_gpu_clock_event_reason_active{{{G}}})", "{{reason}}")],
+                        "when idle, sw_power_cap at the power limit), decoded from NVML's mask "
+                        "(grayguard_gpu_clock_event_reasons, one bit a reason: docs/metrics.md).",
+                        [Q(f"sum({reason_bit(bit)})", reason) for reason, bit in CLOCK_EVENT_REASONS],
                         "none", lo=0, stacked=True, step_line=True))
 
     d = d.with_row(row("Heat and power"))

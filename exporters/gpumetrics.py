@@ -11,7 +11,8 @@ from grayguard.vocab import GPU_SLOWDOWN_REASONS
 
 GPU_LABELS = ["gpu", "uuid"]
 
-# Clock-event reason label -> NVML bit (nvmlClocksEventReason*; the same bits as the old throttle reasons).
+# Clock-event reason -> NVML bit (nvmlClocksEventReason*; the same bits as the old throttle reasons): the exporter
+# serves the mask as it reads it, one series a GPU; the rules, the dashboards and docs/metrics.md decode these bits.
 CLOCK_EVENT_REASONS = (
     ("gpu_idle", 0x1),
     ("applications_clocks_setting", 0x2),
@@ -95,9 +96,10 @@ def _families() -> dict[str, Metric]:
     }
     for key, (name, doc) in GAUGES.items():
         fams[key] = g(name, doc, labels=GPU_LABELS)
-    fams["reasons"] = g("grayguard_gpu_clock_event_reason_active",
-                        "1 while the reason holds the clocks down (NVML clock event reasons)",
-                        labels=GPU_LABELS + ["reason"])
+    fams["reasons"] = g("grayguard_gpu_clock_event_reasons",
+                        "NVML's clock event reasons bitmask (nvmlDeviceGetCurrentClocksEventReasons): a set bit is a "
+                        "reason holding the clocks down, e.g. 0x8 hw_slowdown, 0x40 hw_thermal_slowdown "
+                        "(docs/metrics.md has every bit)", labels=GPU_LABELS)
     fams["ecc"] = g("grayguard_gpu_ecc_errors", "ECC errors (volatile: since boot, aggregate: lifetime)",
                     labels=GPU_LABELS + ["error_type", "counter_type"])
     fams["remapped"] = g("grayguard_gpu_remapped_rows", "Memory rows remapped, by cause",
@@ -150,8 +152,7 @@ def build_families(snap: NvmlSnapshot) -> Iterator[Metric]:
         for key, value in gpu.values.items():
             fams[key].add_metric(ids, value)
         if gpu.clock_event_reasons is not None:
-            for reason, bit in CLOCK_EVENT_REASONS:
-                fams["reasons"].add_metric(ids + [reason], 1 if gpu.clock_event_reasons & bit else 0)
+            fams["reasons"].add_metric(ids, gpu.clock_event_reasons)
         for (etype, ctype), n in gpu.ecc.items():
             fams["ecc"].add_metric(ids + [etype, ctype], n)
         for key, flag in under_load(gpu).items():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grayguard.vocab import GPU_SLOWDOWN_REASONS
+
 GROUP = "grayguard-gpu-dcgm"
 # the per-GPU join: one series a GPU of a grayguard node, labelled with the node's labels, gpu, uuid, UUID, the pod
 POD_MAP = "gpu:dcgm_gpu_pod:info"
@@ -21,8 +23,9 @@ JOIN_FIELD = "DCGM_FI_DEV_GPU_UTIL"
 POD_INFO = "grayguard_node_pod_info"
 
 # the clock-event reasons' bits in the mask: NVML's (nvmlClocksEventReason*, the same as the old throttle reasons),
-# which DCGM passes through; the exporter's collector decodes the same table (exporters/gpumetrics.py, and
-# tests/rules/test_dcgm.py checks the two agree: rules may not import the exporter)
+# which DCGM passes through; the rules decode the mask with it, as the exporter's collector derives its flag with the
+# same table (exporters/gpumetrics.py, and tests/rules/test_dcgm.py checks the two agree: rules may not import the
+# exporter)
 CLOCK_EVENT_REASONS = (
     ("gpu_idle", 0x1),
     ("applications_clocks_setting", 0x2),
@@ -68,6 +71,8 @@ FIELDS = (
           labels={"cause": "uncorrectable"}),
     Field("grayguard_gpu_row_remap_failure", ("DCGM_FI_DEV_ROW_REMAP_FAILURE",)),
     Field("grayguard_gpu_row_remap_pending", ("DCGM_FI_DEV_ROW_REMAP_PENDING",)),
+    # NVML's clock-event reasons bitmask, as the exporter serves it (DCGM passes NVML's bits through)
+    Field("grayguard_gpu_clock_event_reasons", THROTTLE),
     # for the GPU dashboard: DCGM 4.6 renamed the temperature and power fields
     Field("grayguard_gpu_temperature_celsius", ("DCGM_FI_DEV_GPU_TEMP_CELSIUS", "DCGM_FI_DEV_GPU_TEMP")),
     Field("grayguard_gpu_memory_temperature_celsius", ("DCGM_FI_DEV_MEMORY_TEMP",)),
@@ -93,8 +98,13 @@ def field_names() -> set[str]:
     return {n for f in FIELDS for n in f.names} | set(THROTTLE) | set(XID) | {JOIN_FIELD}
 
 
+def slowdown_bits() -> tuple[tuple[str, int], ...]:
+    """(reason, bit) of the slowdown reasons (grayguard/vocab.py), the bits that set grayguard_gpu_slowed_under_load."""
+    return tuple((reason, bit) for reason, bit in CLOCK_EVENT_REASONS if reason in GPU_SLOWDOWN_REASONS)
+
+
 def context() -> dict:
     """What the dcgm template needs beyond rules/render.py's context."""
-    return {"dcgm_fields": FIELDS, "dcgm_reasons": CLOCK_EVENT_REASONS, "dcgm_sel": selector, "throttle": THROTTLE,
+    return {"dcgm_fields": FIELDS, "slowdown_bits": slowdown_bits(), "dcgm_sel": selector, "throttle": THROTTLE,
             "xid": XID, "join_field": JOIN_FIELD, "pod_map": POD_MAP, "xid_new": XID_NEW, "pod_info": POD_INFO,
             "dcgm_group": GROUP}

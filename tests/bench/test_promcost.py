@@ -205,6 +205,14 @@ def test_the_before_design_serves_the_pages_issue_34_started_from():
         assert len({name: series for name, _, series in now[job][1]}["grayguard_probe_last_result"]) == 1
     derived = {"grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load"}
     assert derived <= names("grayguard-exporter", now) and not derived & names("grayguard-exporter", before)
+    # NVML's clock-event reasons: one 0/1 series a reason before, the mask now (one series a GPU; 0x40 on the slow
+    # node, hw_thermal_slowdown)
+    old = {name: series for name, _, series in before["grayguard-exporter"][1]}
+    new = {name: series for name, _, series in now["grayguard-exporter"][1]}
+    assert len(old["grayguard_gpu_clock_event_reason_active"]) == len(promtarget.CLOCK_REASONS) == 9
+    assert len(new["grayguard_gpu_clock_event_reasons"]) == 1 and "grayguard_gpu_clock_event_reason_active" not in new
+    slow, ok = (n for n in promtarget.fleet(promtarget.POOL_SIZE) if n.slow > 1 or n.instance.endswith(".1:8000"))
+    assert promtarget.static_values(slow)["reasons"] == 0x40 and promtarget.static_values(ok)["reasons"] == 0
     with pytest.raises(ValueError, match="design"):
         promtarget.pages("after")
 

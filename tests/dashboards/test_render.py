@@ -199,12 +199,27 @@ def test_gpu_health_covers_every_nvml_signal():
     names = {v["name"] for v in doc["templating"]["list"]}
     assert {"pool", "instance", "gpu"} <= names
     exprs = "\n".join(e for _, e in expressions(doc))
-    for series in ("sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "clock_event_reason_active",
+    for series in ("sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "clock_event_reasons",
                    "temperature_celsius", "power_watts", "power_limit_watts", "pcie_link_generation",
                    "pcie_link_max_generation", "pcie_link_width", "pcie_link_max_width", "pcie_replay_total",
                    "ecc_errors", "remapped_rows", "row_remap_pending", "row_remap_failure", "xid_errors_total",
                    "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "lost"):
         assert f"grayguard_gpu_{series}" in exprs, series
+
+
+def test_gpu_health_decodes_each_clock_event_reason_from_nvmls_mask():
+    from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
+
+    doc = docs()["grayguard-gpu-health.json"]
+    targets = panel(doc, "GPUs per clock-event reason")["targets"]
+    mask = 'grayguard_gpu_clock_event_reasons{pool=~"$pool", instance=~"$instance", gpu=~"$gpu"}'
+    assert [(t["legendFormat"], t["expr"]) for t in targets] == [
+        (reason, f"sum(floor({mask} / {bit}) % 2)") for reason, bit in CLOCK_EVENT_REASONS]
+    slowed = "(" + " + ".join(f"floor({mask} / {bit}) % 2" for bit in (8, 32, 64, 128)) + ") > bool 0"  # slowdowns
+    (stat,) = panel(doc, "Slowed down")["targets"]
+    assert stat["expr"] == f"sum(max by (pool, instance, gpu) ({slowed}))"
+    (held,) = panel(doc, "Clocks held down")["targets"]  # 2 slowdown, else 1 at the power cap (0x4), else 0
+    assert held["expr"] == f"max by (pool, instance, gpu) (2 * ({slowed}) > 0 or floor({mask} / 4) % 2)"
 
 
 def test_config_knobs_reach_the_dashboards():

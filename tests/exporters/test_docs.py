@@ -78,7 +78,7 @@ def test_fixed_names_from_the_issue_are_exported():
     fixed = [
         "grayguard_exporter_nvml_up", "grayguard_gpu_info", "grayguard_gpu_sm_clock_hertz",
         "grayguard_gpu_sm_clock_max_hertz", "grayguard_gpu_memory_clock_hertz",
-        "grayguard_gpu_memory_clock_max_hertz", "grayguard_gpu_clock_event_reason_active",
+        "grayguard_gpu_memory_clock_max_hertz", "grayguard_gpu_clock_event_reasons",
         "grayguard_gpu_temperature_celsius", "grayguard_gpu_memory_temperature_celsius",
         "grayguard_gpu_power_watts", "grayguard_gpu_power_limit_watts",
         "grayguard_gpu_energy_joules_total", "grayguard_gpu_pcie_link_generation",

@@ -61,7 +61,7 @@ def test_register_calls_no_nvml_and_describe_lists_every_family():
     assert fake.calls == 0 and not fake.initialized
     names = {m.name for m in collector.describe()}
     assert {"grayguard_exporter_nvml_up", "grayguard_gpu_info", "grayguard_gpu_xid_errors",
-            "grayguard_gpu_clock_event_reason_active", "grayguard_gpu_lost"} <= names
+            "grayguard_gpu_clock_event_reasons", "grayguard_gpu_lost"} <= names
 
 
 def test_thermally_throttled_gpu_shows_its_reasons_and_low_clock():
@@ -69,22 +69,26 @@ def test_thermally_throttled_gpu_shows_its_reasons_and_low_clock():
                        clock_event_reasons=fakenvml.CONSTANTS["nvmlClocksEventReasonHwThermalSlowdown"]
                        | fakenvml.CONSTANTS["nvmlClocksEventReasonSwThermalSlowdown"])
     registry, _ = make(FakeNvml([gpu]))
-    reason = "grayguard_gpu_clock_event_reason_active"
-    assert value(registry, reason, reason="hw_thermal_slowdown") == 1
-    assert value(registry, reason, reason="sw_thermal_slowdown") == 1
-    assert value(registry, reason, reason="sw_power_cap") == 0
-    assert value(registry, reason, reason="gpu_idle") == 0
+    assert value(registry, "grayguard_gpu_clock_event_reasons") == 0x40 | 0x20  # hw and sw thermal slowdown
     assert value(registry, "grayguard_gpu_sm_clock_hertz") == 1095e6
     assert value(registry, "grayguard_gpu_sm_clock_max_hertz") == 1980e6
     assert value(registry, "grayguard_gpu_temperature_celsius") == 91
 
 
 @pytest.mark.parametrize("reason,bit", CLOCK_EVENT_REASONS)
-def test_each_reason_bit_maps_to_exactly_its_label(reason, bit):
+def test_each_reason_is_its_nvml_bit_in_the_one_mask_series(reason, bit):
     registry, _ = make(FakeNvml([healthy_h100(0, clock_event_reasons=bit)]))
-    active = {r for r, _ in CLOCK_EVENT_REASONS
-              if value(registry, "grayguard_gpu_clock_event_reason_active", reason=r) == 1}
-    assert active == {reason}
+    assert bit == fakenvml.CONSTANTS["nvmlClocksEventReason" + "".join(w.title() for w in reason.split("_"))]
+    assert value(registry, "grayguard_gpu_clock_event_reasons") == bit
+    samples = [s for m in registry.collect() for s in m.samples if s.name == "grayguard_gpu_clock_event_reasons"]
+    assert len(samples) == 1  # one series a GPU, whatever the mask
+
+
+def test_the_mask_is_served_whole_with_bits_nvml_may_add():
+    mask = 0x1 | 0x4 | 0x8 | 0x100 | 0x200  # 0x200: a bit newer than the table, passed through, not dropped
+    registry, _ = make(FakeNvml([healthy_h100(0, clock_event_reasons=mask)]))
+    assert value(registry, "grayguard_gpu_clock_event_reasons") == mask
+    assert value(registry, "grayguard_gpu_slowed_under_load") == 1  # 0x8 hw_slowdown on a busy GPU
 
 
 def test_gen1_link_on_a_gen5_gpu_shows_both_numbers():
@@ -122,7 +126,7 @@ def test_not_supported_and_no_permission_fields_are_absent_not_zero_and_logged_o
             text = generate_latest(registry).decode()
     for name in ("grayguard_gpu_memory_temperature_celsius", "grayguard_gpu_ecc_errors",
                  "grayguard_gpu_remapped_rows", "grayguard_gpu_row_remap_pending", "grayguard_gpu_row_remap_failure",
-                 "grayguard_gpu_clock_event_reason_active", "grayguard_gpu_pcie_replay_total",
+                 "grayguard_gpu_clock_event_reasons", "grayguard_gpu_pcie_replay_total",
                  "grayguard_gpu_energy_joules_total"):
         assert f"\n{name}{{" not in text, name
     assert value(registry, "grayguard_gpu_temperature_celsius") == 46  # the rest is still there
@@ -155,7 +159,7 @@ def test_real_pynvml_on_a_machine_without_driver_is_nvml_down():
 def test_old_driver_falls_back_to_throttle_reasons_and_temperature():
     fake = FakeNvml([healthy_h100(0, clock_event_reasons=0x4, temperature_c=71)], old_driver=True)
     registry, _ = make(fake)
-    assert value(registry, "grayguard_gpu_clock_event_reason_active", reason="sw_power_cap") == 1
+    assert value(registry, "grayguard_gpu_clock_event_reasons") == 0x4  # sw_power_cap
     assert value(registry, "grayguard_gpu_temperature_celsius") == 71
 
 
@@ -168,7 +172,7 @@ def test_library_without_either_call_leaves_the_series_absent():
     del_attr = "nvmlDeviceGetCurrentClocksEventReasons"
     fake.__dict__[del_attr] = None  # an old nvidia-ml-py without the newer function at all
     registry, _ = make(fake)
-    assert value(registry, "grayguard_gpu_clock_event_reason_active", reason="gpu_idle") is None
+    assert value(registry, "grayguard_gpu_clock_event_reasons") is None
     assert value(registry, "grayguard_gpu_sm_clock_hertz") == 1980e6
 
 

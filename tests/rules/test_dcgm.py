@@ -123,10 +123,9 @@ def expr_tests(cfg) -> list[dict]:
     at(2, "grayguard_gpu_info", samples("grayguard_gpu_info", [(gpu(p, name="NVIDIA H100 80GB HBM3", pci_bus_id=b,
                                                                     driver_version=""), 1)
                                                                for p, b in zip(pods, BUS_IDS, strict=True)]))
-    # the reasons, decoded from the mask with NVML's bits: GPU 2 (0x44) hw_thermal_slowdown and sw_power_cap
-    at(2, 'grayguard_gpu_clock_event_reason_active{gpu="2"} == 1',
-       samples("grayguard_gpu_clock_event_reason_active",
-               [(gpu("vllm-chat-2", reason="hw_thermal_slowdown"), 1), (gpu("vllm-chat-2", reason="sw_power_cap"), 1)]))
+    # the reasons: the mask itself, one series a GPU; GPU 2 (0x44) hw_thermal_slowdown and sw_power_cap
+    at(2, 'grayguard_gpu_clock_event_reasons{gpu="2"}',
+       samples("grayguard_gpu_clock_event_reasons", [(gpu("vllm-chat-2"), 0x44)]))
     at(2, "grayguard_gpu_slowed_under_load", samples("grayguard_gpu_slowed_under_load",
                                                      [(gpu(p), int(p == "vllm-chat-2")) for p in pods]))
     at(2, "grayguard_gpu_pcie_degraded_under_load", samples("grayguard_gpu_pcie_degraded_under_load",
@@ -275,9 +274,16 @@ def test_the_fixture_pages_are_dcgm_exporters_default_counters_under_both_names(
 
 
 def test_the_rules_decode_the_reasons_with_the_exporters_bits():
-    from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
+    from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS, SLOWDOWN_BITS
 
     assert dcgm.CLOCK_EVENT_REASONS == CLOCK_EVENT_REASONS
+    assert sum(bit for _, bit in dcgm.slowdown_bits()) == SLOWDOWN_BITS
+    # the alerts template's own table of the slowdown bits (it has no rules/dcgm.py context): one decode a reason
+    alerts = render_alerts(parse_config({"pools": [{"name": "a", "backend": "b"}]}))
+    for reason, bit in dcgm.slowdown_bits():
+        decode = rf'\(grayguard_gpu_clock_event_reasons\) / {bit}\) % 2 == 1,\s+"reason", "{reason}"'
+        assert len(re.findall(decode, alerts)) == 2, reason  # the alert's two load conditions
+    assert alerts.count("(grayguard_gpu_clock_event_reasons) / ") == 2 * len(dcgm.slowdown_bits())
 
 
 def test_gpu_source_is_validated_and_names_the_field():
@@ -303,7 +309,7 @@ def test_every_series_the_controller_and_alerts_read_is_recorded_in_dcgm_mode():
     cfg = dcgm_config()
     recorded = {r["record"] for r in yaml.safe_load("groups:\n" + render_dcgm(cfg))["groups"][0]["rules"]}
     for name in ("grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load", "grayguard_gpu_info",
-                 "grayguard_gpu_ecc_errors", "grayguard_gpu_clock_event_reason_active",
+                 "grayguard_gpu_ecc_errors", "grayguard_gpu_clock_event_reasons",
                  "grayguard_gpu_utilization_ratio", "grayguard_gpu_row_remap_failure",
                  "grayguard_gpu_row_remap_pending", dcgm.XID_NEW):
         assert name in recorded
