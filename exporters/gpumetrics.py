@@ -7,23 +7,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from grayguard.vocab import GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_SLOWDOWN_REASONS
 
 GPU_LABELS = ["gpu", "uuid"]
 
-# Clock-event reason -> NVML bit (nvmlClocksEventReason*; the same bits as the old throttle reasons): the exporter
-# serves the mask as it reads it, one series a GPU; the rules, the dashboards and docs/metrics.md decode these bits.
-CLOCK_EVENT_REASONS = (
-    ("gpu_idle", 0x1),
-    ("applications_clocks_setting", 0x2),
-    ("sw_power_cap", 0x4),
-    ("hw_slowdown", 0x8),
-    ("sync_boost", 0x10),
-    ("sw_thermal_slowdown", 0x20),
-    ("hw_thermal_slowdown", 0x40),
-    ("hw_power_brake_slowdown", 0x80),
-    ("display_clock_setting", 0x100),
-)
 
 # Plain per-GPU gauges: reading key -> (metric name, help). Keys are what nvml.py fills in.
 GAUGES = {

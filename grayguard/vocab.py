@@ -50,6 +50,21 @@ PROBE_RESULTS: tuple[ProbeResult, ...] = tuple(ProbeResult)
 # by it, Prometheus shards pools by it (rules/shards.py)
 POOL_LABEL = "pool"
 
+#: NVML's clock-event reasons and their bits in its mask (nvmlClocksEventReason*, the same bits as the old throttle
+#: reasons; DCGM passes the mask through): the exporter serves the mask as read, one series a GPU
+#: (grayguard_gpu_clock_event_reasons); the rules, the dcgm rules, the dashboards and docs/metrics.md decode it
+CLOCK_EVENT_REASONS = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
+#: the reasons that make a GPU slower than its peers (sw_power_cap is a GPU at full load, no fault)
 GPU_SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 #: the engine answered (a time to first token was measured)
 PROBE_ANSWERED = frozenset({ProbeResult.OK, ProbeResult.SLOW})

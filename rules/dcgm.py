@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grayguard.vocab import GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_SLOWDOWN_REASONS
 
 GROUP = "grayguard-gpu-dcgm"
 # the per-GPU join: one series a GPU of a grayguard node, labelled with the node's labels, gpu, uuid, UUID, the pod
@@ -22,21 +22,6 @@ XID_NEW = "grayguard_gpu_xid_recent"
 JOIN_FIELD = "DCGM_FI_DEV_GPU_UTIL"
 POD_INFO = "grayguard_node_pod_info"
 
-# the clock-event reasons' bits in the mask: NVML's (nvmlClocksEventReason*, the same as the old throttle reasons),
-# which DCGM passes through; the rules decode the mask with it, as the exporter's collector derives its flag with the
-# same table (exporters/gpumetrics.py, and tests/rules/test_dcgm.py checks the two agree: rules may not import the
-# exporter)
-CLOCK_EVENT_REASONS = (
-    ("gpu_idle", 0x1),
-    ("applications_clocks_setting", 0x2),
-    ("sw_power_cap", 0x4),
-    ("hw_slowdown", 0x8),
-    ("sync_boost", 0x10),
-    ("sw_thermal_slowdown", 0x20),
-    ("hw_thermal_slowdown", 0x40),
-    ("hw_power_brake_slowdown", 0x80),
-    ("display_clock_setting", 0x100),
-)
 THROTTLE = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 XID = ("DCGM_FI_DEV_XID_ERROR", "DCGM_FI_DEV_XID_ERRORS")
 
@@ -105,6 +90,6 @@ def slowdown_bits() -> tuple[tuple[str, int], ...]:
 
 def context() -> dict:
     """What the dcgm template needs beyond rules/render.py's context."""
-    return {"dcgm_fields": FIELDS, "slowdown_bits": slowdown_bits(), "dcgm_sel": selector, "throttle": THROTTLE,
+    return {"dcgm_fields": FIELDS, "dcgm_sel": selector, "throttle": THROTTLE,
             "xid": XID, "join_field": JOIN_FIELD, "pod_map": POD_MAP, "xid_new": XID_NEW, "pod_info": POD_INFO,
             "dcgm_group": GROUP}

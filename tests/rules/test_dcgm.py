@@ -274,11 +274,11 @@ def test_the_fixture_pages_are_dcgm_exporters_default_counters_under_both_names(
 
 
 def test_the_rules_decode_the_reasons_with_the_exporters_bits():
-    from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS, SLOWDOWN_BITS
+    from grayguard.exporters.gpumetrics import SLOWDOWN_BITS
 
-    assert dcgm.CLOCK_EVENT_REASONS == CLOCK_EVENT_REASONS
     assert sum(bit for _, bit in dcgm.slowdown_bits()) == SLOWDOWN_BITS
-    # the alerts template's own table of the slowdown bits (it has no rules/dcgm.py context): one decode a reason
+    assert [bit for _, bit in dcgm.CLOCK_EVENT_REASONS] == [1 << k for k in range(9)]  # NVML's bits, in order
+    # the alerts template decodes each slowdown reason with its bit
     alerts = render_alerts(parse_config({"pools": [{"name": "a", "backend": "b"}]}))
     for reason, bit in dcgm.slowdown_bits():
         decode = rf'\(grayguard_gpu_clock_event_reasons\) / {bit}\) % 2 == 1,\s+"reason", "{reason}"'
