@@ -102,13 +102,9 @@ def vllm_checks(session: requests.Session, base_url: str, headers: dict[str, str
     The key fails on a 401 or 403 only; the model fails when the list lacks `want` (or, without it, is empty).
     """
     url = f"{base_url.rstrip('/')}/v1/models"
-    try:
-        resp = session.get(url, headers=headers, timeout=timeout)
-    except requests.RequestException as e:
-        return [Check("model", False, f"GET {url}: {type(e).__name__}")], None
-    if resp.status_code in (401, 403):
-        return [Check("api_key", False, f"GET {url} answered {resp.status_code}: the probe's API key is missing or "
-                                        "wrong (--probe.api-key-file, --probe.api-key-env)")], None
+    resp, refused = _get(session, url, headers, timeout)
+    if refused:
+        return refused, None
     key = Check("api_key", True)
     if resp.status_code != 200:
         return [key, Check("model", False, f"GET {url} answered {resp.status_code}")], None
@@ -130,17 +126,27 @@ def triton_checks(session: requests.Session, base_url: str, headers: dict[str, s
     `ensemble`, without `want`)."""
     model = want or profile("triton").default_model or "ensemble"
     url = f"{base_url.rstrip('/')}/v2/models/{model}/ready"
-    try:
-        resp = session.get(url, headers=headers, timeout=timeout)
-    except requests.RequestException as e:
-        return [Check("model", False, f"GET {url}: {type(e).__name__}")], None
-    if resp.status_code in (401, 403):
-        return [Check("api_key", False, f"GET {url} answered {resp.status_code}: the probe's API key is missing or "
-                                        "wrong (--probe.api-key-file, --probe.api-key-env)")], None
+    resp, refused = _get(session, url, headers, timeout)
+    if refused:
+        return refused, None
     if resp.status_code != 200:
         return [Check("api_key", True), Check("model", False, f"{model!r} not ready: GET {url} answered "
                                                               f"{resp.status_code}")], None
     return [Check("api_key", True), Check("model", True)], model
+
+
+def _get(session: requests.Session, url: str, headers: dict[str, str],
+         timeout: float) -> tuple[requests.Response | None, list[Check]]:
+    """(the answer, []) of GET url with the probe's key; (None, the failed check) when there is no answer (a failed
+    model check) or the key is refused (401 or 403: a failed key check)."""
+    try:
+        resp = session.get(url, headers=headers, timeout=timeout)
+    except requests.RequestException as e:
+        return None, [Check("model", False, f"GET {url}: {type(e).__name__}")]
+    if resp.status_code in (401, 403):
+        return None, [Check("api_key", False, f"GET {url} answered {resp.status_code}: the probe's API key is missing "
+                                              "or wrong (--probe.api-key-file, --probe.api-key-env)")]
+    return resp, []
 
 
 def vllm_version(session: requests.Session, base_url: str, headers: dict[str, str], timeout: float,
