@@ -146,7 +146,7 @@ def with_override(where: str, override: dict) -> dict:
     ("pool0", {"group_speed": {"h100": 0}},
      "pools[0].group_speed.h100: must be > 0 (latency relative to the pool)"),
     ("pool0", {"servers": {"n1": {"serie": "x"}}},
-     "pools[0].servers.n1.serie: unknown field (known: canary_url, peer_group, series)"),
+     "pools[0].servers.n1.serie: unknown field (known: address, canary_url, peer_group, series, weight)"),
     ("pool0", {"servers": {"n1": None, "n2": []}},
      "pools[0].servers.n2: expected a mapping, got list"),
     ("pools+", {"name": "two", "backend": "vllm_chat"},
