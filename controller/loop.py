@@ -349,7 +349,8 @@ class Controller:
         """Read HAProxy, Prometheus, then take and start every pool's canary rounds; None (result.held set) to hold."""
         hap = self.read_haproxy(result)
         if not hap:
-            result.held = "no HAProxy endpoint answered"
+            result.held = ("no HAProxy endpoint answered" if self.cfg.gateway.kind == "haproxy"
+                           else f"the {self.cfg.gateway.kind} gateway did not answer")
             return None
         hap = self.sync_membership(hap, result)  # first: a restore into a restarted HAProxy goes in before a claim
         if self._fencing and self._led:

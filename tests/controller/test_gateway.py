@@ -249,7 +249,7 @@ def test_the_loop_counts_an_nginx_error_and_holds_without_a_file(tmp_path):
     ctl, gw, _ = controller(tmp_path, lambda q: [], lambda: 1000.0)
     gw.path("vllm_chat").unlink()
     r = ctl.tick()
-    assert r.held == "no HAProxy endpoint answered" and any("missing" in e for e in r.errors)
+    assert r.held == "the nginx gateway did not answer" and any("missing" in e for e in r.errors)
     assert ctl.metrics.registry.get_sample_value("grayguard_haproxy_errors_total",
                                                  {"endpoint": gw.endpoint, "kind": "no_file"}) == 1
 
