@@ -6,26 +6,17 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from grayguard.exporters import cli as exporter_cli
 from grayguard.exporters.podinfo import NAMESPACE_ENV, POD_ENV
+from tests.support.kube import kustomize
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
 SIDECAR = "../../components/exporter-sidecar"
-
-
-def kustomize(path: Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        pytest.fail("kubectl is missing (it renders the manifests: `kubectl kustomize`)")
-    p = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
 
 
 def sidecars(objs: list[dict]) -> list[dict]:

@@ -30,6 +30,7 @@ from grayguard.flags import deprecated_used
 from grayguard.localstack.procs import free_port, wait_until
 from grayguard.rules.render import render_all
 from tests.deploy import crds
+from tests.support.kube import kustomize
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,14 +77,6 @@ def set_fleet(kustomization: str, fleet: Fleet) -> str:
         kustomization, n = re.subn(r"^(\s+- \S+-)statefulset\.yaml", r"\1deployment.yaml", kustomization, flags=re.M)
         assert n == 1, "the overlay lists no *-statefulset.yaml fleet"
     return kustomization
-
-
-def kustomize(path: Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        pytest.fail("kubectl is missing (it renders the manifests: `kubectl kustomize`)")
-    p = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
 
 
 @pytest.fixture(scope="module")

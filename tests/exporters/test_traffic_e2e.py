@@ -17,6 +17,7 @@ from grayguard.exporters.server import Exporter
 from grayguard.localstack.procs import wait_until
 from grayguard.sim.fleet import FleetThread
 from grayguard.sim.node import DEFAULT_MODEL
+from tests.support.scrape import samples
 
 CFG = ProbeConfig(interval=0.1, jitter=0.1, slow_threshold=0.5, deadline=3.0, api_key_env=None, live_window=1.0)
 TRAFFIC = ("grayguard_traffic_requests_total", "grayguard_traffic_request_seconds_total",
@@ -27,14 +28,6 @@ TRAFFIC = ("grayguard_traffic_requests_total", "grayguard_traffic_request_second
 def node():
     with FleetThread(n=1, seed=5) as ft:
         yield ft.nodes[0]
-
-
-def samples(url: str) -> dict[str, float]:
-    with requests.Session() as s:
-        s.trust_env = False
-        text = s.get(url, timeout=5).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def vllm_count(node_url: str) -> float:

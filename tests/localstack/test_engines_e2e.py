@@ -22,17 +22,10 @@ from grayguard.exporters.prober import ProbeConfig
 from grayguard.exporters.server import Exporter
 from grayguard.rules.render import EngineSeries, render_recording
 from tests.support.engine_standin import ITL, TTFT, VERSIONS, StandIn
+from tests.support.scrape import samples
 from tests.support.stack import prometheus_config, require, start_prometheus, static_job, wait_until
 
 pytestmark = pytest.mark.e2e
-
-def samples(url: str) -> dict[str, float]:
-    with requests.Session() as s:
-        s.trust_env = False
-        text = s.get(url, timeout=5).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
-
 
 def recorded(prom, name: str) -> float | None:
     res = prom.query(f'{name}{{pool="p"}}')
