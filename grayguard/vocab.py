@@ -64,6 +64,20 @@ CLOCK_EVENT_REASONS = (
     ("hw_power_brake_slowdown", 0x80),
     ("display_clock_setting", 0x100),
 )
+#: The exporter's judgements of a GPU, one bit each in one series a GPU (grayguard_gpu_flags): a bit is set while
+#: its condition holds and clear when it does not or when NVML cannot tell (an unsupported field, an unknown
+#: utilization). The alerts, the controller's GPU-evidence queries, the dcgm rules, the dashboards and
+#: docs/metrics.md decode it as floor(x / bit) % 2. Replaces the 0/1 series grayguard_gpu_lost,
+#: grayguard_gpu_row_remap_pending, grayguard_gpu_row_remap_failure, grayguard_gpu_slowed_under_load and
+#: grayguard_gpu_pcie_degraded_under_load of earlier versions (CHANGELOG.md).
+GPU_FLAGS = (
+    ("lost", 0x1),  # NVML says GpuIsLost or ResetRequired, or a GPU seen earlier is no longer listed
+    ("row_remap_pending", 0x2),  # a row remap waits for a GPU reset
+    ("row_remap_failure", 0x4),  # a row remap failed: the GPU needs service
+    ("slowed_under_load", 0x8),  # a slowdown reason (GPU_SLOWDOWN_REASONS) holds the clocks, utilization > 0.5
+    ("pcie_below_max", 0x10),  # the link runs below its maximum generation or width, at any load
+    ("pcie_degraded_under_load", 0x20),  # pcie_below_max while utilization > 0.5 (an idle link may train down)
+)
 #: the reasons that make a GPU slower than its peers (sw_power_cap is a GPU at full load, no fault)
 GPU_SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 #: the engine answered (a time to first token was measured)
