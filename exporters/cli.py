@@ -146,6 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="DURATION", help="longest a scrape waits for NVML (default %(default)s)")
     n.add_argument("--no-collector.nvml.xid", dest="xid", action="store_false",
                    help="do not listen for XID error events")
+    n.add_argument("--collector.ecc-aggregate", dest="ecc_aggregate", action="store_true",
+                   help="also serve the lifetime ECC counts, grayguard_gpu_ecc_errors{counter_type=\"aggregate\"} "
+                   "(default off: the volatile counts since boot are served; on Ampere and later the remapped rows "
+                   "are the memory's health record, and no rule or alert reads the lifetime counts)"),
     k = p.add_argument_group("pod (rules.gpu_source: dcgm joins dcgm-exporter's GPUs to this node by it; docs/dcgm.md)")
     k.add_argument("--pod.name", dest="pod_name", default=os.environ.get(POD_ENV), metavar="NAME",
                    help=f"this pod's name, for grayguard_node_pod_info (default ${POD_ENV}: %(default)s)")
@@ -270,6 +274,7 @@ def build_exporter(args: argparse.Namespace, nvml: object = pynvml) -> Exporter:
         log.info("agent check off: --no-probe (the agent answers from the probe)")
     return Exporter(args.vllm_url, host=host, port=port, nvml=nvml if args.nvml else None, probe=probe,
                     nvml_read_timeout=args.nvml_timeout, xid_events=args.xid,
+                    ecc_aggregate=getattr(args, "ecc_aggregate", False),
                     agent=args.agent_listen if args.agent and probe is not None else None,
                     registration=registration_config(args),
                     pod=(getattr(args, "pod_namespace", None), getattr(args, "pod_name", None)))

@@ -1,8 +1,10 @@
 """The live fast path's series, and /metrics/fast: the few series Prometheus scrapes every second.
 
-The full /metrics (NVML, histograms, counters) keeps its usual scrape interval; /metrics/fast carries only the
-live values (exporters/live.py) and the probe's and agent's verdict gauges, a couple of dozen samples, so a 1 s
-scrape of it costs little (docs/exporters.md, "Live fast path").
+The full /metrics (NVML, histograms, counters, and every live value) keeps its usual scrape interval; /metrics/fast
+carries only what the controller reads every second (FAST_SERIES: five live values of exporters/live.py, the probe
+TTFT median, the probe's last result and failure streak), eight samples, so a 1 s scrape of it costs little
+(docs/exporters.md, "Live fast path"). The other live values (tokens generated per second, running and waiting
+requests, the window) and the agent's verdict are on the full page only.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from grayguard.exporters.live import LiveSignals
 
-# the prober's and agent's gauges /metrics/fast carries besides the live series
+# the live collector's gauges /metrics/fast carries (the controller reads them every second)
+FAST_LIVE_SERIES = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds",
+                    "grayguard_live_prompt_tokens_per_second", "grayguard_live_decode_batch",
+                    "grayguard_live_kv_cache_usage_ratio", "grayguard_probe_ttft_median_seconds")
+# the prober's gauges /metrics/fast carries besides them
 FAST_PROBE_SERIES = ("grayguard_probe_last_result", "grayguard_probe_consecutive_failures")
-FAST_AGENT_SERIES = ("grayguard_agent_down",)
+#: every series of /metrics/fast
+FAST_SERIES = FAST_LIVE_SERIES + FAST_PROBE_SERIES
 
 
 class LiveCollector:
@@ -74,14 +81,12 @@ class Only:
         return iter([fam for fam in self._inner.collect() if fam.name in self._names])
 
 
-def fast_registry(live: Any | None, probe_state: Any | None, agent_down: Any | None) -> CollectorRegistry:
-    """The registry behind /metrics/fast: the live collector, the probe's last result and failure streak, the
-    agent's verdict; a part that is off (None) is left out."""
+def fast_registry(live: Any | None, probe_state: Any | None) -> CollectorRegistry:
+    """The registry behind /metrics/fast: FAST_SERIES of the live collector and of the probe's state; a part that
+    is off (None) is left out."""
     r = CollectorRegistry()
     if live is not None:
-        r.register(live)
+        r.register(Only(live, FAST_LIVE_SERIES))
     if probe_state is not None:
         r.register(Only(probe_state, FAST_PROBE_SERIES))
-    if agent_down is not None:
-        r.register(Only(agent_down, FAST_AGENT_SERIES))
     return r

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAGS, GPU_SLOWDOWN_REASONS
 
 GPU_LABELS = ["gpu", "uuid"]
 
@@ -23,15 +23,14 @@ GAUGES = {
     "power": ("grayguard_gpu_power_watts", "Current power draw (W)"),
     "power_limit": ("grayguard_gpu_power_limit_watts", "Enforced power limit (W)"),
     "pcie_gen": ("grayguard_gpu_pcie_link_generation", "Current PCIe link generation"),
-    "pcie_gen_max": ("grayguard_gpu_pcie_link_max_generation", "Maximum PCIe link generation of GPU and system"),
     "pcie_width": ("grayguard_gpu_pcie_link_width", "Current PCIe link width (lanes)"),
-    "pcie_width_max": ("grayguard_gpu_pcie_link_max_width", "Maximum PCIe link width (lanes)"),
-    "remap_pending": ("grayguard_gpu_row_remap_pending", "1 when a row remap waits for a GPU reset"),
-    "remap_failure": ("grayguard_gpu_row_remap_failure", "1 when a row remap failed (the GPU needs service)"),
     "utilization": ("grayguard_gpu_utilization_ratio", "Fraction of the last sample period a kernel ran (0-1)"),
     "memory_used": ("grayguard_gpu_memory_used_bytes", "Device memory in use (bytes)"),
     "memory_total": ("grayguard_gpu_memory_total_bytes", "Total device memory (bytes)"),
 }
+# Readings served as labels of grayguard_gpu_info, not as series of their own: reading key -> label name. A label is
+# absent when NVML cannot tell.
+INFO_LABELS = {"pcie_gen_max": "pcie_max_generation", "pcie_width_max": "pcie_max_width"}
 # Per-GPU counters: reading key -> (metric name without _total, help).
 COUNTERS = {
     "energy": ("grayguard_gpu_energy_joules", "Energy consumed since the driver loaded (J)"),
@@ -41,6 +40,7 @@ COUNTERS = {
 # and its link trains down to save power, which is no fault.
 SLOWDOWN_BITS = sum(bit for reason, bit in CLOCK_EVENT_REASONS if reason in GPU_SLOWDOWN_REASONS)
 UNDER_LOAD = 0.5  # utilization from which a GPU counts as under load
+FLAG = dict(GPU_FLAGS)  # flag name -> its bit in grayguard_gpu_flags
 ECC_KINDS = tuple((t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate"))
 NVML_ERROR_KINDS = ("timeout", "error")
 
@@ -58,6 +58,7 @@ class GpuReading:
     clock_event_reasons: int | None = None
     ecc: Mapping[tuple[str, str], int] = field(default_factory=dict)
     remapped_rows: tuple[int, int] | None = None  # correctable, uncorrectable
+    remap_state: tuple[bool, bool] | None = None  # a row remap pending, a row remap failed
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,13 @@ def _families() -> dict[str, Metric]:
         "up": g("grayguard_exporter_nvml_up", "1 when NVML is initialized, 0 when it is absent or failed"),
         "nvml_errors": CounterMetricFamily("grayguard_exporter_nvml_errors",
                                            "NVML reads that timed out or failed unexpectedly", labels=["kind"]),
-        "info": g("grayguard_gpu_info", "GPU identity (value 1)",
-                  labels=GPU_LABELS + ["name", "pci_bus_id", "driver_version"]),
-        "lost": g("grayguard_gpu_lost", "1 when NVML reports the GPU lost or needing a reset", labels=GPU_LABELS),
+        # its labels differ by GPU (a PCIe maximum NVML cannot tell is left out): samples added with add_sample
+        "info": g("grayguard_gpu_info", "GPU identity (value 1); pcie_max_generation and pcie_max_width are the "
+                  "link's maxima of GPU and system, absent when NVML cannot tell"),
+        "flags": g("grayguard_gpu_flags", "The exporter's judgements of the GPU as a bitmask: 0x1 lost, "
+                   "0x2 row_remap_pending, 0x4 row_remap_failure, 0x8 slowed_under_load, 0x10 pcie_below_max, "
+                   f"0x20 pcie_degraded_under_load (under load: utilization > {UNDER_LOAD}; docs/metrics.md)",
+                   labels=GPU_LABELS),
     }
     for key, (name, doc) in GAUGES.items():
         fams[key] = g(name, doc, labels=GPU_LABELS)
@@ -87,17 +92,11 @@ def _families() -> dict[str, Metric]:
                         "NVML's clock event reasons bitmask (nvmlDeviceGetCurrentClocksEventReasons): a set bit is a "
                         "reason holding the clocks down, e.g. 0x8 hw_slowdown, 0x40 hw_thermal_slowdown "
                         "(docs/metrics.md has every bit)", labels=GPU_LABELS)
-    fams["ecc"] = g("grayguard_gpu_ecc_errors", "ECC errors (volatile: since boot, aggregate: lifetime)",
+    fams["ecc"] = g("grayguard_gpu_ecc_errors", "ECC errors (volatile: since boot; aggregate: "
+                    "lifetime, only with --collector.ecc-aggregate)",
                     labels=GPU_LABELS + ["error_type", "counter_type"])
     fams["remapped"] = g("grayguard_gpu_remapped_rows", "Memory rows remapped, by cause",
                          labels=GPU_LABELS + ["cause"])
-    # derived beside the node, for the controller's hot path: one series a GPU to read instead of a join in Prometheus
-    fams["slowed"] = g("grayguard_gpu_slowed_under_load", "1 while a slowdown reason (hardware, thermal, power brake) "
-                       f"holds the clocks down and the GPU is busy (utilization > {UNDER_LOAD}), else 0",
-                       labels=GPU_LABELS)
-    fams["pcie_degraded"] = g("grayguard_gpu_pcie_degraded_under_load", "1 while the PCIe link runs below its maximum "
-                              f"generation or width and the GPU is busy (utilization > {UNDER_LOAD}), else 0",
-                              labels=GPU_LABELS)
     for key, (name, doc) in COUNTERS.items():
         fams[key] = CounterMetricFamily(name, doc, labels=GPU_LABELS)
     fams["xid"] = CounterMetricFamily("grayguard_gpu_xid_errors", "XID critical-error events seen by the exporter",
@@ -105,20 +104,37 @@ def _families() -> dict[str, Metric]:
     return fams
 
 
-def under_load(gpu: GpuReading) -> dict[str, int]:
-    """The derived flags of one GPU whose inputs were read: slowed (a slowdown reason under load) and pcie_degraded
-    (a link below its maximum under load); a flag whose inputs are missing is absent (absent is not zero)."""
-    v = gpu.values
-    if "utilization" not in v:
-        return {}
-    busy = v["utilization"] > UNDER_LOAD
-    out = {}
-    if gpu.clock_event_reasons is not None:
-        out["slowed"] = int(busy and bool(gpu.clock_event_reasons & SLOWDOWN_BITS))
-    if all(k in v for k in ("pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max")):
-        below = v["pcie_gen"] < v["pcie_gen_max"] or v["pcie_width"] < v["pcie_width_max"]
-        out["pcie_degraded"] = int(busy and below)
+def flags(gpu: GpuReading) -> set[str]:
+    """The GPU_FLAGS names that hold for one GPU. A flag whose inputs NVML could not tell (an unsupported field, an
+    unknown utilization) is not set: the mask says what is known to hold."""
+    if gpu.lost:
+        return {"lost"}  # nothing else was read
+    v, out = gpu.values, set()
+    if gpu.remap_state is not None:
+        out |= {name for name, held in zip(("row_remap_pending", "row_remap_failure"), gpu.remap_state, strict=True)
+                if held}
+    busy = v.get("utilization", 0.0) > UNDER_LOAD  # unknown utilization: not known to be under load
+    if busy and gpu.clock_event_reasons is not None and gpu.clock_event_reasons & SLOWDOWN_BITS:
+        out.add("slowed_under_load")
+    if all(k in v for k in ("pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max")) and (
+            v["pcie_gen"] < v["pcie_gen_max"] or v["pcie_width"] < v["pcie_width_max"]):
+        out.add("pcie_below_max")
+        if busy:
+            out.add("pcie_degraded_under_load")
     return out
+
+
+def flags_mask(gpu: GpuReading) -> int:
+    """grayguard_gpu_flags of one GPU: the bits of its flags (grayguard.vocab.GPU_FLAGS)."""
+    return sum(FLAG[name] for name in flags(gpu))
+
+
+def info_labels(gpu: GpuReading, driver_version: str) -> dict[str, str]:
+    """grayguard_gpu_info's labels of one GPU: its identity, and the PCIe maxima NVML could tell."""
+    labels = {"gpu": str(gpu.index), "uuid": gpu.uuid, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id,
+              "driver_version": driver_version}
+    labels.update({label: str(int(gpu.values[key])) for key, label in INFO_LABELS.items() if key in gpu.values})
+    return labels
 
 
 def describe_families() -> list[Metric]:
@@ -134,16 +150,15 @@ def build_families(snap: NvmlSnapshot) -> Iterator[Metric]:
         fams["nvml_errors"].add_metric([kind], snap.errors.get(kind, 0))
     for gpu in snap.gpus:
         ids = [str(gpu.index), gpu.uuid]
-        fams["info"].add_metric(ids + [gpu.name, gpu.pci_bus_id, snap.driver_version], 1)
-        fams["lost"].add_metric(ids, 1 if gpu.lost else 0)
+        fams["info"].add_sample("grayguard_gpu_info", info_labels(gpu, snap.driver_version), 1)
+        fams["flags"].add_metric(ids, flags_mask(gpu))
         for key, value in gpu.values.items():
-            fams[key].add_metric(ids, value)
+            if key not in INFO_LABELS:
+                fams[key].add_metric(ids, value)
         if gpu.clock_event_reasons is not None:
             fams["reasons"].add_metric(ids, gpu.clock_event_reasons)
         for (etype, ctype), n in gpu.ecc.items():
             fams["ecc"].add_metric(ids + [etype, ctype], n)
-        for key, flag in under_load(gpu).items():
-            fams[key].add_metric(ids, flag)
         if gpu.remapped_rows is not None:
             fams["remapped"].add_metric(ids + ["correctable"], gpu.remapped_rows[0])
             fams["remapped"].add_metric(ids + ["uncorrectable"], gpu.remapped_rows[1])

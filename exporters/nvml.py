@@ -13,7 +13,7 @@ import pynvml
 from prometheus_client.core import Metric
 
 from grayguard.exporters.gpumetrics import GpuReading, NvmlSnapshot, build_families, describe_families
-from grayguard.exporters.nvmlfields import READERS, Unsupported, text
+from grayguard.exporters.nvmlfields import Unsupported, readers, text
 from grayguard.exporters.xid import XidWatcher
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,9 @@ class NvmlCollector:
     """
 
     def __init__(self, nvml: Any = pynvml, *, read_timeout: float = 1.0, xid_events: bool = True,
-                 init_retry_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 init_retry_s: float = 30.0, clock: Callable[[], float] = time.monotonic, ecc_aggregate: bool = False):
         self._nvml = nvml
+        self._readers = readers(ecc_aggregate)  # the lifetime ECC counts only when asked for
         self._read_timeout = read_timeout
         self._xid_events = xid_events
         self._init_retry_s = init_retry_s  # a driver that loads late is picked up without a restart
@@ -135,7 +136,7 @@ class NvmlCollector:
         n = self._nvml
         lost = (getattr(n, "NVMLError_GpuIsLost", Unsupported), getattr(n, "NVMLError_ResetRequired", Unsupported))
         absent = (Unsupported, n.NVMLError_NotSupported, n.NVMLError_NoPermission)
-        acc: dict[str, Any] = {"values": {}, "ecc": {}, "reasons": None, "remapped": None}
+        acc: dict[str, Any] = {"values": {}, "ecc": {}, "reasons": None, "remapped": None, "remap_state": None}
         try:
             h = n.nvmlDeviceGetHandleByIndex(index)
             ident = (text(n.nvmlDeviceGetUUID(h)), text(n.nvmlDeviceGetName(h)),
@@ -143,7 +144,7 @@ class NvmlCollector:
             with self._lock:
                 self._ident[index] = ident
                 self._seen[ident[0]] = index
-            for field, reader in READERS:
+            for field, reader in self._readers:
                 try:
                     reader(n, h, acc)
                 except lost:
@@ -162,7 +163,7 @@ class NvmlCollector:
         self._logged.discard((index, "lost"))  # log again if it is lost again later
         return GpuReading(index=index, uuid=ident[0], name=ident[1], pci_bus_id=ident[2],
                           values=acc["values"], clock_event_reasons=acc["reasons"], ecc=acc["ecc"],
-                          remapped_rows=acc["remapped"])
+                          remapped_rows=acc["remapped"], remap_state=acc["remap_state"])
 
     def _ensure_init(self, force: bool = False) -> bool:
         # Its own lock, never self._lock: a hanging nvmlInit must not block a scrape.

@@ -62,7 +62,7 @@ def _memory(n, h, acc):
 def _remapped(n, h, acc):
     corr, unc, pending, failure = n.nvmlDeviceGetRemappedRows(h)
     acc["remapped"] = (int(corr), int(unc))
-    acc["values"].update(remap_pending=float(bool(pending)), remap_failure=float(bool(failure)))
+    acc["remap_state"] = (bool(pending), bool(failure))
 
 
 def _ecc(etype: str, ctype: str):
@@ -73,7 +73,8 @@ def _ecc(etype: str, ctype: str):
     return (f"ecc_{etype}_{ctype}", read)
 
 
-# (field name for logs, reader(nvml, handle, accumulator)), in exposition order.
+# (field name for logs, reader(nvml, handle, accumulator)), in exposition order: every field there is; readers()
+# picks those a collector reads.
 READERS: list[tuple[str, Callable]] = [
     *_values(
         sm_clock=lambda n, h: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM) * MHZ,
@@ -98,3 +99,10 @@ READERS: list[tuple[str, Callable]] = [
     *[_ecc(t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")],
     ("remapped_rows", _remapped),
 ]
+AGGREGATE_ECC = frozenset(f"ecc_{t}_aggregate" for t in ("corrected", "uncorrected"))
+
+
+def readers(ecc_aggregate: bool = False) -> list[tuple[str, Callable]]:
+    """The fields to read: every one, less the lifetime (aggregate) ECC counts unless asked for
+    (--collector.ecc-aggregate: remapped rows are the memory's health record on Ampere and later)."""
+    return [(name, read) for name, read in READERS if ecc_aggregate or name not in AGGREGATE_ECC]

@@ -86,14 +86,14 @@ class Exporter:
     exporters can run in one process: each has its own registry, threads and ports. clock: the monotonic clock of
     the prober and the registrar, and so of /healthz (exporters/liveness.py). The engine (grayguard/engines.py) is
     the probe's (ProbeConfig.engine), else the registration's: the registration's pre-checks ask the engine the
-    probe asks, and the index page names it.
+    probe asks, and the index page names it. ecc_aggregate: also read and serve the lifetime ECC counts.
     """
 
     def __init__(self, vllm_url: str = "http://127.0.0.1:8000", *, host: str = "127.0.0.1", port: int = 9400,
                  nvml: Any = pynvml, probe: ProbeConfig | None = DEFAULT_PROBE, nvml_read_timeout: float = 1.0,
                  xid_events: bool = True, agent: tuple[str, int] | None = None,
                  registration: RegistrationConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 pod: tuple[str | None, str | None] = (None, None)):
+                 pod: tuple[str | None, str | None] = (None, None), ecc_aggregate: bool = False):
         self.vllm_url = vllm_url
         self.engine = probe.engine if probe is not None else (registration.engine if registration is not None
                                                                else DEFAULT_ENGINE)
@@ -104,7 +104,8 @@ class Exporter:
         self._host, self._port = host, port
         self.nvml: NvmlCollector | None = None
         if nvml is not None:
-            self.nvml = NvmlCollector(nvml=nvml, read_timeout=nvml_read_timeout, xid_events=xid_events)
+            self.nvml = NvmlCollector(nvml=nvml, read_timeout=nvml_read_timeout, xid_events=xid_events,
+                                      ecc_aggregate=ecc_aggregate)
             self.registry.register(_Timed(self.nvml, "nvml"))
         else:
             self.registry.register(_NvmlDisabled())
@@ -118,10 +119,9 @@ class Exporter:
             cfg = self.prober.config
             self.agent = Agent(self.prober.snapshot, interval=cfg.interval, deadline=cfg.deadline, host=agent[0],
                                port=agent[1], registry=self.registry)
-        p, a = self.prober, self.agent
-        # /metrics/fast: the live values and the verdict gauges only, for a 1 s scrape (exporters/fastpath.py)
-        self.fast_registry = fast_registry(p.live_collector if p else None, p.state_collector if p else None,
-                                           a.down_collector if a else None)
+        p = self.prober
+        # /metrics/fast: what the controller reads every second, for a 1 s scrape (exporters/fastpath.py)
+        self.fast_registry = fast_registry(p.live_collector if p else None, p.state_collector if p else None)
         self.registrar: Registrar | None = None
         if registration is not None:
             self.registrar = Registrar(registration, vllm_url=vllm_url, registry=self.registry,

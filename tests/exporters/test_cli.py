@@ -32,7 +32,7 @@ def test_defaults():
     assert args.vllm_url == "http://127.0.0.1:8000"
     assert args.listen == ("127.0.0.1", 9400)
     assert (args.probe_interval, args.probe_slow, args.probe_deadline) == (1.0, 0.3, 2.0)
-    assert args.probe and args.nvml and args.xid
+    assert args.probe and args.nvml and args.xid and not args.ecc_aggregate
     assert args.probe_model is None and args.probe_key_env == "VLLM_API_KEY"
     assert args.agent and args.agent_listen == ("127.0.0.1", 9401)
     assert cli.config_error(args) is None
@@ -54,7 +54,7 @@ def test_help_mentions_every_flag(capsys):
     for flag in ("--vllm.url", "--web.listen-address", "--probe.interval", "--probe.slow-threshold",
                  "--probe.deadline", "--probe.model", "--probe.api-key-env", "--probe.api-key-file",
                  "--no-collector.nvml", "--no-probe", "--agent.listen-address", "--no-agent",
-                 "--live.window", "/metrics/fast"):
+                 "--live.window", "/metrics/fast", "--collector.ecc-aggregate"):
         assert flag in out
     assert cli.HELP and "\n" not in cli.HELP
     assert "agent-port" in out and "':9401' = all interfaces" in out
@@ -109,6 +109,23 @@ def test_build_exporter_takes_an_injected_nvml():
         session.trust_env = False
         text = session.get(exporter.url + "/metrics", timeout=5).text
     assert healthy_h100(0).uuid in text
+
+
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_lifetime_ecc_counts_are_served_only_with_the_flag(aggregate):
+    args = parse("--web.listen-address", "127.0.0.1:0", "--no-probe", *(["--collector.ecc-aggregate"] * aggregate))
+    with cli.build_exporter(args, nvml=FakeNvml([healthy_h100(0)])) as exporter, requests.Session() as session:
+        session.trust_env = False
+        text = session.get(exporter.url + "/metrics", timeout=5).text
+    assert 'counter_type="volatile"' in text
+    assert ('counter_type="aggregate"' in text) is aggregate
+
+
+def test_the_ecc_aggregate_help_says_what_it_serves_and_why_it_is_off(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "lifetime ECC counts" in out and "default off" in out and "remapped rows" in out
 
 
 def test_live_window_flag_reaches_the_prober():

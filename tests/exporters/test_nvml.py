@@ -17,6 +17,7 @@ from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.gpumetrics import CLOCK_EVENT_REASONS
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.exporters.xid import XidWatcher
+from grayguard.vocab import GPU_FLAGS
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "exporter_healthy_h100.prom"
 
@@ -61,7 +62,7 @@ def test_register_calls_no_nvml_and_describe_lists_every_family():
     assert fake.calls == 0 and not fake.initialized
     names = {m.name for m in collector.describe()}
     assert {"grayguard_exporter_nvml_up", "grayguard_gpu_info", "grayguard_gpu_xid_errors",
-            "grayguard_gpu_clock_event_reasons", "grayguard_gpu_lost"} <= names
+            "grayguard_gpu_clock_event_reasons", "grayguard_gpu_flags"} <= names
 
 
 def test_thermally_throttled_gpu_shows_its_reasons_and_low_clock():
@@ -88,33 +89,80 @@ def test_the_mask_is_served_whole_with_bits_nvml_may_add():
     mask = 0x1 | 0x4 | 0x8 | 0x100 | 0x200  # 0x200: a bit newer than the table, passed through, not dropped
     registry, _ = make(FakeNvml([healthy_h100(0, clock_event_reasons=mask)]))
     assert value(registry, "grayguard_gpu_clock_event_reasons") == mask
-    assert value(registry, "grayguard_gpu_slowed_under_load") == 1  # 0x8 hw_slowdown on a busy GPU
+    assert value(registry, "grayguard_gpu_flags") == BIT["slowed_under_load"]  # 0x8 hw_slowdown on a busy GPU
+
+
+def info(registry, gpu="0"):
+    """The labels of grayguard_gpu_info for one GPU (None when it has no such series)."""
+    found = [s.labels for m in registry.collect() for s in m.samples
+             if s.name == "grayguard_gpu_info" and s.labels["gpu"] == gpu]
+    assert len(found) <= 1
+    return found[0] if found else None
 
 
 def test_gen1_link_on_a_gen5_gpu_shows_both_numbers():
     fake = FakeNvml([healthy_h100(0, pcie_gen=1, pcie_width=4, pcie_replay=1234)])
     registry, _ = make(fake)
     assert value(registry, "grayguard_gpu_pcie_link_generation") == 1
-    assert value(registry, "grayguard_gpu_pcie_link_max_generation") == 5
     assert value(registry, "grayguard_gpu_pcie_link_width") == 4
-    assert value(registry, "grayguard_gpu_pcie_link_max_width") == 16
+    labels = info(registry)  # the maxima are labels of the info series, not series of their own
+    assert (labels["pcie_max_generation"], labels["pcie_max_width"]) == ("5", "16")
+    assert value(registry, "grayguard_gpu_pcie_link_max_generation") is None
+    assert value(registry, "grayguard_gpu_pcie_link_max_width") is None
     assert value(registry, "grayguard_gpu_pcie_replay_total") == 1234
 
 
-@pytest.mark.parametrize(("overrides", "slowed", "pcie"), [
-    ({}, 0, 0),  # busy and healthy
-    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwThermalSlowdown"]}, 1, 0),
-    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwPowerBrakeSlowdown"]}, 1, 0),
-    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonSwPowerCap"]}, 0, 0),  # at its power limit
-    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwSlowdown"], "utilization_pct": 20}, 0, 0),
-    ({"pcie_gen": 1}, 0, 1), ({"pcie_width": 8}, 0, 1),
-    ({"pcie_gen": 1, "utilization_pct": 0}, 0, 0),  # an idle link trains down: no evidence
-    ({"unsupported": {"clock_event_reasons"}}, None, 0),  # an input unknown: the flag is absent, not 0
+def test_a_pcie_maximum_nvml_cannot_tell_is_an_absent_label():
+    registry, _ = make(FakeNvml([healthy_h100(0, unsupported={"pcie_gen_max"}, no_permission={"pcie_width_max"})]))
+    labels = info(registry)
+    assert "pcie_max_generation" not in labels and "pcie_max_width" not in labels
+    assert labels["name"] == "NVIDIA H100 80GB HBM3" and labels["driver_version"] == "550.54.15"
+    assert value(registry, "grayguard_gpu_flags") == 0  # below its maximum is unknown: the bit is clear
+
+
+BIT = dict(GPU_FLAGS)
+THERMAL = fakenvml.CONSTANTS["nvmlClocksEventReasonHwThermalSlowdown"]
+
+
+@pytest.mark.parametrize(("overrides", "flags"), [
+    ({}, ()),  # busy and healthy
+    ({"remapped_rows": (0, 1, 1, 0)}, ("row_remap_pending",)),
+    ({"remapped_rows": (0, 1, 0, 1)}, ("row_remap_failure",)),
+    ({"clock_event_reasons": THERMAL}, ("slowed_under_load",)),
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonHwPowerBrakeSlowdown"]}, ("slowed_under_load",)),
+    ({"clock_event_reasons": fakenvml.CONSTANTS["nvmlClocksEventReasonSwPowerCap"]}, ()),  # at its power limit
+    ({"clock_event_reasons": THERMAL, "utilization_pct": 20}, ()),  # a slowdown on an idle GPU: no evidence
+    ({"pcie_gen": 1, "utilization_pct": 0}, ("pcie_below_max",)),  # an idle link trains down: below max only
+    ({"pcie_gen": 1}, ("pcie_below_max", "pcie_degraded_under_load")),
+    ({"pcie_width": 8}, ("pcie_below_max", "pcie_degraded_under_load")),
+    ({"pcie_gen": 4, "pcie_gen_max": 4}, ()),  # a Gen4 system: at its maximum
+    ({"remapped_rows": (0, 2, 1, 1), "clock_event_reasons": THERMAL | 0x4, "pcie_width": 8},  # mixed
+     ("row_remap_pending", "row_remap_failure", "slowed_under_load", "pcie_below_max", "pcie_degraded_under_load")),
 ])
-def test_the_derived_flags_say_slowed_or_degraded_only_under_load(overrides, slowed, pcie):
+def test_each_flag_is_its_bit_in_the_one_flags_series(overrides, flags):
     registry, _ = make(FakeNvml([healthy_h100(0, **overrides)]))
-    assert value(registry, "grayguard_gpu_slowed_under_load") == slowed
-    assert value(registry, "grayguard_gpu_pcie_degraded_under_load") == pcie
+    assert value(registry, "grayguard_gpu_flags") == sum(BIT[f] for f in flags)
+    samples = [s for m in registry.collect() for s in m.samples if s.name == "grayguard_gpu_flags"]
+    assert len(samples) == 1  # one series a GPU, whatever holds
+
+
+@pytest.mark.parametrize(("overrides", "flags"), [
+    ({"unsupported": {"clock_event_reasons"}, "pcie_gen": 1},  # no reasons: slowed unknown; the link is known
+     ("pcie_below_max", "pcie_degraded_under_load")),
+    ({"unsupported": {"utilization_pct"}, "clock_event_reasons": THERMAL, "pcie_gen": 1},  # the load unknown
+     ("pcie_below_max",)),
+    ({"unsupported": {"remapped_rows"}}, ()),
+    ({"no_permission": {"pcie_gen"}, "pcie_width": 8}, ()),  # the generation unknown: below its maximum unknown
+    ({"unsupported": {"pcie_width_max"}, "pcie_width": 8}, ()),
+])
+def test_a_flag_whose_inputs_nvml_cannot_tell_is_clear(overrides, flags):
+    registry, _ = make(FakeNvml([healthy_h100(0, **overrides)]))
+    assert value(registry, "grayguard_gpu_flags") == sum(BIT[f] for f in flags)
+    unknown = {"clock_event_reasons": "grayguard_gpu_clock_event_reasons",
+               "utilization_pct": "grayguard_gpu_utilization_ratio", "remapped_rows": "grayguard_gpu_remapped_rows",
+               "pcie_gen": "grayguard_gpu_pcie_link_generation"}
+    for f in {*overrides.get("unsupported", ()), *overrides.get("no_permission", ())} & set(unknown):
+        assert value(registry, unknown[f], **({"cause": "correctable"} if f == "remapped_rows" else {})) is None
 
 
 def test_not_supported_and_no_permission_fields_are_absent_not_zero_and_logged_once(caplog):
@@ -125,14 +173,14 @@ def test_not_supported_and_no_permission_fields_are_absent_not_zero_and_logged_o
         for _ in range(3):
             text = generate_latest(registry).decode()
     for name in ("grayguard_gpu_memory_temperature_celsius", "grayguard_gpu_ecc_errors",
-                 "grayguard_gpu_remapped_rows", "grayguard_gpu_row_remap_pending", "grayguard_gpu_row_remap_failure",
-                 "grayguard_gpu_clock_event_reasons", "grayguard_gpu_pcie_replay_total",
+                 "grayguard_gpu_remapped_rows", "grayguard_gpu_clock_event_reasons", "grayguard_gpu_pcie_replay_total",
                  "grayguard_gpu_energy_joules_total"):
         assert f"\n{name}{{" not in text, name
     assert value(registry, "grayguard_gpu_temperature_celsius") == 46  # the rest is still there
+    assert value(registry, "grayguard_gpu_flags") == 0  # its remap and slowdown bits unknown: clear
     assert value(registry, "grayguard_exporter_nvml_errors_total", gpu=None, kind="error") == 0
     skipped = [r for r in caplog.records if "not exported" in r.getMessage()]
-    assert len(skipped) == 1 + 4 + 1 + 1 + 2  # each field once (ecc has 4 calls), over 3 scrapes
+    assert len(skipped) == 1 + 2 + 1 + 1 + 2  # each field once (ecc has 2 calls: volatile), over 3 scrapes
 
 
 def test_library_not_found_gives_nvml_up_zero_and_no_gpu_series():
@@ -140,7 +188,7 @@ def test_library_not_found_gives_nvml_up_zero_and_no_gpu_series():
     assert collector.start() is False
     text = generate_latest(registry).decode()
     assert registry.get_sample_value("grayguard_exporter_nvml_up") == 0
-    assert "grayguard_gpu_" not in text
+    assert "grayguard_gpu_" not in text  # grayguard_gpu_flags too: absent, not 0
 
 
 def test_real_pynvml_on_a_machine_without_driver_is_nvml_down():
@@ -181,22 +229,24 @@ def test_lost_gpu_is_a_series_and_the_other_gpus_keep_reporting():
     registry, _ = make(fake)
     generate_latest(registry)  # learn identities while healthy
     fake.gpus[1].lost = True
-    assert value(registry, "grayguard_gpu_lost", gpu="1") == 1
+    fake.gpus[1].remapped_rows = (0, 1, 1, 1)  # not read while lost: only the lost bit
+    assert value(registry, "grayguard_gpu_flags", gpu="1") == BIT["lost"]
     assert value(registry, "grayguard_gpu_sm_clock_hertz", gpu="1") is None
-    assert value(registry, "grayguard_gpu_lost", gpu="0") == 0
+    assert info(registry, "1")["uuid"] == healthy_h100(1).uuid and "pcie_max_width" not in info(registry, "1")
+    assert value(registry, "grayguard_gpu_flags", gpu="0") == 0
     assert value(registry, "grayguard_gpu_sm_clock_hertz", gpu="0") == 1980e6
     assert value(registry, "grayguard_exporter_nvml_up", gpu=None) == 1
     fake.gpus[1].lost = False
     fake.gpus[1].reset_required = True
-    assert value(registry, "grayguard_gpu_lost", gpu="1") == 1
+    assert value(registry, "grayguard_gpu_flags", gpu="1") == BIT["lost"]
     fake.gpus[1].reset_required = False
-    assert value(registry, "grayguard_gpu_lost", gpu="1") == 0
+    assert value(registry, "grayguard_gpu_flags", gpu="1") == BIT["row_remap_pending"] | BIT["row_remap_failure"]
 
 
 def test_gpu_lost_before_any_read_is_reported_with_an_empty_uuid():
     fake = FakeNvml([healthy_h100(0, lost=True)])
     registry, _ = make(fake)
-    assert registry.get_sample_value("grayguard_gpu_lost", {"gpu": "0", "uuid": ""}) == 1
+    assert registry.get_sample_value("grayguard_gpu_flags", {"gpu": "0", "uuid": ""}) == BIT["lost"]
 
 
 def test_gpu_that_falls_off_the_bus_is_reported_lost():
@@ -204,8 +254,8 @@ def test_gpu_that_falls_off_the_bus_is_reported_lost():
     registry, _ = make(fake)
     generate_latest(registry)
     del fake.gpus[1]
-    assert value(registry, "grayguard_gpu_lost", gpu="1") == 1
-    assert value(registry, "grayguard_gpu_lost", gpu="0") == 0
+    assert value(registry, "grayguard_gpu_flags", gpu="1") == BIT["lost"]
+    assert value(registry, "grayguard_gpu_flags", gpu="0") == 0
 
 
 def test_unexpected_nvml_error_is_counted_and_the_field_absent():
@@ -242,13 +292,33 @@ def test_ecc_remap_utilization_and_memory_values():
     registry, _ = make(FakeNvml([gpu]))
     ecc = "grayguard_gpu_ecc_errors"
     assert value(registry, ecc, error_type="uncorrected", counter_type="volatile") == 2
-    assert value(registry, ecc, error_type="corrected", counter_type="aggregate") == 0
     assert value(registry, "grayguard_gpu_remapped_rows", cause="correctable") == 3
     assert value(registry, "grayguard_gpu_remapped_rows", cause="uncorrectable") == 1
-    assert value(registry, "grayguard_gpu_row_remap_pending") == 1
-    assert value(registry, "grayguard_gpu_row_remap_failure") == 0
+    assert value(registry, "grayguard_gpu_flags") == BIT["row_remap_pending"]
     assert value(registry, "grayguard_gpu_utilization_ratio") == pytest.approx(0.42)
     assert value(registry, "grayguard_gpu_memory_total_bytes") == 85_520_809_984
+
+
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_lifetime_ecc_counts_are_read_and_served_only_when_asked_for(aggregate):
+    class Counting(FakeNvml):
+        def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+            self.counter_types.add(counter_type)
+            return super().nvmlDeviceGetTotalEccErrors(h, error_type, counter_type)
+
+    gpu = healthy_h100(0)
+    gpu.ecc[("uncorrected", "aggregate")] = 7
+    fake = Counting([gpu])
+    fake.counter_types = set()
+    registry, _ = make(fake, ecc_aggregate=aggregate)
+    samples = [s.labels for m in registry.collect() for s in m.samples if s.name == "grayguard_gpu_ecc_errors"]
+    kinds = {(s["error_type"], s["counter_type"]) for s in samples}
+    volatile = {("corrected", "volatile"), ("uncorrected", "volatile")}
+    lifetime = {("corrected", "aggregate"), ("uncorrected", "aggregate")}
+    assert kinds == (volatile | lifetime if aggregate else volatile)
+    assert (fake.NVML_AGGREGATE_ECC in fake.counter_types) is aggregate  # not even read when off
+    got = value(registry, "grayguard_gpu_ecc_errors", error_type="uncorrected", counter_type="aggregate")
+    assert got == (7 if aggregate else None)
 
 
 def test_xid_events_are_counted_per_gpu_and_code():

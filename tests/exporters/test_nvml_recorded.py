@@ -22,11 +22,13 @@ from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
 from grayguard.exporters.gpumetrics import describe_families
 from grayguard.exporters.nvml import NvmlCollector
 from grayguard.localstack.gpurecord import Recorder, page, replay_module
+from grayguard.vocab import GPU_FLAGS
 from tests.support.stack import require
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "nvml_h200"
 PHASES = ("idle", "load", "after")
+BIT = dict(GPU_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,12 @@ def test_the_collector_on_the_recorded_answers_gives_the_recorded_page(recording
     assert text == (FIXTURE / f"page_{phase}.prom").read_text()
 
 
+def info(text: str) -> dict[str, str]:
+    """The labels of the page's one grayguard_gpu_info series."""
+    (labels,) = [dict(ls) for (n, ls) in samples(text) if n == "grayguard_gpu_info"]
+    return labels
+
+
 def test_what_a_real_h200_reports_idle_and_busy():
     idle, load, after = ((FIXTURE / f"page_{p}.prom").read_text() for p in PHASES)
     assert 'name="NVIDIA H200"' in idle and 'driver_version="580.159.04"' in idle
@@ -64,12 +72,11 @@ def test_what_a_real_h200_reports_idle_and_busy():
         names = {fam.name for fam in text_string_to_metric_families(text)}
         assert names <= described, names - described
         assert value(text, "grayguard_exporter_nvml_up") == 1
-        assert value(text, "grayguard_gpu_lost", gpu="0") == 0
+        assert value(text, "grayguard_gpu_flags", gpu="0") == 0  # not lost, no remap, not slowed, link at its max
         # the link stays at its maximum in this VM, idle or busy (bare metal often drops to Gen1 when idle: the
         # shipped link check looks only under load for that reason)
-        gen, gen_max = (value(text, f"grayguard_gpu_pcie_link_{m}generation") for m in ("", "max_"))
-        assert gen == gen_max == 5
-        assert value(text, "grayguard_gpu_pcie_link_width") == value(text, "grayguard_gpu_pcie_link_max_width") == 16
+        assert value(text, "grayguard_gpu_pcie_link_generation") == int(info(text)["pcie_max_generation"]) == 5
+        assert value(text, "grayguard_gpu_pcie_link_width") == int(info(text)["pcie_max_width"]) == 16
         assert value(text, "grayguard_gpu_ecc_errors", error_type="uncorrected", counter_type="volatile") == 0
     assert value(idle, "grayguard_gpu_clock_event_reasons") == 0x1  # gpu_idle alone
     assert value(idle, "grayguard_gpu_utilization_ratio") == 0
@@ -161,21 +168,21 @@ def test_the_same_busy_gpu_with_a_hardware_slowdown_is_throttled_evidence(tmp_pa
     sw_power_cap (0x4) is throttled, by the exporter's flag the controller reads, and alerts; idle, it is not."""
     require("promtool")
     text = _page_with(recording, "load", nvmlDeviceGetCurrentClocksEventReasons=0x4 | 0x8)
-    assert value(text, "grayguard_gpu_slowed_under_load") == 1
+    assert value(text, "grayguard_gpu_flags") == BIT["slowed_under_load"]
     assert value(text, "grayguard_gpu_clock_event_reasons") == 0x4 | 0x8
     res = _evaluate(tmp_path, text, {}, 1, 0, ["GrayguardGpuThrottled"])
     assert res.returncode == 0, res.stdout + res.stderr
     wrong = _evaluate(tmp_path, text, {}, 0, 0, [])
     assert wrong.returncode != 0
     idle = _page_with(recording, "idle", nvmlDeviceGetCurrentClocksEventReasons=0x1 | 0x8)
-    assert value(idle, "grayguard_gpu_slowed_under_load") == 0  # an idle GPU's slowdown is no evidence
+    assert value(idle, "grayguard_gpu_flags") == 0  # an idle GPU's slowdown is no evidence
 
 
 def test_a_busy_gpu_on_a_narrower_link_is_pcie_evidence(recording):
     text = _page_with(recording, "load", nvmlDeviceGetCurrPcieLinkWidth=4)
-    assert value(text, "grayguard_gpu_pcie_degraded_under_load") == 1
+    assert value(text, "grayguard_gpu_flags") == BIT["pcie_below_max"] | BIT["pcie_degraded_under_load"]
     assert value(_page_with(recording, "idle", nvmlDeviceGetCurrPcieLinkWidth=4),
-                 "grayguard_gpu_pcie_degraded_under_load") == 0
+                 "grayguard_gpu_flags") == BIT["pcie_below_max"]  # an idle link below its max: no load evidence
 
 
 def test_a_recording_of_the_fake_replays_to_the_same_pages():

@@ -264,3 +264,18 @@ def test_a_probe_waiting_past_the_slow_threshold_is_exported_slow_before_it_answ
     p._inflight_since = None
     p._state = ProbeState(ever_ready=True, last_result="ok", last_ttft=0.05)
     assert p.exported()[0].last_result == "ok"  # nothing in flight
+
+
+def test_probe_results_has_ok_and_slow_from_the_start_and_a_failure_from_its_first_count():
+    reg = CollectorRegistry()
+    p = Prober("http://127.0.0.1:1", registry=reg, clock=lambda: 100.0, wall=lambda: 1.7e9)
+
+    def counts() -> dict[str, float]:
+        return {s.labels["result"]: s.value for m in reg.collect() for s in m.samples
+                if s.name == "grayguard_probe_results_total"}
+    assert counts() == {"ok": 0, "slow": 0}  # the failures are absent until counted (as grayguard_gpu_xid_errors)
+    p._record(Observation(connect_error="refused"), "connect_error", 1.0, None, ready=False)
+    assert counts() == {"ok": 0, "slow": 0, "connect_error": 1}  # at 1: increase() misses it, the alerts do not
+    p._record(Observation(timed_out=True), "timeout", 2.0, None, ready=False)
+    p._record(Observation(timed_out=True), "timeout", 3.0, None, ready=False)
+    assert counts() == {"ok": 0, "slow": 0, "connect_error": 1, "timeout": 2}

@@ -161,7 +161,11 @@ def test_exporter_restarted_beside_a_ready_but_broken_vllm_reports_the_fault_at_
             text = scrape(exporter.url)
             state = exporter.prober.state
         assert sample(text, f'grayguard_probe_last_result{{result="{expected}"}}') == 1
-        assert sample(text, 'grayguard_probe_results_total{result="starting"}') == 0
+        assert sample(text, 'grayguard_probe_results_total{result="starting"}') is None  # never counted
+        # a failure's series appears at its first count; ok and slow are there from the start, at 0
+        assert sample(text, f'grayguard_probe_results_total{{result="{expected}"}}') >= 2
+        assert sample(text, 'grayguard_probe_results_total{result="ok"}') == 0
+        assert sample(text, 'grayguard_probe_results_total{result="slow"}') == 0
         assert sample(text, "grayguard_probe_consecutive_failures") >= 2
         assert state.ever_ready  # the backend said it is ready: later failures are not even asked about
     finally:
@@ -249,4 +253,4 @@ def test_backend_that_becomes_ready_later_goes_from_starting_to_ok():
     assert sample(text, 'grayguard_probe_results_total{result="starting"}') >= 4
     assert sample(text, "grayguard_probe_consecutive_failures") == 0
     for fault in ("timeout", "connect_error", "http_error", "bad_response", "cuda_error"):
-        assert sample(text, f'grayguard_probe_results_total{{result="{fault}"}}') == 0
+        assert sample(text, f'grayguard_probe_results_total{{result="{fault}"}}') is None  # never counted
