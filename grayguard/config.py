@@ -27,6 +27,7 @@ import yaml
 
 from grayguard.engines import DEFAULT_ENGINE, ENGINES
 from grayguard.redact import redact_url
+from grayguard.vocab import GPU_FLAGS
 
 # HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
 # Anything else ('; ', space, newline) could inject runtime-API commands.
@@ -338,9 +339,12 @@ class SignalsConfig:
     kv_cache_query: str = ("max by (pool, instance) (grayguard_live_kv_cache_usage_ratio) "
                            "or instance:vllm_kv_cache_usage_ratio:max")
     # the exporter derives both flags beside the node (a slowdown reason, or a link below its maximum, while the GPU
-    # is busy: exporters/gpumetrics.py); before 2026-12-05 these were joins in Prometheus (docs/operations.md)
-    gpu_throttled_query: str = "max by (pool, instance) (grayguard_gpu_slowed_under_load)"
-    pcie_degraded_query: str = "max by (pool, instance) (grayguard_gpu_pcie_degraded_under_load)"
+    # is busy: exporters/gpumetrics.py), bits of its mask grayguard_gpu_flags (grayguard/vocab.py GPU_FLAGS); before
+    # 2026-12-05 these were joins in Prometheus (docs/operations.md), until issue 34 0/1 series of their own
+    gpu_throttled_query: str = (
+        f"max by (pool, instance) (floor(grayguard_gpu_flags / {dict(GPU_FLAGS)['slowed_under_load']}) % 2)")
+    pcie_degraded_query: str = (
+        f"max by (pool, instance) (floor(grayguard_gpu_flags / {dict(GPU_FLAGS)['pcie_degraded_under_load']}) % 2)")
     gpu_ecc_query: str = (
         "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
     gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAGS, GPU_SLOWDOWN_REASONS
 
 GROUP = "grayguard-gpu-dcgm"
 # the per-GPU join: one series a GPU of a grayguard node, labelled with the node's labels, gpu, uuid, UUID, the pod
@@ -24,6 +24,13 @@ POD_INFO = "grayguard_node_pod_info"
 
 THROTTLE = ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS")
 XID = ("DCGM_FI_DEV_XID_ERROR", "DCGM_FI_DEV_XID_ERRORS")
+# the fields grayguard_gpu_flags is recorded from (with THROTTLE and JOIN_FIELD); DCGM has no "GPU is lost" field, so
+# the lost bit is never set in dcgm mode
+FLAGS = "grayguard_gpu_flags"
+FLAG_FIELDS = {"row_remap_pending": "DCGM_FI_DEV_ROW_REMAP_PENDING",
+               "row_remap_failure": "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+               "pcie_generation": "DCGM_FI_DEV_PCIE_LINK_GEN", "pcie_max_generation": "DCGM_FI_DEV_PCIE_MAX_LINK_GEN",
+               "pcie_width": "DCGM_FI_DEV_PCIE_LINK_WIDTH", "pcie_max_width": "DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH"}
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,7 @@ class Field:
 FIELDS = (
     Field("grayguard_gpu_utilization_ratio", (JOIN_FIELD,), 0.01),  # percent
     Field("grayguard_gpu_pcie_link_generation", ("DCGM_FI_DEV_PCIE_LINK_GEN",)),
-    Field("grayguard_gpu_pcie_link_max_generation", ("DCGM_FI_DEV_PCIE_MAX_LINK_GEN",)),
     Field("grayguard_gpu_pcie_link_width", ("DCGM_FI_DEV_PCIE_LINK_WIDTH",)),
-    Field("grayguard_gpu_pcie_link_max_width", ("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",)),
     # DBE (double-bit) is NVML's uncorrected, SBE its corrected; VOL since the driver loaded, AGG the GPU's lifetime
     Field("grayguard_gpu_ecc_errors", ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",),
           labels={"error_type": "uncorrected", "counter_type": "volatile"}),
@@ -54,8 +59,6 @@ FIELDS = (
     Field("grayguard_gpu_remapped_rows", ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",), labels={"cause": "correctable"}),
     Field("grayguard_gpu_remapped_rows", ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",),
           labels={"cause": "uncorrectable"}),
-    Field("grayguard_gpu_row_remap_failure", ("DCGM_FI_DEV_ROW_REMAP_FAILURE",)),
-    Field("grayguard_gpu_row_remap_pending", ("DCGM_FI_DEV_ROW_REMAP_PENDING",)),
     # NVML's clock-event reasons bitmask, as the exporter serves it (DCGM passes NVML's bits through)
     Field("grayguard_gpu_clock_event_reasons", THROTTLE),
     # for the GPU dashboard: DCGM 4.6 renamed the temperature and power fields
@@ -80,11 +83,12 @@ def selector(names: tuple[str, ...], matchers: str = "") -> str:
 
 def field_names() -> set[str]:
     """Every dcgm-exporter series name the dcgm rules read."""
-    return {n for f in FIELDS for n in f.names} | set(THROTTLE) | set(XID) | {JOIN_FIELD}
+    return {n for f in FIELDS for n in f.names} | set(THROTTLE) | set(XID) | {JOIN_FIELD} | set(FLAG_FIELDS.values())
 
 
 def slowdown_bits() -> tuple[tuple[str, int], ...]:
-    """(reason, bit) of the slowdown reasons (grayguard/vocab.py), the bits that set grayguard_gpu_slowed_under_load."""
+    """(reason, bit) of the slowdown reasons (grayguard/vocab.py), the bits that set grayguard_gpu_flags'
+    slowed_under_load."""
     return tuple((reason, bit) for reason, bit in CLOCK_EVENT_REASONS if reason in GPU_SLOWDOWN_REASONS)
 
 
@@ -92,4 +96,4 @@ def context() -> dict:
     """What the dcgm template needs beyond rules/render.py's context."""
     return {"dcgm_fields": FIELDS, "dcgm_sel": selector, "throttle": THROTTLE,
             "xid": XID, "join_field": JOIN_FIELD, "pod_map": POD_MAP, "xid_new": XID_NEW, "pod_info": POD_INFO,
-            "dcgm_group": GROUP}
+            "dcgm_group": GROUP, "flags": FLAGS, "flag_fields": FLAG_FIELDS, "flag_bits": dict(GPU_FLAGS)}

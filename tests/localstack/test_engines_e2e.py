@@ -67,9 +67,10 @@ def test_an_engines_node_through_the_exporter_and_prometheus(engine, tmp_path):
         # the probe speaks its API: answered, ok
         wait_until(lambda: samples(exp.url + "/metrics").get('grayguard_probe_results_total{result="ok"}', 0) >= 5,
                    20, interval_s=0.1, what=f"5 ok probes of the {engine} stand-in")
-        fast = wait_until(lambda: (f := samples(exp.url + "/metrics/fast")).get("grayguard_live_requests_running")
+        # the live running count is on the full page only (issue 34: the fast page carries what the controller reads)
+        full = wait_until(lambda: (f := samples(exp.url + "/metrics")).get("grayguard_live_requests_running")
                           is not None and f, 20, interval_s=0.2, what="the live running count")
-        assert fast["grayguard_live_requests_running"] == 2.0
+        assert full["grayguard_live_requests_running"] == 2.0
         def live_as_given():
             f = samples(exp.url + "/metrics/fast")
             itl, ttft = "grayguard_live_itl_seconds" in f, "grayguard_live_ttft_seconds" in f
@@ -92,10 +93,13 @@ def test_an_engines_node_through_the_exporter_and_prometheus(engine, tmp_path):
         scrape = [static_job("engine", [node.netloc], {"pool": "p"}),
                   static_job("grayguard-exporter", [exp.url.split("//", 1)[1]], {"pool": "p", "instance": node.netloc})]
         with start_prometheus(prometheus_config(scrape, interval="1s"), [rules], workdir=tmp_path / "prom") as prom:
-            prom.wait_for('instance:vllm_num_requests_running:sum{pool="p"}', timeout_s=30)
-            assert recorded(prom, "instance:vllm_num_requests_running:sum") == 2.0
+            # not recorded: the running requests the GPU alerts' "under load" computes inline (rules/render.py gs)
+            series = EngineSeries("vllm:", [engine], "pool, instance")
+            running = prom.wait_for(series.gs("running"), timeout_s=30)
+            assert [float(s["value"][1]) for s in running] == [2.0]
+            prom.wait_for('instance:vllm_normalized_latency_seconds_per_token:rate30s{pool="p"}', timeout_s=30)
             # not recorded (only people read it): the runbook's query, for this engine
-            waiting = prom.query(EngineSeries("vllm:", [engine], "pool, instance").gs("waiting"))
+            waiting = prom.query(series.gs("waiting"))
             assert [float(s["value"][1]) for s in waiting] == [1.0]
             assert recorded(prom, "instance:vllm_kv_cache_usage_ratio:max") == gives["kv"]
             if gives["latency"]:
@@ -117,7 +121,7 @@ def test_an_engines_node_through_the_exporter_and_prometheus(engine, tmp_path):
                 steps = profile(engine).steps[0][0]
                 prom.wait_for(f'rate({steps.name}[30s]) > 0', timeout_s=30)
                 since = time.time()  # then a rule evaluation after that (the recorded sample's timestamp)
-                prom.wait_for('instance:vllm_num_requests_running:sum{pool="p"}',
+                prom.wait_for('instance:vllm_normalized_latency_seconds_per_token:rate30s{pool="p"}',
                               lambda r: r and float(r[0]["value"][0]) > since + 1, timeout_s=30)
                 if not gives["latency"]:
                     assert recorded(prom, "instance:vllm_normalized_latency_seconds_per_token:rate30s") is None

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from grayguard.config import DCGM_SIGNALS, ConfigError, SignalsConfig, parse_config
 from grayguard.rules import dcgm
 from grayguard.rules.render import ALERTS_FILE, RECORDING_FILE, render_alerts, render_all, render_dcgm
+from grayguard.vocab import GPU_FLAGS
 from tests.support.stack import require
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm"
@@ -76,6 +77,8 @@ def overrides(page: str) -> dict[tuple[str, str], str]:
         ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "vllm-chat-0"): f"0 0 0 1x{STEPS - 3}",  # an uncorrectable error at 3m
         (xid, "vllm-chat-1"): f"0x9 79x{STEPS - 10}",  # XID 79 at 10m
         (xid, "vllm-chat-0"): f"43x{STEPS}",  # an old XID, from before the rules were loaded: never new
+        ("DCGM_FI_DEV_ROW_REMAP_PENDING", "vllm-chat-0"): f"0x5 1x{STEPS - 6}",  # a row remap pending from 6m
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "vllm-chat-1"): f"0x5 1x{STEPS - 6}",  # a failed row remap from 6m
     }
 
 
@@ -126,10 +129,16 @@ def expr_tests(cfg) -> list[dict]:
     # the reasons: the mask itself, one series a GPU; GPU 2 (0x44) hw_thermal_slowdown and sw_power_cap
     at(2, 'grayguard_gpu_clock_event_reasons{gpu="2"}',
        samples("grayguard_gpu_clock_event_reasons", [(gpu("vllm-chat-2"), 0x44)]))
-    at(2, "grayguard_gpu_slowed_under_load", samples("grayguard_gpu_slowed_under_load",
-                                                     [(gpu(p), int(p == "vllm-chat-2")) for p in pods]))
-    at(2, "grayguard_gpu_pcie_degraded_under_load", samples("grayguard_gpu_pcie_degraded_under_load",
-                                                            [(gpu(p), int(p == "vllm-chat-1")) for p in pods]))
+    # the exporter's judgements as one mask (GPU_FLAGS): GPU 2 slowed under load (0x8); GPU 1's link at x8 of x16
+    # under load (0x10 pcie_below_max, 0x20 pcie_degraded_under_load); from 6m GPU 0's row remap pending (0x2) and
+    # GPU 1's failed (0x4); never lost (0x1: DCGM has no such field)
+    bit = dict(GPU_FLAGS)
+    before = {"vllm-chat-0": 0, "vllm-chat-1": bit["pcie_below_max"] + bit["pcie_degraded_under_load"],
+              "vllm-chat-2": bit["slowed_under_load"]}
+    after = {**before, "vllm-chat-0": bit["row_remap_pending"],
+             "vllm-chat-1": before["vllm-chat-1"] + bit["row_remap_failure"]}
+    at(2, dcgm.FLAGS, samples(dcgm.FLAGS, [(gpu(p), before[p]) for p in pods]))
+    at(6, dcgm.FLAGS, samples(dcgm.FLAGS, [(gpu(p), after[p]) for p in pods]))
     at(2, 'grayguard_gpu_ecc_errors{error_type="uncorrected"}', samples("grayguard_gpu_ecc_errors", [
         (gpu(p, error_type="uncorrected", counter_type="volatile"), 0) for p in pods]))
     at(4, 'grayguard_gpu_ecc_errors{error_type="uncorrected"} > 0', samples("grayguard_gpu_ecc_errors", [
@@ -165,8 +174,13 @@ def expr_tests(cfg) -> list[dict]:
     down = {**node["vllm-chat-9"], "alertname": "GrayguardNvmlDown", "severity": "ticket", **firing}
     at(4, alert % "GrayguardNvmlDown", [])
     at(5, alert % "GrayguardNvmlDown", samples("ALERTS", [(down, 1)]))
-    for name in ("GrayguardGpuRowRemapFailure", "GrayguardGpuRowRemapPending", "GrayguardGpuLost"):
-        at(20, alert % name, [])
+    failure = gpu("vllm-chat-1", alertname="GrayguardGpuRowRemapFailure", severity="page", **firing)
+    at(6, alert % "GrayguardGpuRowRemapFailure", [])
+    at(7, alert % "GrayguardGpuRowRemapFailure", samples("ALERTS", [(failure, 1)]))
+    pending = gpu("vllm-chat-0", alertname="GrayguardGpuRowRemapPending", severity="ticket", **firing)
+    at(20, alert % "GrayguardGpuRowRemapPending", [])
+    at(21, alert % "GrayguardGpuRowRemapPending", samples("ALERTS", [(pending, 1)]))
+    at(21, alert % "GrayguardGpuLost", [])
     return t
 
 
@@ -240,7 +254,7 @@ def test_the_rule_test_catches_a_lost_bit(promtool, tmp_path, monkeypatch):
     monkeypatch.setattr(dcgm, "CLOCK_EVENT_REASONS", wrong)
     res = run_promtool(promtool, tmp_path, dcgm_config(), "clocks_event_reasons", True)
     assert res.returncode != 0
-    assert "grayguard_gpu_slowed_under_load" in res.stdout + res.stderr
+    assert "grayguard_gpu_flags" in res.stdout + res.stderr
 
 
 def test_dcgm_rules_pass_promtool_check(promtool, tmp_path):
@@ -308,10 +322,9 @@ def test_dcgm_switches_the_xid_query_unless_it_is_given():
 def test_every_series_the_controller_and_alerts_read_is_recorded_in_dcgm_mode():
     cfg = dcgm_config()
     recorded = {r["record"] for r in yaml.safe_load("groups:\n" + render_dcgm(cfg))["groups"][0]["rules"]}
-    for name in ("grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load", "grayguard_gpu_info",
-                 "grayguard_gpu_ecc_errors", "grayguard_gpu_clock_event_reasons",
-                 "grayguard_gpu_utilization_ratio", "grayguard_gpu_row_remap_failure",
-                 "grayguard_gpu_row_remap_pending", dcgm.XID_NEW):
+    for name in ("grayguard_gpu_flags", "grayguard_gpu_info", "grayguard_gpu_ecc_errors",
+                 "grayguard_gpu_clock_event_reasons", "grayguard_gpu_utilization_ratio",
+                 "grayguard_gpu_pcie_link_generation", "grayguard_gpu_pcie_link_width", dcgm.XID_NEW):
         assert name in recorded
     for query in (cfg.signals.gpu_throttled_query, cfg.signals.pcie_degraded_query, cfg.signals.gpu_ecc_query,
                   cfg.signals.gpu_xid_query, cfg.signals.peer_group_query):

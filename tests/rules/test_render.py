@@ -265,3 +265,10 @@ def test_no_leader_waits_the_lease_and_a_tick_and_checks_absence_only_with_a_reg
     assert 'absent(grayguard_controller_leader{job="ctl"})' in reg["expr"]
     assert 'count(up{job="ctl"} == 1) > 0' in reg["expr"]
     assert no_leader({"rules": {"alert_for": {"GrayguardNoLeader": "1m"}}})["for"] == "1m"
+
+
+def test_committed_engines_alerts_fixture_is_current():
+    """rules/tests/engines-alerts.test.yml runs the alerts of the engines config: the GPU alerts' "under load" with
+    each engine's running requests (the recorded instance:vllm_num_requests_running:sum is gone, issue 34)."""
+    cfg = load_config(RULES / "tests" / "grayguard-engines-test.yaml")
+    assert (RULES / "tests" / "grayguard-engines-alerts.rules.yml").read_text() == render_alerts(cfg)
