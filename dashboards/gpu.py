@@ -23,6 +23,7 @@ from grayguard.dashboards.promql import matchers, node_info, zero_fill
 from grayguard.dashboards.promql import series as s
 from grayguard.rules.dcgm import CLOCK_EVENT_REASONS, slowdown_bits
 from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID
+from grayguard.vocab import GPU_FLAGS
 
 UID = GPU_DASHBOARD_UID
 TITLE = "grayguard / GPU health"
@@ -39,6 +40,7 @@ DCGM_XID = (f'\nor label_replace(max by ({BY}) (grayguard_gpu_xid_recent{{{G}}})
 NVML_DOWN = (f"(1 - grayguard_exporter_nvml_up{{{E}}}) * on (pool, instance) (1 - (group by (pool, instance) "
              f"(grayguard_gpu_info{{{E}}}) or on (pool, instance) (0 * grayguard_exporter_nvml_up{{{E}}})))")
 REASONS = f"grayguard_gpu_clock_event_reasons{{{G}}}"  # NVML's clock-event reasons bitmask, one series a GPU
+FLAGS = f"grayguard_gpu_flags{{{G}}}"  # the exporter's judgements of a GPU, one bit each (grayguard/vocab.py GPU_FLAGS)
 ABSENT = "Absent, not 0, where the GPU or driver does not support the field."
 
 # Back to the Pool overview: from a GPU's series (its instance), from a row of the GPUs table (its node).
@@ -53,6 +55,11 @@ POOL_LINK = Link(f"{POOL_TITLE}: these pools", POOL_DASHBOARD_UID, raw=("${pool:
 def reason_bit(bit: int) -> str:
     """1 while the reason with NVML's bit `bit` holds a GPU's clocks down, else 0 (decoded from the mask)."""
     return f"floor({REASONS} / {bit}) % 2"
+
+
+def flag(name: str) -> str:
+    """1 while the exporter's judgement `name` (a bit of grayguard_gpu_flags) holds for a GPU, else 0."""
+    return f"floor({FLAGS} / {dict(GPU_FLAGS)[name]}) % 2"
 
 
 # 1 while a reason that explains a slow GPU directly (hardware, thermal, power brake: grayguard/vocab.py) holds its
@@ -104,14 +111,12 @@ def build(cfg: DashboardConfig) -> dict:
                "rules.gpu_source dcgm (the sidecar's NVML off): nodes no dcgm-exporter GPU is joined to.",
                [Q(f"sum({NVML_DOWN})", "down")], w=3, steps=[(1, "red")]),
         single("GPUs lost", "NVML reports the GPU lost or needing a reset (fallen off the bus, XID 79).",
-               [Q(f"sum(grayguard_gpu_lost{{{G}}})", "lost")], w=3, steps=[(1, "red")]),
+               [Q(f"sum({flag('lost')})", "lost")], w=3, steps=[(1, "red")]),
         single("Slowed down", "GPUs held down by a hardware, thermal or power-brake clock-event reason now.",
                [Q(f"sum(max by ({BY}) ({SLOWED}))", "GPUs")], w=3, steps=[(1, "red")]),
         single("PCIe below max", "GPUs whose link trained below its maximum generation or width (judge under "
-               "load: an idle GPU may downshift).",
-               [Q(f"sum(clamp_max((grayguard_gpu_pcie_link_generation{{{G}}} < bool "
-                  f"grayguard_gpu_pcie_link_max_generation{{{G}}}) + (grayguard_gpu_pcie_link_width{{{G}}} < bool "
-                  f"grayguard_gpu_pcie_link_max_width{{{G}}}), 1))", "GPUs")], w=3, steps=[(1, "orange")]),
+               "load: an idle GPU may downshift), the exporter's pcie_below_max bit of grayguard_gpu_flags.",
+               [Q(f"sum({flag('pcie_below_max')})", "GPUs")], w=3, steps=[(1, "orange")]),
         single("XID events", "XID critical errors the exporters saw since they started.",
                [Q(zero_fill(f"sum(grayguard_gpu_xid_errors_total{{{G}}})", f"count(grayguard_gpu_info{{{G}}})"),
                   "XIDs")], w=3, steps=[(1, "red")]),
@@ -119,8 +124,8 @@ def build(cfg: DashboardConfig) -> dict:
                [Q(f'sum(grayguard_gpu_ecc_errors{{{G}, error_type="uncorrected", counter_type="volatile"}})',
                   "errors")], w=3, steps=[(1, "red")]),
         single("Row remap pending / failed", "Rows waiting for a GPU reset, and failed remaps (needs service).",
-               [Q(f"sum(grayguard_gpu_row_remap_pending{{{G}}})", "pending"),
-                Q(f"sum(grayguard_gpu_row_remap_failure{{{G}}})", "failed")], w=3, steps=[(1, "orange")]),
+               [Q(f"sum({flag('row_remap_pending')})", "pending"),
+                Q(f"sum({flag('row_remap_failure')})", "failed")], w=3, steps=[(1, "orange")]),
     ):
         d = d.with_panel(p)
 
@@ -155,13 +160,14 @@ def build(cfg: DashboardConfig) -> dict:
                         dashed="^limit ", legend_table=True))
 
     d = d.with_row(row("PCIe"))
-    d = d.with_panel(gpu_ts("PCIe link generation vs max", "Current generation; dashed: the maximum of GPU and slot. "
-                        "Gen1 on a Gen5 GPU cuts host-GPU bandwidth ~16x.",
-                        _vs_max("grayguard_gpu_pcie_link_generation", "grayguard_gpu_pcie_link_max_generation"),
-                        "none", w=8, lo=0, dashed="^max ", step_line=True))
-    d = d.with_panel(gpu_ts("PCIe link width vs max", "Current lanes; dashed: the maximum.",
-                        _vs_max("grayguard_gpu_pcie_link_width", "grayguard_gpu_pcie_link_max_width"),
-                        "none", w=8, lo=0, dashed="^max ", step_line=True))
+    d = d.with_panel(gpu_ts("PCIe link generation", "Current generation (grayguard_gpu_pcie_link_generation). "
+                        "The maximum of GPU and slot is the GPUs table's pcie_max_generation (a label of "
+                        "grayguard_gpu_info); \"PCIe below max\" counts the links below it. Gen1 on a Gen5 GPU cuts "
+                        "host-GPU bandwidth ~16x.",
+                        [Q(s("grayguard_gpu_pcie_link_generation", G), L)], "none", w=8, lo=0, step_line=True))
+    d = d.with_panel(gpu_ts("PCIe link width", "Current lanes (grayguard_gpu_pcie_link_width); the maximum is the "
+                        "GPUs table's pcie_max_width (a label of grayguard_gpu_info).",
+                        [Q(s("grayguard_gpu_pcie_link_width", G), L)], "none", w=8, lo=0, step_line=True))
     d = d.with_panel(gpu_ts("PCIe replays", "Link-level retransmissions per second: a marginal link (riser, cable, "
                         "slot) that retries instead of failing.",
                         [Q(f"rate(grayguard_gpu_pcie_replay_total{{{G}}}[$__rate_interval])", L)], "ops", w=8,
@@ -169,12 +175,13 @@ def build(cfg: DashboardConfig) -> dict:
 
     d = d.with_row(row("Memory errors, XIDs, lost GPUs"))
     d = d.with_panel(gpu_ts("ECC errors", "ECC error counts (volatile: since the last driver load; aggregate: "
-                        "lifetime). " + ABSENT, [Q(s("grayguard_gpu_ecc_errors", G), f"{L} {{{{error_type}}}} "
+                        "lifetime, only with the exporter's --collector.ecc-aggregate). " + ABSENT,
+                        [Q(s("grayguard_gpu_ecc_errors", G), f"{L} {{{{error_type}}}} "
                                      "{{counter_type}}")], "none", w=6, lo=0, step_line=True))
     d = d.with_panel(gpu_ts("Row remapping", "Rows remapped by cause, and remaps pending a reset or failed. " + ABSENT,
                         [Q(s("grayguard_gpu_remapped_rows", G), f"{L} {{{{cause}}}}"),
-                         Q(s("grayguard_gpu_row_remap_pending", G), f"{L} pending"),
-                         Q(s("grayguard_gpu_row_remap_failure", G), f"{L} failed")], "none", w=6, lo=0,
+                         Q(flag("row_remap_pending"), f"{L} pending"),
+                         Q(flag("row_remap_failure"), f"{L} failed")], "none", w=6, lo=0,
                         step_line=True))
     d = d.with_panel(gpu_ts("XID events", "XID critical errors seen per GPU and code since the exporter started (a "
                         "step up is an event). 0: none seen on a GPU the exporter reports. With rules.gpu_source "
@@ -186,7 +193,7 @@ def build(cfg: DashboardConfig) -> dict:
     d = d.with_panel(timeline(
         "GPU lost / NVML down", "LOST: NVML answers GpuIsLost/ResetRequired or the GPU left the bus. NVML down: "
         "the exporter has no NVML, so its GPUs show nothing (unknown, not healthy).",
-        [Q(s("grayguard_gpu_lost", G), L), Q(NVML_DOWN, "{{instance}} NVML")],
+        [Q(flag("lost"), L), Q(NVML_DOWN, "{{instance}} NVML")],
         [("0", "ok", "green"), ("1", "LOST / DOWN", "red")], w=6))
 
     d = d.with_row(row("Utilization and memory"))

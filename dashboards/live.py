@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.panels import Link, Q, ts
-from grayguard.dashboards.promql import matchers, named
+from grayguard.dashboards.promql import matchers, named, vllm
+from grayguard.rules.render import EngineSeries
 
 TITLE = "Live signals (1 s)"
 
@@ -19,9 +20,12 @@ C = matchers(pool="~$pool", node="~$node")  # the nodes $node selects, by their 
 
 ITL, TTFT = "grayguard_live_itl_seconds", "grayguard_live_ttft_seconds"
 PROBE_MEDIAN = "grayguard_probe_ttft_median_seconds"
-RUNNING, WAITING = "grayguard_live_requests_running", "grayguard_live_requests_waiting"
 BATCH = "grayguard_live_decode_batch"
-GENERATED, PROMPT = "grayguard_live_generation_tokens_per_second", "grayguard_live_prompt_tokens_per_second"
+PROMPT = "grayguard_live_prompt_tokens_per_second"
+# the engine's own series (the exporter's live running, waiting and generated-token gauges are on its full page only,
+# not stored by the example scrape config: issue 34)
+RUNNING, WAITING = "running", "waiting"  # EngineSeries.gs signals: vllm:num_requests_running, _waiting, ...
+GENERATED = "generation_tokens_total"  # vLLM's counter, as a rate
 KV = "grayguard_live_kv_cache_usage_ratio"
 
 ABSENT = ("A gap is no data, not zero: no token produced over the window, the window still filling, or a stuck "
@@ -36,6 +40,17 @@ def per_node(name: str, m: str = V) -> str:
 def nodes(expr: str) -> str:
     """Per-node series named by the node (HAProxy server) and kept to $node, joined on grayguard_node_info."""
     return named(expr, C, P)
+
+
+def engine_gauge(cfg: DashboardConfig, signal: str) -> str:
+    """The engines' running or waiting requests per node (rules/render.py EngineSeries.gs: vLLM's
+    num_requests_running/_waiting, or the pools' engines' own), summed over vLLM's model_name/engine labels."""
+    return EngineSeries(cfg.vllm_prefix, cfg.engines, "pool, instance").gs(signal, V)
+
+
+def generated(cfg: DashboardConfig) -> str:
+    """vLLM's generated tokens per second per node."""
+    return f"sum by (pool, instance) (rate({vllm(cfg.vllm_prefix, GENERATED, V)}[$__rate_interval]))"
 
 
 def pool_median(name: str) -> str:
@@ -107,11 +122,12 @@ def panels(cfg: DashboardConfig, links: list[Link] | None = None) -> list:
            [Q(nodes(per_node(PROBE_MEDIAN)), "{{node}}"), Q(pool_median(PROBE_MEDIAN), "{{pool}} median")], "s", w=8,
            dashed=" median$", links=lk),
         ts("Running / waiting requests per node",
-           "vLLM's running batch (solid) and its waiting queue (dashed) at the exporter's newest reading "
-           "(grayguard_live_requests_running, grayguard_live_requests_waiting). Waiting above 0: the node is "
-           "full, its TTFT grows with the queue; a slow node also holds its requests longer, so it runs more "
-           "of them at once.",
-           [Q(nodes(per_node(RUNNING)), "{{node}} running"), Q(nodes(per_node(WAITING)), "{{node}} waiting")], "short",
+           "vLLM's running batch (solid) and its waiting queue (dashed) at its last scrape (vLLM's own "
+           f"{vllm(cfg.vllm_prefix, 'num_requests_running')} and {vllm(cfg.vllm_prefix, 'num_requests_waiting')}, "
+           "or the pool's engine's). Waiting above 0: the node is full, its TTFT grows with the queue; a slow node "
+           "also holds its requests longer, so it runs more of them at once.",
+           [Q(nodes(engine_gauge(cfg, RUNNING)), "{{node}} running"),
+            Q(nodes(engine_gauge(cfg, WAITING)), "{{node}} waiting")], "short",
            w=8, lo=0, dashed=" waiting$", links=lk),
         ts("Decode batch per node",
            "Mean number of sequences decoding over the live window (grayguard_live_decode_batch: Δ ITL sum / Δt, "
@@ -122,13 +138,14 @@ def panels(cfg: DashboardConfig, links: list[Link] | None = None) -> list:
            "Absent with the live ITL.",
            [Q(nodes(per_node(BATCH)), "{{node}}")], "suffix: seq", lo=0, legend_table=True, links=lk),
         ts("Live tokens per second per node",
-           "Tokens generated (solid) and prompt tokens prefilled (dashed) per second over the live window "
-           "(grayguard_live_generation_tokens_per_second, grayguard_live_prompt_tokens_per_second). Generated 0 "
+           "Tokens generated (solid: vLLM's "
+           f"{vllm(cfg.vllm_prefix, GENERATED)} as a rate over Grafana's interval) and prompt tokens prefilled "
+           "(dashed: over the live window, grayguard_live_prompt_tokens_per_second) per second. Generated 0 "
            "with requests running: no decode progress (a hang, or only prefills). Prompt tokens share the decode "
            "steps and make them longer: the controller compares each node's live latencies with what its peers "
            "predict at its own decode batch and prompt tokens per step (the load model, docs/architecture.md), "
            "so a node prefilling a tenant's long prompts is loaded, not slow.",
-           [Q(nodes(per_node(GENERATED)), "{{node}} generated"), Q(nodes(per_node(PROMPT)), "{{node}} prompt")],
+           [Q(nodes(generated(cfg)), "{{node}} generated"), Q(nodes(per_node(PROMPT)), "{{node}} prompt")],
            "suffix: tok/s", lo=0, dashed=" prompt$", legend_table=True, links=lk),
         ts("KV-cache usage per node",
            "vLLM's KV-cache usage at the exporter's newest reading (grayguard_live_kv_cache_usage_ratio, 0-1). At "

@@ -22,6 +22,7 @@ from grayguard.dashboards.panels import (
 )
 from grayguard.dashboards.promql import matchers, named, node_info, quantile, vllm, zero_fill
 from grayguard.dashboards.promql import series as s
+from grayguard.engines import profile
 from grayguard.rules.render import GPU_DASHBOARD_UID, POOL_DASHBOARD_UID, EngineSeries
 from grayguard.vocab import State
 
@@ -100,6 +101,17 @@ def transitions_expr(m: str) -> str:
             f"  or\n  ({t} unless {t} offset 1m)\n)")
 
 
+def running_selector(cfg: DashboardConfig, m: str) -> str:
+    """A selector of the engines' running-requests gauge (vLLM's num_requests_running, or each pool engine's), which
+    every node has: the $instance variable lists its instances."""
+    v = {"vllm:": "vllm:", "vllm_": "vllm_", "any": "vllm[:_]"}[cfg.vllm_prefix] + "num_requests_running"
+    names = ([v] if "vllm" in cfg.engines else []) + [
+        sr.name for e in cfg.engines if e != "vllm" for alt in profile(e).running for sr in alt]
+    if names == ["vllm:num_requests_running"] or names == ["vllm_num_requests_running"]:
+        return f"{names[0]}{{{m}}}"
+    return f'{{__name__=~"{"|".join(names)}", {m}}}'
+
+
 def build(cfg: DashboardConfig) -> dict:
     """The Pool overview dashboard as Grafana JSON."""
     ctl, hum, px = cfg.control, cfg.human, cfg.vllm_prefix
@@ -120,7 +132,7 @@ def build(cfg: DashboardConfig) -> dict:
                                        "probe and live panels follow it too, through grayguard_node_info.",
                                        multi=True))
          .with_variable(query_variable("instance", "Instance",
-                                       f'label_values(instance:vllm_num_requests_running:sum{{{P}}}, instance)',
+                                       f"label_values({running_selector(cfg, P)}, instance)",
                                        "vLLM addresses, as vLLM and exporter series label them: narrows the vLLM, "
                                        "probe and live panels further (the GPU dashboard's links set it).",
                                        multi=True)))

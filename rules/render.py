@@ -340,13 +340,15 @@ class EngineSeries:
                        f"        )\n      > 0\n    )\n  and on ({by})\n    {marker}\n)")
         return "\nor\n".join(out)
 
-    def gs(self, signal: str) -> str:
-        """`sum by (by) (<gauge>)` of running or waiting, for every engine that has it."""
+    def gs(self, signal: str, matchers: str = "") -> str:
+        """`sum by (by) (<gauge>)` of running or waiting, for every engine that has it; `matchers` are added to every
+        series' own. The alerts' under_load() reads the running requests through it (no recorded series since issue
+        34), as do the dashboards and the runbook."""
         total = lambda sel: f"sum by ({self.by}) ({sel})"  # noqa: E731
-        vllm = total(self._v(_VLLM_GAUGES[signal]))
+        vllm = total(self._v(_VLLM_GAUGES[signal], matchers))
         terms = [vllm] if "vllm" in self.engines else []
         for p in self._profiles():
-            terms += _read_terms(getattr(p, signal), total)
+            terms += _read_terms(getattr(p, signal), total, matchers)
         return _join(terms or [vllm])
 
     def kv(self) -> str:

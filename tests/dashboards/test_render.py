@@ -201,10 +201,30 @@ def test_gpu_health_covers_every_nvml_signal():
     exprs = "\n".join(e for _, e in expressions(doc))
     for series in ("sm_clock_hertz", "sm_clock_max_hertz", "memory_clock_hertz", "clock_event_reasons",
                    "temperature_celsius", "power_watts", "power_limit_watts", "pcie_link_generation",
-                   "pcie_link_max_generation", "pcie_link_width", "pcie_link_max_width", "pcie_replay_total",
-                   "ecc_errors", "remapped_rows", "row_remap_pending", "row_remap_failure", "xid_errors_total",
-                   "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "lost"):
+                   "pcie_link_width", "pcie_replay_total", "ecc_errors", "remapped_rows", "xid_errors_total",
+                   "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "flags", "info"):
         assert f"grayguard_gpu_{series}" in exprs, series
+
+
+def test_gpu_health_decodes_the_exporters_judgements_from_its_flags():
+    """lost, row remap pending/failed and PCIe below max: bits of grayguard_gpu_flags (grayguard/vocab.py GPU_FLAGS),
+    as the alerts read them (issue 34: one series a GPU in place of five)."""
+    from grayguard.vocab import GPU_FLAGS
+
+    bit = dict(GPU_FLAGS)
+    doc = docs()["grayguard-gpu-health.json"]
+    flags = 'grayguard_gpu_flags{pool=~"$pool", instance=~"$instance", gpu=~"$gpu"}'
+    decode = lambda name: f"floor({flags} / {bit[name]}) % 2"  # noqa: E731
+    assert [t["expr"] for t in panel(doc, "GPUs lost")["targets"]] == [f"sum({decode('lost')})"]
+    assert [t["expr"] for t in panel(doc, "PCIe below max")["targets"]] == [f"sum({decode('pcie_below_max')})"]
+    assert [t["expr"] for t in panel(doc, "Row remap pending / failed")["targets"]] == [
+        f"sum({decode('row_remap_pending')})", f"sum({decode('row_remap_failure')})"]
+    assert [t["expr"] for t in panel(doc, "Row remapping")["targets"]][1:] == [
+        decode("row_remap_pending"), decode("row_remap_failure")]
+    assert panel(doc, "GPU lost / NVML down")["targets"][0]["expr"] == decode("lost")
+    # the PCIe maxima are labels of grayguard_gpu_info: the GPUs table shows them, the link panels point there
+    assert "pcie_max_generation" in panel(doc, "PCIe link generation")["description"]
+    assert "pcie_max_width" in panel(doc, "PCIe link width")["description"]
 
 
 def test_gpu_health_decodes_each_clock_event_reason_from_nvmls_mask():
