@@ -11,7 +11,10 @@ tenth pool is slow (SLOW x latency, its GPU throttled) and every value moves: co
 requests, latencies and live gauges are noisy.
 
 Two designs of the exporter's pages (DESIGNS): "shipped", and "before", the pages as they were when issue 34
-began (the probe's last result one-hot, no GPU flags derived beside the node; bench/before34/README.md).
+began (the probe's last result one-hot, no GPU flags derived beside the node; bench/before34/README.md). Shipped:
+the probe results ok and slow (a failure's series appears at its first count: none at steady state), the GPU's
+judgements as one mask (grayguard_gpu_flags), the PCIe maxima as labels of grayguard_gpu_info, the volatile ECC
+counts only (the lifetime ones are opt-in), and a fast page of the 8 series the controller reads every second.
 
 Run as `python -m grayguard.bench.promtarget --nodes N --ready-file F [--design before]`: it writes {"ports": [...]}
 to F once
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from grayguard.httpserve import HttpServer, Request, Response
 from grayguard.sim.metrics import FINISHED_REASONS, TTFT_BUCKETS
-from grayguard.vocab import PROBE_RESULTS
+from grayguard.vocab import GPU_FLAGS, PROBE_ANSWERED, PROBE_RESULTS
 
 POOL_SIZE = 20  # nodes per pool
 SLOW_EVERY, SLOW = 10, 4.0  # node 0 of every tenth pool is 4x slower
@@ -47,11 +50,17 @@ QUEUE_S, PREFILL_S, ITL_S, TTFT_S, PROBE_S = 0.05, 0.0002, 0.03, 0.25, 0.05  # p
 CLOCK_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
                  "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting")
 HW_THERMAL_SLOWDOWN = 1 << CLOCK_REASONS.index("hw_thermal_slowdown")  # 0x40
-# the exporter's live fast path (exporters/fastpath.py; tests/bench/test_promcost.py checks the list is whole)
+SLOWED_UNDER_LOAD = dict(GPU_FLAGS)["slowed_under_load"]  # the slow node's flag: its busy GPU is throttled
+# the exporter's live values (exporters/fastpath.py), all on its full page; the shipped fast page carries FAST_LIVE
+# of them, what the controller reads every second (tests/bench/test_promcost.py checks both lists against the
+# exporter's pages)
 LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_generation_tokens_per_second",
         "grayguard_live_prompt_tokens_per_second", "grayguard_live_requests_running",
         "grayguard_live_requests_waiting", "grayguard_probe_ttft_median_seconds", "grayguard_live_window_seconds",
         "grayguard_live_decode_batch", "grayguard_live_kv_cache_usage_ratio")
+FAST_LIVE = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_prompt_tokens_per_second",
+             "grayguard_probe_ttft_median_seconds", "grayguard_live_decode_batch",
+             "grayguard_live_kv_cache_usage_ratio")
 BUCKET_KEYS = tuple(f"le{k}" for k in range(len(TTFT_BUCKETS)))
 # the exporter's traffic counters (exporters/traffic.py): vLLM's per-request sums less its probes, which the
 # stand-in's vLLM does not count, so they move like vLLM's own
@@ -105,6 +114,13 @@ def _verdict(n: Node) -> str:
     return "slow" if n.slow > 1 else "ok"
 
 
+def _results(design: str) -> Family:
+    # the probe results counter: ok and slow from the start, a failure's series from its first count (none at
+    # steady state); before, all eight from the start at 0
+    results = [r for r in PROBE_RESULTS if design == "before" or r in PROBE_ANSWERED]
+    return ("grayguard_probe_results_total", "counter", [("", f',result="{r}"', f"probes_{r}") for r in results])
+
+
 def _verdicts(design: str) -> list[Family]:
     # the exporter's one series of the last result, labelled with it (a label per node: a callable); before, one
     # series a result, 1 for the last one
@@ -126,29 +142,43 @@ def _clock_reasons(design: str, gpu: str) -> Family:
     return ("grayguard_gpu_clock_event_reasons", "gauge", [("", gpu, "reasons")])
 
 
-def exporter_families(design: str = "shipped") -> list[Family]:
-    """The exporter's full page (it carries the live gauges too): probe series, the GPU series grayguard reads."""
-    gpu = ',gpu="0",uuid="GPU-0"'  # one GPU per node
+def _gpu_families(design: str, gpu: str) -> list[Family]:
+    # the GPU series grayguard reads. Before: the PCIe maxima, lost and the row remaps as 0/1 series of their own,
+    # the lifetime ECC counts too. Shipped: the maxima as labels of the info series, the judgements as one mask.
     info = f'{gpu},name="NVIDIA H100 80GB HBM3",pci_bus_id="00000000:18:00.0",driver_version="550.54.15"'
-    ecc = [("", f'{gpu},error_type="{t}",counter_type="{c}"', "zero")
-           for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")]
-    return [("grayguard_probe_results_total", "counter", [("", f',result="{r}"', f"probes_{r}")
-                                                         for r in PROBE_RESULTS]),
-            *_verdicts(design), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]), *_gauges(LIVE),
-            ("grayguard_exporter_nvml_up", "gauge", [("", "", "one")]),
-            ("grayguard_gpu_info", "gauge", [("", info, "one")]),
+    if design == "before":
+        ecc = [("", f'{gpu},error_type="{t}",counter_type="{c}"', "zero")
+               for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate")]
+        return [("grayguard_gpu_info", "gauge", [("", info, "one")]), _clock_reasons(design, gpu),
+                *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
+                          "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu,
+                         "grayguard_gpu_"),
+                ("grayguard_gpu_ecc_errors", "gauge", ecc)]
+    ecc = [("", f'{gpu},error_type="{t}",counter_type="volatile"', "zero") for t in ("corrected", "uncorrected")]
+    return [("grayguard_gpu_info", "gauge", [("", f'{info},pcie_max_generation="5",pcie_max_width="16"', "one")]),
             _clock_reasons(design, gpu),
-            *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_max_generation", "pcie_link_width",
-                      "pcie_link_max_width", "lost", "row_remap_pending", "row_remap_failure"), gpu, "grayguard_gpu_"),
-            *(() if design == "before" else (("grayguard_gpu_slowed_under_load", "gauge", [("", gpu, "slowed")]),
-                                             ("grayguard_gpu_pcie_degraded_under_load", "gauge", [("", gpu, "zero")]))),
-            ("grayguard_gpu_ecc_errors", "gauge", ecc),
+            *_gauges(("utilization_ratio", "pcie_link_generation", "pcie_link_width"), gpu, "grayguard_gpu_"),
+            ("grayguard_gpu_flags", "gauge", [("", gpu, "flags")]),
+            ("grayguard_gpu_ecc_errors", "gauge", ecc)]
+
+
+def exporter_families(design: str = "shipped") -> list[Family]:
+    """The exporter's full page (it carries every live gauge too, and the agent's verdict when shipped): probe
+    series, the GPU series grayguard reads, the traffic counters."""
+    gpu = ',gpu="0",uuid="GPU-0"'  # one GPU per node
+    agent = [] if design == "before" else [("grayguard_agent_down", "gauge", [("", "", "zero")])]
+    return [_results(design), *_verdicts(design), ("grayguard_probe_last_ttft_seconds", "gauge", [("", "", "probe")]),
+            *_gauges(LIVE), *agent, ("grayguard_exporter_nvml_up", "gauge", [("", "", "one")]),
+            *_gpu_families(design, gpu),
             *[(name, "counter", [("", "", key)]) for name, key in TRAFFIC]]
 
 
 def fast_families(design: str = "shipped") -> list[Family]:
-    """The fast path: the live gauges and the probe's and agent's verdicts."""
-    return [*_gauges(LIVE), *_verdicts(design), ("grayguard_agent_down", "gauge", [("", "", "zero")])]
+    """The fast path: the live values the controller reads and the probe's verdicts; before, every live value and
+    the agent's verdict too."""
+    if design == "before":
+        return [*_gauges(LIVE), *_verdicts(design), ("grayguard_agent_down", "gauge", [("", "", "zero")])]
+    return [*_gauges(FAST_LIVE), *_verdicts(design)]
 
 
 def static_values(n: Node) -> dict[str, float]:
@@ -160,7 +190,7 @@ def static_values(n: Node) -> dict[str, float]:
     out.update({f"last_{r}": int(r == verdict) for r in PROBE_RESULTS})  # the one-hot last result (before)
     out.update({f"reason_{r}": int(n.slow > 1 and r == "hw_thermal_slowdown") for r in CLOCK_REASONS})
     out["reasons"] = HW_THERMAL_SLOWDOWN if n.slow > 1 else 0  # the mask: the slow node's GPU is throttled
-    out["slowed"] = int(n.slow > 1)  # the exporter's flag: a slowdown reason on a busy GPU
+    out["flags"] = SLOWED_UNDER_LOAD if n.slow > 1 else 0  # the exporter's mask: a slowdown reason on a busy GPU
     return out
 
 

@@ -27,6 +27,8 @@ from grayguard.bench.promresult import (
 from grayguard.bench.promwindow import fused_query
 from grayguard.config import SignalsConfig, parse_config
 from grayguard.controller.decide import OPTIONAL
+from grayguard.exporters.fakenvml import FakeNvml, healthy_h100
+from grayguard.exporters.fastpath import FAST_SERIES
 from grayguard.exporters.gpumetrics import describe_families
 from grayguard.exporters.server import Exporter
 from grayguard.rules.render import render_all
@@ -53,9 +55,38 @@ def stored_per_node() -> int:
                if not (job in drop and drop[job].fullmatch(name + suffix)))
 
 
+def described(registry) -> set[str]:
+    """Every series name a registry's collectors say they may serve (counters with _total)."""
+    return {f.name + ("_total" if f.type == "counter" else "") for c in list(registry._collector_to_names)
+            for f in c.describe()}
+
+
 def test_the_fast_page_carries_every_series_of_the_exporters_fast_path():
     e = Exporter("http://127.0.0.1:9", nvml=None, agent=("127.0.0.1", 0))  # built, not started
-    assert {f.name for f in e.fast_registry.collect()} <= {name for name, _, _ in promtarget.fast_families()}
+    fast = {name for name, _, _ in promtarget.fast_families()}
+    assert described(e.fast_registry) == fast == set(FAST_SERIES)  # exactly the 8
+    assert len(fast) == sum(len(series) for _, _, series in promtarget.fast_families()) == 8  # one series each
+
+
+def test_the_full_page_serves_what_the_exporter_serves_with_the_gpu_judgements_as_one_mask():
+    e = Exporter("http://127.0.0.1:9", nvml=FakeNvml([healthy_h100(0)]), agent=("127.0.0.1", 0))  # not started
+    real = described(e.registry)
+    full = {name for name, _, _ in promtarget.exporter_families()}
+    assert full <= real, full - real
+    assert set(promtarget.LIVE) | {"grayguard_agent_down"} <= full  # every live value, served on the full page
+    fams = {name: series for name, _, series in promtarget.exporter_families()}
+    assert [extra for _, extra, _ in fams["grayguard_probe_results_total"]] == [',result="ok"', ',result="slow"']
+    assert [extra.split("counter_type=")[1] for _, extra, _ in fams["grayguard_gpu_ecc_errors"]] == ['"volatile"'] * 2
+    (info,) = fams["grayguard_gpu_info"]
+    assert 'pcie_max_generation="5",pcie_max_width="16"' in info[1]
+    gone = {"grayguard_gpu_lost", "grayguard_gpu_row_remap_pending", "grayguard_gpu_row_remap_failure",
+            "grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load",
+            "grayguard_gpu_pcie_link_max_generation", "grayguard_gpu_pcie_link_max_width"}
+    assert not gone & full and not gone & real
+    slow, ok = (n for n in promtarget.fleet(promtarget.POOL_SIZE) if n.slow > 1 or n.instance.endswith(".1:8000"))
+    assert promtarget.static_values(slow)["flags"] == 0x8 and promtarget.static_values(ok)["flags"] == 0
+    # stored a node: the full page less what the full job drops (the fast page's and the unread live values)
+    assert stored_per_node() - promtarget.series_per_node()["vllm"] == 16 + 8
 
 
 def node_series() -> set[str]:
@@ -162,7 +193,8 @@ def test_a_tiny_run_answers_every_query_of_the_tick_with_one_series_per_node(tin
     # the fused query answers the same series as the one-metric signals' queries together, every round timed
     assert c.fused is not None
     n, series, fused, separate = c.fused
-    assert n == 9 and series == n * NODES and len(fused) == len(separate) > 0 and "fused into one query" in text
+    # 7: the GPU evidence's two queries decode a bit of grayguard_gpu_flags (floor(x / bit) % 2), not one metric
+    assert n == 7 and series == n * NODES and len(fused) == len(separate) > 0 and "fused into one query" in text
 
 
 def test_the_one_metric_signals_fuse_into_one_query_that_keeps_their_names():
@@ -203,8 +235,14 @@ def test_the_before_design_serves_the_pages_issue_34_started_from():
         fams = {name: series for name, _, series in before[job][1]}
         assert len(fams["grayguard_probe_last_result"]) == len(promtarget.PROBE_RESULTS)
         assert len({name: series for name, _, series in now[job][1]}["grayguard_probe_last_result"]) == 1
-    derived = {"grayguard_gpu_slowed_under_load", "grayguard_gpu_pcie_degraded_under_load"}
-    assert derived <= names("grayguard-exporter", now) and not derived & names("grayguard-exporter", before)
+    # the GPU's judgements: one mask now; before, lost and the row remaps as 0/1 series, no derived flag
+    assert "grayguard_gpu_flags" in names("grayguard-exporter", now)
+    assert {"grayguard_gpu_lost", "grayguard_gpu_row_remap_pending"} <= names("grayguard-exporter", before)
+    assert "grayguard_gpu_flags" not in names("grayguard-exporter", before)
+    assert "grayguard_gpu_slowed_under_load" not in names("grayguard-exporter", before)
+    # the probe results: all eight before, ok and slow now; the fast page: 20 series before, 8 now
+    assert promtarget.series_per_node("before")["grayguard-exporter-fast"] == 20
+    assert promtarget.series_per_node("shipped")["grayguard-exporter-fast"] == 8
     # NVML's clock-event reasons: one 0/1 series a reason before, the mask now (one series a GPU; 0x40 on the slow
     # node, hw_thermal_slowdown)
     old = {name: series for name, _, series in before["grayguard-exporter"][1]}
