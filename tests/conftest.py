@@ -97,6 +97,7 @@ PARALLEL_SAFE = frozenset({
     "localstack/test_vllmfleet_pure.py",
     "rules/test_cli.py",
     "rules/test_dcgm.py",
+    "rules/test_removed_series.py",
     "rules/test_render.py",
     "rules/test_rerender.py",
     "rules/test_rerender_offtick.py",

@@ -1,0 +1,116 @@
+"""Issue 34: the series the exporter no longer exports (or no longer stores by default), and the recording rules no
+longer record, are read by nothing grayguard ships: no rendered rule or alert (example, dcgm and engines configs), no
+dashboard query, no default or example signal query, no query of the runbook. Pure: renders and reads files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grayguard.config import SignalsConfig, load_config, parse_config
+from grayguard.dashboards.config import DashboardConfig
+from grayguard.dashboards.lint import expressions
+from grayguard.dashboards.render import render_all as render_dashboards
+from grayguard.rules.render import render_all as render_rules
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "grayguard.example.yaml"
+RULES = REPO / "rules"
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+# series gone (CHANGELOG.md, "Unreleased"), each with what reads in its place
+REMOVED = {
+    "grayguard_gpu_lost": "bit 0x1 of grayguard_gpu_flags",
+    "grayguard_gpu_row_remap_pending": "bit 0x2 of grayguard_gpu_flags",
+    "grayguard_gpu_row_remap_failure": "bit 0x4 of grayguard_gpu_flags",
+    "grayguard_gpu_slowed_under_load": "bit 0x8 of grayguard_gpu_flags",
+    "grayguard_gpu_pcie_degraded_under_load": "bit 0x20 of grayguard_gpu_flags",
+    "grayguard_gpu_pcie_link_max_generation": "grayguard_gpu_info's pcie_max_generation label",
+    "grayguard_gpu_pcie_link_max_width": "grayguard_gpu_info's pcie_max_width label",
+    "instance:vllm_num_requests_running:sum": "the engines' running gauge, inline (rules/render.py gs)",
+    # on the exporter's full page only, which the example scrape config drops them from: not stored
+    "grayguard_live_generation_tokens_per_second": "rate(vllm:generation_tokens_total[..])",
+    "grayguard_live_requests_running": "vllm:num_requests_running",
+    "grayguard_live_requests_waiting": "vllm:num_requests_waiting",
+    "grayguard_live_window_seconds": "nothing (a detail of the live window)",
+    "grayguard_agent_down": "nothing (HAProxy's agent check reads the exporter itself)",
+}
+_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def removed_in(text: str) -> set[str]:
+    """The removed series a query (or any PromQL text) names, as whole names (not a prefix of a longer one)."""
+    return set(_NAME.findall(text)) & set(REMOVED)
+
+
+def configs():
+    return {"example": load_config(EXAMPLE),
+            "dcgm": parse_config({"pools": [{"name": "chat", "backend": "b"}], "rules": {"gpu_source": "dcgm"}}),
+            "engines": load_config(RULES / "tests" / "grayguard-engines-test.yaml")}
+
+
+def rule_texts():
+    """(where, expr or record name) of every rule rendered for each config, and of every committed rule file."""
+    files = {f"{name} {f}": text for name, cfg in configs().items()
+             for f, text in render_rules(cfg, {"chat": 0.5}).items()}
+    files |= {str(p.relative_to(REPO)): p.read_text() for p in sorted(RULES.glob("*.rules.yml"))
+              + sorted(RULES.glob("tests/*.rules.yml"))}
+    for where, text in files.items():
+        for group in yaml.safe_load(text)["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("record") or rule.get("alert")
+                yield f"{where}: {name}", rule["expr"]
+                if "record" in rule:
+                    yield f"{where}: recorded", rule["record"]
+
+
+def dashboard_texts():
+    committed = {p.name: p.read_text() for p in sorted((REPO / "dashboards").glob("*.json"))}
+    cfgs = [None, *(DashboardConfig.from_config(c) for c in configs().values())]
+    for i, cfg in enumerate(cfgs):
+        for name, text in (committed if i == 0 else {}).items() | render_dashboards(cfg).items():
+            for where, expr in expressions(json.loads(text)):
+                yield f"{name} ({'committed' if i == 0 else i}): {where}", expr
+
+
+def signal_texts():
+    for name, cfg in {"defaults": None, **configs()}.items():
+        signals = SignalsConfig() if cfg is None else cfg.signals
+        for field, query in vars(signals).items():
+            if isinstance(query, str):
+                yield f"{name} signals.{field}", query
+
+
+def runbook_blocks(text: str) -> list[str]:
+    return re.findall(r"```promql\n(.*?)```", text, re.S)
+
+
+def runbook_texts():
+    for i, block in enumerate(runbook_blocks(RUNBOOK.read_text())):
+        yield f"docs/runbook.md promql block {i + 1}", block
+
+
+@pytest.mark.parametrize("texts", [rule_texts, dashboard_texts, signal_texts, runbook_texts],
+                         ids=["rules", "dashboards", "signals", "runbook"])
+def test_nothing_reads_a_removed_series(texts):
+    found = [(where, n, REMOVED[n]) for where, text in texts() for n in sorted(removed_in(text))]
+    assert found == [], "read in place of each: " + "; ".join(f"{w}: {n} -> {r}" for w, n, r in found)
+
+
+def test_each_source_is_read():
+    """Not vacuous: every source yields many queries, and the GPU evidence reads the flags in each."""
+    for texts, least in ((rule_texts, 100), (dashboard_texts, 100), (signal_texts, 40), (runbook_texts, 20)):
+        got = list(texts())
+        assert len(got) >= least, texts.__name__
+        assert any("grayguard_gpu_flags" in t for _, t in got), texts.__name__
+
+
+def test_the_check_catches_a_removed_name_and_only_whole_names():
+    assert removed_in("max by (pool, instance, gpu, uuid) (grayguard_gpu_lost) == 1") == {"grayguard_gpu_lost"}
+    assert removed_in('(instance:vllm_num_requests_running:sum > 0)') == {"instance:vllm_num_requests_running:sum"}
+    assert removed_in("grayguard_gpu_lost_total + grayguard_live_requests_running_x + x:grayguard_agent_down") == set()
+    assert removed_in("floor(grayguard_gpu_flags / 1) % 2 == 1") == set()
