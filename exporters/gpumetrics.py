@@ -81,10 +81,9 @@ def _families() -> dict[str, Metric]:
         # its labels differ by GPU (a PCIe maximum NVML cannot tell is left out): samples added with add_sample
         "info": g("grayguard_gpu_info", "GPU identity (value 1); pcie_max_generation and pcie_max_width are the "
                   "link's maxima of GPU and system, absent when NVML cannot tell"),
-        "flags": g("grayguard_gpu_flags", "The exporter's judgements of the GPU as a bitmask: 0x1 lost, "
-                   "0x2 row_remap_pending, 0x4 row_remap_failure, 0x8 slowed_under_load, 0x10 pcie_below_max, "
-                   f"0x20 pcie_degraded_under_load (under load: utilization > {UNDER_LOAD}; docs/metrics.md)",
-                   labels=GPU_LABELS),
+        "flags": g("grayguard_gpu_flags", "The exporter's judgements of the GPU as a bitmask: "
+                   + ", ".join(f"{bit:#x} {name}" for name, bit in GPU_FLAGS)
+                   + f" (under load: utilization > {UNDER_LOAD}; docs/metrics.md)", labels=GPU_LABELS),
     }
     for key, (name, doc) in GAUGES.items():
         fams[key] = g(name, doc, labels=GPU_LABELS)
