@@ -241,6 +241,28 @@ def test_a_restarted_pod_does_not_make_an_old_xid_new(promtool, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_the_flags_of_a_gpu_without_the_optional_fields(promtool, tmp_path):
+    """A dcgm-exporter that exports only the utilization and the clock-event mask (no row remap or PCIe fields, as
+    with a counters CSV that leaves them out): grayguard_gpu_flags is still recorded for the GPU, the bits it cannot
+    tell 0 (clear, as the sidecar's collector does when NVML cannot tell), slowed_under_load from what it has."""
+    page = page_samples(PAGES["clocks_event_reasons"])
+    gpu0 = {n: labels for n, labels, _ in page if labels.get("pod") == "vllm-chat-0"}
+    series = [{"series": _series("DCGM_FI_DEV_GPU_UTIL", {**DCGM_TARGET, **gpu0["DCGM_FI_DEV_GPU_UTIL"]}),
+               "values": "93x9 10x10"},  # busy, then idle from 10m
+              {"series": _series("DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+                                 {**DCGM_TARGET, **gpu0["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"]}),
+               "values": "0x4 72x15"},  # 0x48: hw_slowdown and hw_thermal_slowdown from 5m
+              {"series": _series("grayguard_node_pod_info", {"job": "grayguard-exporter", "pool": "chat",
+                                                             "instance": NODES["vllm-chat-0"],
+                                                             "namespace": "inference", "pod": "vllm-chat-0"}),
+               "values": "1x20"}]
+    at = gpu("vllm-chat-0")
+    tests = [{"expr": dcgm.FLAGS, "eval_time": f"{m}m", "exp_samples": samples(dcgm.FLAGS, [(at, v)])}
+             for m, v in ((2, 0), (6, dict(GPU_FLAGS)["slowed_under_load"]), (12, 0))]
+    res = promtool_case(promtool, tmp_path, dcgm_config(), series, tests)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("honor_labels", [True, False], ids=["honor_labels", "exported_pod"])
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_gpu_alerts_and_evidence_from_dcgm_exporter_series(promtool, tmp_path, page, honor_labels):
