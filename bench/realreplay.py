@@ -97,7 +97,7 @@ def verdict(j: dict, faulty: bool) -> str:
 
 def replay_run(run: Path, config: str | None) -> dict:
     report = json.loads((run / "report.json").read_text())
-    cfg = load_config(config or str(run / "grayguard.yaml"))
+    cfg = load_config(config or str(run / "grayguard.yaml"), series=False)  # the run's recorded inputs, no query
     ticks = list(read(run / "recording.jsonl.gz"))
     node, start, _ = fault_window(report, ticks[0].now if ticks else 0.0)
     decisions = list(recording_decisions(ticks, cfg))

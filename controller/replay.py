@@ -320,7 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config)
+        # a recorded trace or flight recording is replayed without a query: its config may name the series of its day
+        cfg = load_config(args.config, series=bool(args.from_prometheus))
     except ConfigError as e:
         print(e.report(), file=sys.stderr)
         return 2

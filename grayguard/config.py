@@ -27,7 +27,7 @@ import yaml
 
 from grayguard.engines import DEFAULT_ENGINE, ENGINES
 from grayguard.redact import redact_url
-from grayguard.vocab import GPU_FLAGS
+from grayguard.vocab import GPU_FLAGS, REMOVED_SERIES
 
 # HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
 # Anything else ('; ', space, newline) could inject runtime-API commands.
@@ -1046,8 +1046,25 @@ def check_signal_windows(cfg: Config, pr: Problems) -> None:
                 break
 
 
-def _parse(data: Any, pr: Problems) -> Config | None:
-    """A Config from a parsed document, every problem recorded in pr (None: the document is no mapping)."""
+_SERIES_NAME_RE = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def check_signal_series(cfg: Config, pr: Problems) -> None:
+    """No signal reads a series grayguard no longer exports or records (grayguard.vocab.REMOVED_SERIES): it would be
+    absent, so the signal would hold every weight or give no GPU evidence, silently."""
+    for f in dataclasses.fields(SignalsConfig):
+        query = getattr(cfg.signals, f.name)
+        if not isinstance(query, str):
+            continue
+        for name in dict.fromkeys(n for n in _SERIES_NAME_RE.findall(query) if n in REMOVED_SERIES):
+            pr.check(False, f"signals.{f.name}",
+                     f"reads {name}, which grayguard no longer exports or records, so this signal would be absent: "
+                     f"read {REMOVED_SERIES[name]} instead (CHANGELOG.md)")
+
+
+def _parse(data: Any, pr: Problems, series: bool = True) -> Config | None:
+    """A Config from a parsed document, every problem recorded in pr (None: the document is no mapping). series:
+    check that the signals read series grayguard still serves (check_signal_series)."""
     if data is not None and not isinstance(data, dict):
         pr.add("", f"expected a mapping of sections, got {type(data).__name__}")
         return None
@@ -1058,21 +1075,25 @@ def _parse(data: Any, pr: Problems) -> Config | None:
     cfg = dataclasses.replace(cfg, signals=follow_gpu_source(cfg.signals, cfg.rules.gpu_source, given))
     cfg.validate(problems=pr)
     check_signal_windows(cfg, pr)
+    if series:
+        check_signal_series(cfg, pr)
     return cfg
 
 
-def parse_config(data: Any) -> Config:
-    """Validate a parsed YAML document into a Config; ConfigError holds every problem."""
+def parse_config(data: Any, *, series: bool = True) -> Config:
+    """Validate a parsed YAML document into a Config; ConfigError holds every problem. series: as load_config's."""
     pr = Problems()
-    cfg = _parse(data, pr)
+    cfg = _parse(data, pr, series)
     pr.raise_if_any()
     assert cfg is not None
     return cfg
 
 
-def load_config(path: str | os.PathLike[str], *, promql: bool = False) -> Config:
+def load_config(path: str | os.PathLike[str], *, promql: bool = False, series: bool = True) -> Config:
     """Read and validate a YAML config file; ConfigError holds every problem, duplicate keys included, and names the
-    file. promql: also parse the signals' queries with promtool (rules.promtool), where it is installed."""
+    file. promql: also parse the signals' queries with promtool (rules.promtool), where it is installed. series:
+    refuse signals that read a series grayguard no longer serves (False for a config that only replays recorded
+    inputs: a recorded run's config names the series of its day, which no query reads again)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -1083,7 +1104,7 @@ def load_config(path: str | os.PathLike[str], *, promql: bool = False) -> Config
                           source=str(p)) from e
     pr = Problems()
     data = read_yaml(text, str(p), pr)
-    cfg = _parse(data, pr)
+    cfg = _parse(data, pr, series)
     if promql and cfg is not None:
         from grayguard.promqlcheck import check_queries
 

@@ -78,6 +78,26 @@ GPU_FLAGS = (
     ("pcie_below_max", 0x10),  # the link runs below its maximum generation or width, at any load
     ("pcie_degraded_under_load", 0x20),  # pcie_below_max while utilization > 0.5 (an idle link may train down)
 )
+#: Series grayguard once exported or recorded and no longer does by default (CHANGELOG.md), each with what reads in
+#: its place: a signal query naming one is refused by the config check (it would be absent, every weight held or no
+#: GPU evidence), and tests/rules/test_removed_series.py keeps every shipped rule, dashboard and runbook off them.
+REMOVED_SERIES = {
+    "grayguard_gpu_lost": "floor(grayguard_gpu_flags / 1) % 2",
+    "grayguard_gpu_row_remap_pending": "floor(grayguard_gpu_flags / 2) % 2",
+    "grayguard_gpu_row_remap_failure": "floor(grayguard_gpu_flags / 4) % 2",
+    "grayguard_gpu_slowed_under_load": "floor(grayguard_gpu_flags / 8) % 2",
+    "grayguard_gpu_pcie_degraded_under_load": "floor(grayguard_gpu_flags / 32) % 2",
+    "grayguard_gpu_pcie_link_max_generation": "the pcie_max_generation label of grayguard_gpu_info",
+    "grayguard_gpu_pcie_link_max_width": "the pcie_max_width label of grayguard_gpu_info",
+    "grayguard_gpu_clock_event_reason_active": "floor(grayguard_gpu_clock_event_reasons / BIT) % 2",
+    "instance:vllm_num_requests_running:sum": "sum by (pool, instance) (vllm:num_requests_running)",
+    # on the exporter's full page only, which the example scrape config does not store
+    "grayguard_live_generation_tokens_per_second": "rate(vllm:generation_tokens_total[1m])",
+    "grayguard_live_requests_running": "vllm:num_requests_running",
+    "grayguard_live_requests_waiting": "vllm:num_requests_waiting",
+    "grayguard_live_window_seconds": "nothing (a detail of the live window)",
+    "grayguard_agent_down": "nothing (HAProxy's agent check asks the exporter itself)",
+}
 #: the reasons that make a GPU slower than its peers (sw_power_cap is a GPU at full load, no fault)
 GPU_SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 #: the engine answered (a time to first token was measured)

@@ -173,7 +173,7 @@ def test_on_the_real_fleet_the_live_itl_cuts_no_healthy_node_for_more_than_one_t
     node, start, _ = fault_window(report, ticks[0].now)
     run_of: dict[str, int] = {}
     hung_at: dict[str, float] = {}
-    for d in recording_decisions(ticks, load_config(str(run / "grayguard.yaml"))):
+    for d in recording_decisions(ticks, load_config(str(run / "grayguard.yaml"), series=False)):
         if "agent check marked it DOWN" in d["reason"] and "(hang:" in d["reason"]:
             hung_at[d["node"]] = d["t"]
         if (d["node"] == node and d["t"] >= start) or d["t"] - hung_at.get(d["node"], -math.inf) < 30.0:

@@ -196,7 +196,7 @@ def test_a_replay_of_a_real_run_with_the_live_detector_shadowed_says_what_it_wou
     assert "shadow: live:cut x" in p.stderr
     shadowed = summarize(json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines())
     enforced = summarize(recording_decisions(read(run_dir / "recording.jsonl.gz"),
-                                             load_config(str(run_dir / "grayguard.yaml"))))
+                                             load_config(str(run_dir / "grayguard.yaml"), series=False)))
     node3 = "chat/node3"  # the throttled node
     assert shadowed[node3]["shadow"].get("live:cut", 0) >= 1 and not enforced[node3]["shadow"]
     for r in (json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()):

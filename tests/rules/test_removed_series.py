@@ -16,29 +16,15 @@ from grayguard.dashboards.config import DashboardConfig
 from grayguard.dashboards.lint import expressions
 from grayguard.dashboards.render import render_all as render_dashboards
 from grayguard.rules.render import render_all as render_rules
+from grayguard.vocab import REMOVED_SERIES
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "grayguard.example.yaml"
 RULES = REPO / "rules"
 RUNBOOK = REPO / "docs" / "runbook.md"
 
-# series gone (CHANGELOG.md, "Unreleased"), each with what reads in its place
-REMOVED = {
-    "grayguard_gpu_lost": "bit 0x1 of grayguard_gpu_flags",
-    "grayguard_gpu_row_remap_pending": "bit 0x2 of grayguard_gpu_flags",
-    "grayguard_gpu_row_remap_failure": "bit 0x4 of grayguard_gpu_flags",
-    "grayguard_gpu_slowed_under_load": "bit 0x8 of grayguard_gpu_flags",
-    "grayguard_gpu_pcie_degraded_under_load": "bit 0x20 of grayguard_gpu_flags",
-    "grayguard_gpu_pcie_link_max_generation": "grayguard_gpu_info's pcie_max_generation label",
-    "grayguard_gpu_pcie_link_max_width": "grayguard_gpu_info's pcie_max_width label",
-    "instance:vllm_num_requests_running:sum": "the engines' running gauge, inline (rules/render.py gs)",
-    # on the exporter's full page only, which the example scrape config drops them from: not stored
-    "grayguard_live_generation_tokens_per_second": "rate(vllm:generation_tokens_total[..])",
-    "grayguard_live_requests_running": "vllm:num_requests_running",
-    "grayguard_live_requests_waiting": "vllm:num_requests_waiting",
-    "grayguard_live_window_seconds": "nothing (a detail of the live window)",
-    "grayguard_agent_down": "nothing (HAProxy's agent check reads the exporter itself)",
-}
+# series gone (CHANGELOG.md), each with what reads in its place
+REMOVED = REMOVED_SERIES
 _NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
@@ -114,3 +100,35 @@ def test_the_check_catches_a_removed_name_and_only_whole_names():
     assert removed_in('(instance:vllm_num_requests_running:sum > 0)') == {"instance:vllm_num_requests_running:sum"}
     assert removed_in("grayguard_gpu_lost_total + grayguard_live_requests_running_x + x:grayguard_agent_down") == set()
     assert removed_in("floor(grayguard_gpu_flags / 1) % 2 == 1") == set()
+
+
+def test_a_signal_query_naming_a_removed_series_is_a_config_error_naming_the_field_and_its_replacement(
+        tmp_path, capsys):
+    """A config kept from before issue 34 that reads a removed series would get that signal absent forever (no GPU
+    evidence, or every weight held), silently: `config check` refuses it, names the field and what to read."""
+    from grayguard.cli import main
+
+    f = tmp_path / "old.yaml"
+    f.write_text("pools: [{name: chat, backend: chat}]\nsignals:\n"
+                 "  gpu_throttled_query: 'max by (pool, instance) (grayguard_gpu_slowed_under_load)'\n"
+                 "  pcie_degraded_query: 'max by (pool, instance) (grayguard_gpu_pcie_degraded_under_load"
+                 " or grayguard_gpu_pcie_degraded_under_load)'\n"
+                 "  kv_cache_query: 'max by (pool, instance) (grayguard_live_kv_cache_usage_ratio)'\n")
+    assert main(["config", "check", "--config.file", str(f), "--no-promql"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"grayguard: config error in {f}:"
+    assert err[1:] == [
+        "  signals.gpu_throttled_query: reads grayguard_gpu_slowed_under_load, which grayguard no longer exports or "
+        "records, so this signal would be absent: read floor(grayguard_gpu_flags / 8) % 2 instead (CHANGELOG.md)",
+        "  signals.pcie_degraded_query: reads grayguard_gpu_pcie_degraded_under_load, which grayguard no longer "
+        "exports or records, so this signal would be absent: read floor(grayguard_gpu_flags / 32) % 2 instead "
+        "(CHANGELOG.md)"]
+
+
+def test_the_removed_series_table_names_the_flag_bits_of_grayguard_vocab():
+    """The replacement a config error offers for a flag is that flag's bit in GPU_FLAGS, not a copy gone stale."""
+    from grayguard.vocab import GPU_FLAGS
+
+    for flag, bit in GPU_FLAGS:
+        if f"grayguard_gpu_{flag}" in REMOVED_SERIES:
+            assert REMOVED_SERIES[f"grayguard_gpu_{flag}"] == f"floor(grayguard_gpu_flags / {bit}) % 2"
