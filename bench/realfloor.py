@@ -112,7 +112,7 @@ def tick_ratios(obs, slope: float) -> tuple[dict[str, tuple[float | None, float 
 
 def load_run(run: Path) -> Run:
     report = json.loads((run / "report.json").read_text())
-    cfg = load_config(str(run / "grayguard.yaml"))
+    cfg = load_config(str(run / "grayguard.yaml"), series=False)  # a recorded run: its inputs, no query
     slope = cfg.thresholds.live_batch_slope
     obs = list(read(run / "recording.jsonl.gz"))
     faulty, start, _ = fault_window(report, obs[0].now if obs else 0.0)
