@@ -346,7 +346,11 @@ class LocalStack:
             "prometheus": {"url": prom_url, "timeout_s": 2},
             "haproxy": {"endpoints": [hp.endpoint for hp in self.haproxies]},
             "signals": {"latency_query": f"instance:vllm_normalized_latency_seconds_per_token:rate{w}",
-                        "request_rate_query": f"instance:vllm_request_rate:rate{w}"},
+                        "request_rate_query": f"instance:vllm_request_rate:rate{w}",
+                        # the hardware signals once a scrape of the exporter's full page, as shipped (5 s there;
+                        # here every job is scraped every scrape_interval): read once in 5 s, a 1 s page's GPU
+                        # evidence waited up to 5 s, and the demo's throttled node was cut 2 s later
+                        "hardware_every_s": self.spec.scrape_interval},
             "pools": [{"name": POOL, "backend": BACKEND}],
             # min_request_rate 0.5: at least ~5 finished requests in the window before a node is scored. The
             # window's samples, one a second over 10 s, share their requests: the sequential test counts ten as one

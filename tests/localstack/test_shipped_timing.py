@@ -42,6 +42,25 @@ def test_the_shipped_prometheus_timing_is_read_from_the_example():
     assert (fast["metrics_path"], fast["scrape_interval"]) == ("/metrics/fast", "1s")
 
 
+@pytest.mark.parametrize("scrape", ["1s", "2s"])
+def test_the_hardware_signals_are_read_once_a_scrape_of_the_exporters_full_page_at_each_timing(tmp_path, scrape):
+    """The controller reads the GPU evidence once in signals.hardware_every_s because the exporter's full page changes
+    once a scrape: as shipped, 5 s and 5 s; the demo timing scrapes every job every scrape_interval, so its controller
+    reads the evidence as often. Found on `make demo`: at the shipped 5 s over a 1 s page, the throttled node's GPU
+    evidence waited up to 5 s and the demo's cut came at +3.1 s, over its 3 s target (+1.2 s once a scrape)."""
+    prom = yaml.safe_load((REPO / "rules" / "prometheus.example.yml").read_text())
+    exporter = next(j for j in prom["scrape_configs"] if j["job_name"] == "grayguard-exporter")
+    full_page_every = exporter.get("scrape_interval", prom["global"]["scrape_interval"])
+    shipped = parse_config(shipped_config_doc("http://127.0.0.1:9", ["unix:/x.sock"], "127.0.0.1:8", tmp_path, None))
+    assert full_page_every == "5s" and shipped.signals.hardware_every_s == 5.0
+    stack = LocalStack(StackSpec(scrape_interval=scrape, overrides={"haproxy": {"endpoints": ["unix:/x.sock"]}}))
+    try:
+        demo = stack._config("http://127.0.0.1:9", "127.0.0.1:8")
+    finally:
+        stack.stop()
+    assert demo.signals.hardware_every_s == float(scrape.removesuffix("s"))
+
+
 def test_an_unknown_timing_is_refused_before_anything_starts():
     stack = LocalStack(StackSpec(timing="fast"))
     with pytest.raises(ValueError, match="timing"):
