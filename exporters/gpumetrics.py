@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAGS, GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAG_BITS, GPU_FLAGS, GPU_SLOWDOWN_REASONS
 
 GPU_LABELS = ["gpu", "uuid"]
 
@@ -40,8 +40,6 @@ COUNTERS = {
 # and its link trains down to save power, which is no fault.
 SLOWDOWN_BITS = sum(bit for reason, bit in CLOCK_EVENT_REASONS if reason in GPU_SLOWDOWN_REASONS)
 UNDER_LOAD = 0.5  # utilization from which a GPU counts as under load
-FLAG = dict(GPU_FLAGS)  # flag name -> its bit in grayguard_gpu_flags
-ECC_KINDS = tuple((t, c) for t in ("corrected", "uncorrected") for c in ("volatile", "aggregate"))
 NVML_ERROR_KINDS = ("timeout", "error")
 
 
@@ -125,7 +123,7 @@ def flags(gpu: GpuReading) -> set[str]:
 
 def flags_mask(gpu: GpuReading) -> int:
     """grayguard_gpu_flags of one GPU: the bits of its flags (grayguard.vocab.GPU_FLAGS)."""
-    return sum(FLAG[name] for name in flags(gpu))
+    return sum(GPU_FLAG_BITS[name] for name in flags(gpu))
 
 
 def info_labels(gpu: GpuReading, driver_version: str) -> dict[str, str]:

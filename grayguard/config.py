@@ -27,7 +27,7 @@ import yaml
 
 from grayguard.engines import DEFAULT_ENGINE, ENGINES
 from grayguard.redact import redact_url
-from grayguard.vocab import GPU_FLAGS, REMOVED_SERIES
+from grayguard.vocab import GPU_FLAG_BITS, REMOVED_SERIES, bit_of_mask
 
 # HAProxy proxy and server names: letters, digits, '-', '_', '.', ':' (cfgparse's invalid_char()).
 # Anything else ('; ', space, newline) could inject runtime-API commands.
@@ -342,9 +342,9 @@ class SignalsConfig:
     # is busy: exporters/gpumetrics.py), bits of its mask grayguard_gpu_flags (grayguard/vocab.py GPU_FLAGS); before
     # 2026-12-05 these were joins in Prometheus (docs/operations.md), until issue 34 0/1 series of their own
     gpu_throttled_query: str = (
-        f"max by (pool, instance) (floor(grayguard_gpu_flags / {dict(GPU_FLAGS)['slowed_under_load']}) % 2)")
+        f"max by (pool, instance) ({bit_of_mask('grayguard_gpu_flags', GPU_FLAG_BITS['slowed_under_load'])})")
     pcie_degraded_query: str = (
-        f"max by (pool, instance) (floor(grayguard_gpu_flags / {dict(GPU_FLAGS)['pcie_degraded_under_load']}) % 2)")
+        f"max by (pool, instance) ({bit_of_mask('grayguard_gpu_flags', GPU_FLAG_BITS['pcie_degraded_under_load'])})")
     gpu_ecc_query: str = (
         "max by (pool, instance) (grayguard_gpu_ecc_errors{error_type=\"uncorrected\",counter_type=\"volatile\"})")
     gpu_xid_query: str = "max by (pool, instance) (increase(grayguard_gpu_xid_errors_total[5m]))"

@@ -78,15 +78,21 @@ GPU_FLAGS = (
     ("pcie_below_max", 0x10),  # the link runs below its maximum generation or width, at any load
     ("pcie_degraded_under_load", 0x20),  # pcie_below_max while utilization > 0.5 (an idle link may train down)
 )
+#: flag name -> its bit
+GPU_FLAG_BITS = dict(GPU_FLAGS)
+
+
+def bit_of_mask(series: str, bit: int) -> str:
+    """PromQL for one bit of a mask series (grayguard_gpu_flags, grayguard_gpu_clock_event_reasons): 1 while set."""
+    return f"floor({series} / {bit}) % 2"
+
+
 #: Series grayguard once exported or recorded and no longer does by default (CHANGELOG.md), each with what reads in
 #: its place: a signal query naming one is refused by the config check (it would be absent, every weight held or no
 #: GPU evidence), and tests/rules/test_removed_series.py keeps every shipped rule, dashboard and runbook off them.
 REMOVED_SERIES = {
-    "grayguard_gpu_lost": "floor(grayguard_gpu_flags / 1) % 2",
-    "grayguard_gpu_row_remap_pending": "floor(grayguard_gpu_flags / 2) % 2",
-    "grayguard_gpu_row_remap_failure": "floor(grayguard_gpu_flags / 4) % 2",
-    "grayguard_gpu_slowed_under_load": "floor(grayguard_gpu_flags / 8) % 2",
-    "grayguard_gpu_pcie_degraded_under_load": "floor(grayguard_gpu_flags / 32) % 2",
+    **{f"grayguard_gpu_{name}": bit_of_mask("grayguard_gpu_flags", bit) for name, bit in GPU_FLAGS
+       if name != "pcie_below_max"},  # the five 0/1 series the mask replaced (pcie_below_max was never one)
     "grayguard_gpu_pcie_link_max_generation": "the pcie_max_generation label of grayguard_gpu_info",
     "grayguard_gpu_pcie_link_max_width": "the pcie_max_width label of grayguard_gpu_info",
     "grayguard_gpu_clock_event_reason_active": "floor(grayguard_gpu_clock_event_reasons / BIT) % 2",

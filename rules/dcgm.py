@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAGS, GPU_SLOWDOWN_REASONS
+from grayguard.vocab import CLOCK_EVENT_REASONS, GPU_FLAG_BITS, GPU_SLOWDOWN_REASONS
 
 GROUP = "grayguard-gpu-dcgm"
 # the per-GPU join: one series a GPU of a grayguard node, labelled with the node's labels, gpu, uuid, UUID, the pod
@@ -96,4 +96,4 @@ def context() -> dict:
     """What the dcgm template needs beyond rules/render.py's context."""
     return {"dcgm_fields": FIELDS, "dcgm_sel": selector, "throttle": THROTTLE,
             "xid": XID, "join_field": JOIN_FIELD, "pod_map": POD_MAP, "xid_new": XID_NEW, "pod_info": POD_INFO,
-            "dcgm_group": GROUP, "flags": FLAGS, "flag_fields": FLAG_FIELDS, "flag_bits": dict(GPU_FLAGS)}
+            "dcgm_group": GROUP, "flags": FLAGS, "flag_fields": FLAG_FIELDS, "flag_bits": GPU_FLAG_BITS}

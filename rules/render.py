@@ -15,7 +15,7 @@ import yaml
 from grayguard.config import MIN_PEERS, Config, ConfigError
 from grayguard.engines import ENGINES, Profile, Read, profile
 from grayguard.rules import dcgm
-from grayguard.vocab import GPU_FLAGS, GPU_SLOWDOWN_REASONS
+from grayguard.vocab import GPU_FLAG_BITS, GPU_SLOWDOWN_REASONS
 
 TEMPLATES = Path(__file__).parent / "templates"
 RECORDING_FILE = "grayguard-recording.rules.yml"
@@ -383,7 +383,7 @@ def _context(cfg: Config) -> dict:
     return {"cfg": cfg, "r": cfg.rules, "windows": ws, "control": ws[0], "human": ws[-1],
             "by": ", ".join(node_labels(cfg)), "omega": _num(cfg.rules.omega), "min_peers": MIN_PEERS,
             "slowdown": "|".join(GPU_SLOWDOWN_REASONS), "links": functools.partial(alert_links, cfg),
-            "slowdown_bits": dcgm.slowdown_bits(), "gpu_flags": dict(GPU_FLAGS),
+            "slowdown_bits": dcgm.slowdown_bits(), "gpu_flags": GPU_FLAG_BITS,
             "v": lambda name, matchers="": vllm_selector(cfg.rules.vllm_prefix, name, matchers),
             "engines": pool_engines(cfg), "rs": es.rs, "gs": es.gs, "kv": es.kv,
             "per_request": es.per_request, "request_rate": es.request_rate, "error_ratio": es.error_ratio}
