@@ -156,30 +156,23 @@ def expr_tests(cfg) -> list[dict]:
     at(12, sig.peer_group_query, samples("", [({**node[p], "name": "NVIDIA H100 80GB HBM3"}, 1) for p in pods]))
     # the GPU alerts: a firing and a silent case each, around their `for:`
     alert = 'ALERTS{alertname="%s", alertstate="firing"}'
-    thr = gpu("vllm-chat-2", alertname="GrayguardGpuThrottled", reason="hw_thermal_slowdown", severity="ticket",
-              **firing)
-    at(9, alert % "GrayguardGpuThrottled", [])
-    at(10, alert % "GrayguardGpuThrottled", samples("ALERTS", [(thr, 1)]))
-    pcie = gpu("vllm-chat-1", alertname="GrayguardGpuPcieLinkDegraded", severity="ticket", **firing)
-    at(9, alert % "GrayguardGpuPcieLinkDegraded", [])
-    at(10, alert % "GrayguardGpuPcieLinkDegraded", samples("ALERTS", [(pcie, 1)]))
-    ecc = gpu("vllm-chat-0", alertname="GrayguardGpuEccUncorrectable", severity="page", **firing)
-    at(3, alert % "GrayguardGpuEccUncorrectable", [])
-    at(4, alert % "GrayguardGpuEccUncorrectable", samples("ALERTS", [(ecc, 1)]))
-    xid = gpu("vllm-chat-1", alertname="GrayguardGpuXidError", severity="page", **firing)
-    at(10, alert % "GrayguardGpuXidError", [])
-    at(11, alert % "GrayguardGpuXidError", samples("ALERTS", [(xid, 1)]))
+
+    def fires_at(m: int, name: str, pod: str, severity: str, **labels) -> None:
+        """The GPU alert is silent at minute m - 1 and fires at m for pod's GPU."""
+        at(m - 1, alert % name, [])
+        at(m, alert % name, samples("ALERTS", [(gpu(pod, alertname=name, severity=severity, **labels, **firing), 1)]))
+
+    fires_at(10, "GrayguardGpuThrottled", "vllm-chat-2", "ticket", reason="hw_thermal_slowdown")
+    fires_at(10, "GrayguardGpuPcieLinkDegraded", "vllm-chat-1", "ticket")
+    fires_at(4, "GrayguardGpuEccUncorrectable", "vllm-chat-0", "page")
+    fires_at(11, "GrayguardGpuXidError", "vllm-chat-1", "page")
     at(16, alert % "GrayguardGpuXidError", [])
     # no GPU of dcgm-exporter's joins vllm-chat-9: no GPU evidence for that node (the sidecar runs no NVML)
     down = {**node["vllm-chat-9"], "alertname": "GrayguardNvmlDown", "severity": "ticket", **firing}
     at(4, alert % "GrayguardNvmlDown", [])
     at(5, alert % "GrayguardNvmlDown", samples("ALERTS", [(down, 1)]))
-    failure = gpu("vllm-chat-1", alertname="GrayguardGpuRowRemapFailure", severity="page", **firing)
-    at(6, alert % "GrayguardGpuRowRemapFailure", [])
-    at(7, alert % "GrayguardGpuRowRemapFailure", samples("ALERTS", [(failure, 1)]))
-    pending = gpu("vllm-chat-0", alertname="GrayguardGpuRowRemapPending", severity="ticket", **firing)
-    at(20, alert % "GrayguardGpuRowRemapPending", [])
-    at(21, alert % "GrayguardGpuRowRemapPending", samples("ALERTS", [(pending, 1)]))
+    fires_at(7, "GrayguardGpuRowRemapFailure", "vllm-chat-1", "page")
+    fires_at(21, "GrayguardGpuRowRemapPending", "vllm-chat-0", "ticket")
     at(21, alert % "GrayguardGpuLost", [])
     return t
 
