@@ -117,8 +117,9 @@ def figures(res: RunResult) -> dict:
 
 class PhasedRun(Run):
     """The engine's run of scn with another draw of the phases the live stack draws anew on every run: each
-    exporter's probe schedule and fast-path scrape, HAProxy's health and agent checks. The traffic, the tick phase,
-    the fault's instant and the nodes' step jitter stay: only when things happen relative to each other moves."""
+    exporter's probe schedule, fast-path and full-page scrapes, HAProxy's health and agent checks. The traffic, the
+    tick phase, the fault's instant and the nodes' step jitter stay: only when things happen relative to each other
+    moves."""
 
     def __init__(self, scn: Scenario, policy: str, phase_seed: int, params: ModelParams | None = None) -> None:
         super().__init__(scn, policy, params)
@@ -137,6 +138,8 @@ class PhasedRun(Run):
                 self.agent_due = due(self.gw.rx.agent_inter_s)
         for n in self.nodes:
             n.live.phase = rng.uniform(0, scn.fast_scrape_s)
+        for n in self.nodes:
+            n.gpu.phase = rng.uniform(0, scn.full_scrape_s)
 
 
 def cross_check(setup: Setup, names: list[str], live: Callable[[Scenario], RunResult] | None,

@@ -22,6 +22,8 @@ from grayguard.bench.lb import Gateway, make_balancer
 from grayguard.bench.node import CANARY, PROBE, NodeObs, VirtualNode, observe
 from grayguard.bench.policies import Assign, make_policy
 from grayguard.bench.spec import FaultSpec, Scenario, make_arrivals
+from grayguard.config import HARDWARE_SIGNALS
+from grayguard.controller.ticker import next_read
 from grayguard.sim.model import Finished, FirstToken, ModelParams, StepDone
 
 PENDING, OK, TIMEOUT, ERROR, GARBAGE, NO_SERVER = range(6)
@@ -71,6 +73,11 @@ class _CanaryRound:
         return all(name in self.ttft for name, _k, _s in self.requests.values())
 
 
+# the hardware signals the controller reads on their schedule, in its order: the shipped config's (no peer-group
+# label: the suite's peer groups are configured per server)
+HARDWARE_SLOTS = tuple(n for n in HARDWARE_SIGNALS if n != "peer_group")
+
+
 class Run:
     """The state of one run; `Run(scn, policy).execute()` returns the RunResult."""
 
@@ -99,6 +106,10 @@ class Run:
         self.ai = 0
         interval = self.detector.interval_s
         self.next_tick = (scn.control_start_s or interval) if interval else math.inf
+        # the controller's reads of the GPU evidence (signals.hardware_every_s): when each signal was last read, and
+        # when it is due next
+        self.hardware_read: dict[str, float] = {}
+        self.hardware_due: dict[str, float] = {}
         # a balancer that reads the nodes (a peer's: bench.peers) is refreshed every refresh_s; HAProxy's never are
         self.next_refresh = self.lb.refresh_s or math.inf
         self._schedule_faults(0.0)
@@ -367,13 +378,26 @@ class Run:
             self.weights[k], self.drained[k], self.state[k] = base, False, "healthy"
             self.res.timeline.append((t, k, base, False, "healthy"))
 
+    def read_hardware(self, t: float) -> dict[str, float]:
+        """The tick at t reads the GPU signals that are due, as the controller does (loop.read_optional: each once in
+        hardware_every_s, spread over the ticks; 0: every tick); when each was last read."""
+        every, slots = self.scn.hardware_every_s, HARDWARE_SLOTS
+        for k, name in enumerate(slots):
+            due = self.hardware_due.get(name)
+            if every <= 0 or due is None or t >= due - 1e-9:
+                self.hardware_read[name] = t
+                if every > 0:
+                    self.hardware_due[name] = next_read(due, t, every, k, len(slots))
+        return self.hardware_read
+
     def tick(self, t: float) -> None:
         for k in range(len(self.nodes)):
             self.advance(k, t)
         gw, lb = self.gw, self.lb
+        hardware = self.read_hardware(t)
         obs = {n.spec.name: observe(n, t, self.scn, None if gw is None else (
             gw.out[n.index], gw.hana[n.index], gw.agent_down[n.index], not gw.agent_on[n.index]),
-            (lb.active[n.index], lb.stot[n.index])) for n in self.nodes if not self.absent[n.index]}
+            (lb.active[n.index], lb.stot[n.index]), hardware) for n in self.nodes if not self.absent[n.index]}
         self.res.signals.append((t, {name: o.latency for name, o in obs.items()}))
         rounds = self.detector.canaries(t)
         if not rounds:

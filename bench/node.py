@@ -16,6 +16,7 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grayguard.bench.spec import NodeSpec, Scenario
@@ -180,6 +181,53 @@ class ProbeLog:
         return result, ttft, failures
 
 
+def last_scrape(now: float, phase: float, every_s: float) -> float | None:
+    """The last scrape at or before now of a target scraped every every_s from phase (None before the first)."""
+    if now < phase:
+        return None
+    return phase + math.floor((now - phase) / every_s) * every_s
+
+
+GPU_SIGNALS = ("gpu_throttled", "pcie_degraded", "gpu_xid")  # the hardware signals the simulator gives, in
+# GpuFlags' order (no ECC fault, no peer-group label)
+
+
+class GpuFlags:
+    """The exporter's GPU evidence for one node (throttled, PCIe below its maximum, a recent XID), as the controller
+    reads it.
+
+    The exporter judges its GPUs from NVML when Prometheus scrapes its full page, every `scrape_s` from a per-node
+    phase; the controller reads each hardware signal once in signals.hardware_every_s, on a schedule of its own
+    (controller.ticker.next_read; bench.engine keeps it), and so sees the flags of the node's last scrape before its
+    last read. The flags are noted at every tick (the simulator's resolution: a scrape sees the flags of the last
+    tick at or before it); reads may go back up to keep_s.
+    """
+
+    def __init__(self, scrape_s: float, phase: float, keep_s: float) -> None:
+        self.scrape_s = scrape_s
+        self.phase = phase  # first scrape, in [0, scrape_s)
+        self.keep_s = keep_s
+        self.noted: deque[tuple[float, tuple[bool, bool, bool]]] = deque()
+
+    def note(self, t: float, flags: tuple[bool, bool, bool]) -> None:
+        """The flags the exporter would compute at t (ticks move forward)."""
+        n = self.noted
+        n.append((t, flags))
+        while len(n) > 1 and n[1][0] <= t - self.keep_s:
+            n.popleft()
+
+    def at(self, read_at: float) -> tuple[bool, bool, bool] | None:
+        """The flags a read at read_at sees: those of the node's last scrape at or before it (None before the first
+        scrape, or before the first tick noted)."""
+        s = last_scrape(read_at, self.phase, self.scrape_s)
+        if s is None:
+            return None
+        for t, flags in reversed(self.noted):
+            if t <= s + 1e-9:
+                return flags
+        return None
+
+
 class LiveSignals:
     """The exporter's fast path for one node, and what Prometheus scraped of it.
 
@@ -222,9 +270,7 @@ class LiveSignals:
 
     def last_scrape(self, now: float) -> float | None:
         """The node's last scrape at or before now (None before the first)."""
-        if now < self.phase:
-            return None
-        return self.phase + math.floor((now - self.phase) / self.scrape_s) * self.scrape_s
+        return last_scrape(now, self.phase, self.scrape_s)
 
     def at(self, now: float) -> tuple[float | None, float | None, float | None, float | None, float | None,
                                       float | None]:
@@ -273,6 +319,8 @@ class VirtualNode:
         self.prompt_total = 0  # vLLM's prompt_tokens_total
         phase = random.Random(seed ^ 0x5C4A9E).uniform(0.0, scn.fast_scrape_s)  # its own stream: nothing else moves
         self.live = LiveSignals(scn.live_window_s, scn.fast_scrape_s, phase)
+        phase = random.Random(seed ^ 0x6A09E6).uniform(0.0, scn.full_scrape_s)  # likewise
+        self.gpu = GpuFlags(scn.full_scrape_s, phase, scn.hardware_every_s + scn.full_scrape_s + scn.tick_s)
 
     def slowdown(self, now: float) -> Slowdown:
         sd = self.faults.slowdown(now)
@@ -343,7 +391,7 @@ class VirtualNode:
 
 def observe(node: VirtualNode, now: float, scn: Scenario,
             gateway: tuple[bool, bool, bool, bool] | None = None,
-            stat: tuple[int, int] | None = None) -> NodeObs:
+            stat: tuple[int, int] | None = None, hardware: Mapping[str, float] | None = None) -> NodeObs:
     """The node's signals at tick `now`, computed as the recording rules and exporters would show them.
 
     normalized latency = sum(e2e) / (omega * sum(prompt tokens) + sum(generated tokens)) over the requests
@@ -354,6 +402,9 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     agent disabled) as HAProxy's runtime API shows them now, for a policy behind HAProxy's reflexes
     (bench.lb.Gateway); None: no reflexes. stat: (scur, stot) of the server in HAProxy's `show stat` now
     (the balancer's model); None: unknown. The live signals are the exporter's, as last scraped (LiveSignals).
+    hardware: when the controller last read each GPU signal (gpu_throttled, pcie_degraded, gpu_xid; bench.engine
+    keeps the schedule), which then shows the node's last full-page scrape before that read (GpuFlags); None: read
+    now, from the exporter's flags now.
     """
     # the recording rule is evaluated every rule_eval_s: a tick reads its last evaluation at least signal_lag old
     # (with 5 s ticks on the evaluation grid this is now - signal_lag); latency_at says which one it is
@@ -374,6 +425,14 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
     errors = sum(1 for t in node.errors if t <= hi)
     name = node.fault_name()
     busy = node.engine.num_running > 0 or n > 0  # the GPU flags need utilization > 0.5
+    flags = (scn.gpu_evidence and name in THERMAL_FAULTS and busy, scn.gpu_evidence and name == "pcie" and busy,
+             node.xid_at is not None and now - node.xid_at < 300.0)
+    node.gpu.note(now, flags)
+    gpu: list[bool | None] = list(flags)
+    if hardware is not None:
+        for k, signal in enumerate(GPU_SIGNALS):
+            seen = node.gpu.at(hardware.get(signal, now))
+            gpu[k] = None if seen is None else seen[k]
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
     live_itl, live_ttft, probe_median, prefill_rate, decode_batch, live_kv = node.live.at(now)
     if live_kv is None and node.spec.backend == "vllm":  # signals.kv_cache_query: else vLLM's own series
@@ -383,9 +442,9 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
         request_rate=n / scn.window_s,
         error_ratio=errors / (done + errors) if done + errors else None,
         kv_cache_usage=live_kv,
-        gpu_throttled=scn.gpu_evidence and name in THERMAL_FAULTS and busy,
-        pcie_degraded=scn.gpu_evidence and name == "pcie" and busy,
-        gpu_xid=node.xid_at is not None and now - node.xid_at < 300.0,
+        gpu_throttled=gpu[0],
+        pcie_degraded=gpu[1],
+        gpu_xid=gpu[2],
         probe_result=probe[0] if probe else None,
         probe_ttft=probe[1] if probe else None,
         probe_failures=probe[2] if probe else None,

@@ -162,6 +162,8 @@ class Scenario:
     probe_slow_s: float = 0.3
     live_window_s: float = 5.0  # the exporter's fast path: ITL / TTFT means over its last 5 s of /metrics readings
     fast_scrape_s: float = 1.0  # Prometheus scrapes the exporter's fast endpoint this often (per-node phase)
+    full_scrape_s: float = 5.0  # ...and its full page (the GPU evidence) this often (per-node phase)
+    hardware_every_s: float = 5.0  # the controller reads each GPU signal once in this (signals.hardware_every_s)
     drift: float = 0.0  # amplitude of a slow sinusoidal speed drift per node (0.02 = +-2 %)
     drift_period_s: float = 120.0
     # (start_s, end_s, k): every node's step time x k together (a shared dependency, a hot datacenter); benign

@@ -32,6 +32,7 @@ from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.plan import Change, plan_backend, tier_view
 from grayguard.controller.policy import NodeState, PoolDecision, config_policy, pool_policies
 from grayguard.controller.statefile import StateFile
+from grayguard.controller.ticker import next_read
 from grayguard.promclient import PromError, PrometheusClient, Sample
 from grayguard.redact import redact_url
 from grayguard.vocab import EJECTED
@@ -241,10 +242,8 @@ class Controller:
                 got[name] = res
                 if name in HARDWARE_SIGNALS and every > 0:
                     last = self._hardware.get(name)
-                    # the next read: one interval on from the last due time (the phase kept), or, at the first read,
-                    # spread: the i-th of n signals due (i + 1) / n of an interval from now
-                    due = last[2] + every if last is not None and last[0] == queries[name] and now - last[2] < every \
-                        else now + every * (slots.index(name) + 1) / len(slots)
+                    due = next_read(last[2] if last is not None and last[0] == queries[name] else None, now, every,
+                                    slots.index(name), len(slots))
                     self._hardware[name] = (queries[name], res, due)
         return got
 

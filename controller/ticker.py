@@ -31,6 +31,17 @@ def next_slot(start: float, interval_s: float, now: float, after: float) -> tupl
     return due, late
 
 
+def next_read(last_due: float | None, now: float, every_s: float, slot: int, slots: int) -> float:
+    """When a signal read once in every_s (the hardware signals, signals.hardware_every_s), read at `now`, is due
+    again: one interval on from its last due time, the phase kept; at its first read, or after a whole interval
+    without one, spread: the slot-th of `slots` signals due (slot + 1) / slots of an interval from now, so that no
+    tick sends them all. The controller's schedule (loop.read_optional) and the benchmark's model of it
+    (bench.engine). Pure."""
+    if last_due is not None and now - last_due < every_s:
+        return last_due + every_s
+    return now + every_s * (slot + 1) / slots
+
+
 class Periodic:
     """fn() every interval_s in a daemon thread until stop is set; on_skip(n) for slots passed over."""
 
