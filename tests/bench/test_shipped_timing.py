@@ -36,6 +36,10 @@ def test_the_benchmark_runs_at_the_shipped_defaults():
     assert scn.gauge_lag_s == scrape / 2  # a gauge is on average half a scrape old
     assert scn.fast_scrape_s == _seconds(jobs["grayguard-exporter-fast"]["scrape_interval"])
     assert jobs["grayguard-exporter-fast"]["metrics_path"] == "/metrics/fast"
+    # the GPU evidence: the exporter's full page at its job's interval, read once in signals.hardware_every_s
+    full_page = jobs["grayguard-exporter"].get("scrape_interval", prom["global"]["scrape_interval"])
+    assert scn.full_scrape_s == _seconds(full_page)
+    assert scn.hardware_every_s == cfg.signals.hardware_every_s
     probe = ProbeConfig()
     assert (scn.probe_interval_s, scn.probe_deadline_s, scn.probe_slow_s) == (probe.interval, probe.deadline,
                                                                               probe.slow_threshold)
