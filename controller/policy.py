@@ -24,7 +24,7 @@ from grayguard.config import MIN_PEERS, Config, RecoveryConfig, ThresholdsConfig
 from grayguard.controller import live, loadmodel, peers, signals
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.scoring import DEGRADE_AT, against_noise, pool_noise, sampled_noise, usable, weight_factor
-from grayguard.controller.signals import SignalMemory, dict_init, evolve
+from grayguard.controller.signals import NOTHING, Finding, SignalMemory, dict_init, evolve
 from grayguard.frozen import replaced
 from grayguard.vocab import EJECTED, IN_ROTATION, Detector, DrainCause, ProbeResult, Signal, State
 
@@ -136,22 +136,6 @@ class NodeState:
     was_down: bool = False  # DOWN in HAProxy (its health check) at the last tick: back UP, it warms up
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
     window: LiveMemory = field(default_factory=LiveMemory)  # the 30 s window's, judged by the same test
-
-
-@dict_init  # one per node per tick
-@dataclass(frozen=True)
-class Finding:
-    """What one detector asks for one node this tick: a weight factor (1.0: no cut) and a quarantine (its reason;
-    None: none). A shadowed detector's findings are reported (NodeDecision.shadow) and acted on by nobody."""
-
-    detector: str  # grayguard.vocab.Detector
-    factor: float
-    quarantine: str | None
-    reason: str
-
-    def asks(self) -> tuple[str, ...]:
-        """What it asks for: "cut", "quarantine", both or neither (the logs', the metrics' and replay's word)."""
-        return tuple(a for a, on in (("cut", self.factor < 1.0), ("quarantine", self.quarantine is not None)) if on)
 
 
 @dataclass(frozen=True)
@@ -438,14 +422,14 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_consecutive, probed))
-            mem, kv_why = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
-                                             _share(prefill.get(n), peer_prefill.get(n)))
+            mem, kv = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
+                                         _share(prefill.get(n), peer_prefill.get(n)))
             if mem is not s.signals:
                 s = evolve(s, signals=mem)
-            if kv_why and Detector.KV_OUTLIER in policy.shadow:
-                found += (Finding(Detector.KV_OUTLIER, 1.0, kv_why, kv_why),)
-            elif kv_why and not cand:  # ranked by how many times its peers' usage it holds (both known: kv_why says)
-                cand = (i.kv_cache_usage / max(peer_kv[n], 1e-3), DrainCause.KV_CACHE, kv_why)
+            if kv.quarantine and Detector.KV_OUTLIER in policy.shadow:
+                found += (kv,)
+            elif kv.quarantine and not cand:  # after every other detector's
+                cand = (kv.priority, DrainCause.KV_CACHE, kv.quarantine)
             if found:
                 shadow_of[n] = found
             if n in gateway:  # HAProxy's reflex fired: it outranks every signal of ours
@@ -653,21 +637,19 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     prev_factors = s.factors
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
-    sc, lat, wm, wf, w_reason, w_quarantine = _window(s, sc, renewed, window, veto or at_capacity, pm, evidence, t, now)
+    sc, lat, wm, window_f = _window(s, sc, renewed, window, veto or at_capacity, pm, evidence, t, now)
     # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
     # its first tokens like its peers' at its load (the veto), or load for a probe to wait behind: prompt tokens
     # beyond its peers' (a tenant's long prompts) or a pool whose probes all queue. Decoding alone is not enough: a
     # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
     decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
-    mem, pf, p_reason, p_quarantine = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures,
-                                                    peer_probe, t, corroborated=bool(evidence),
-                                                    median_calm=pm is not None and pm.ratio < t.live_probe_confirm,
-                                                    like_peers=decoding_like_peers or at_capacity,
-                                                    run_needed=probe_run)
-    mem, ef, e_reason, e_quarantine = signals.errors(mem, i.error_ratio, t)
-    lm, lf, l_reasons, l_quarantine = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)
-    degraded, factors, why, asked = _in_force(shadow, (wf, w_reason), (pf, p_reason), (ef, e_reason),
-                                              (lf, "; ".join(l_reasons)))
+    mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
+                                 evidence=evidence, median_calm=pm is not None and pm.ratio < t.live_probe_confirm,
+                                 like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
+    mem, errors_f = signals.errors(mem, i.error_ratio, t)
+    lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)
+    findings = (window_f, probe_f, errors_f, live_f)  # the factors' order, and their reasons'
+    degraded, factors, why = _in_force(shadow, findings)
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)
     if renewed or lat or wm is not s.window or lm is not s.live_itl or mem is not s.signals or factors or s.factors:
         ch = renewed | lat if renewed else lat  # lat: this call's own dict
@@ -691,30 +673,25 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
         s = _move(s, HEALTHY, now, "recovered: " + (", ".join(cleared) or "signals back to normal"))
     elif (s.state == DEGRADED or s.state == HEALTHY) and s.reason != why:  # _with_reason, most nodes keep theirs
         s = evolve(s, reason=why)
-    cand = None  # most nodes, every tick: nothing could ask for a quarantine
-    if p_quarantine or e_quarantine or l_quarantine is not None or w_quarantine is not None or evidence:
-        cand = _candidacy(s, i, pf, p_quarantine, e_quarantine, l_quarantine, w_quarantine, p_reason, peer_probe,
-                          evidence, t, shadow, asked)
-    found = tuple(Finding(d, f, q, text) for d, (f, q, text) in asked.items()) if asked else ()
-    return s, cand, found
+    cand, asked = _candidacy(findings, shadow)
+    return s, cand, (_shadowed(findings, shadow, asked) if shadow else ())
 
 
 def _window(s: NodeState, sc: peers.Score | None, renewed: dict | None,
             window: tuple[float | None, float | None, int], excused: bool, pm: peers.Score | None, evidence: tuple,
-            t: ThresholdsConfig, now: float
-            ) -> tuple[peers.Score | None, dict, LiveMemory, float, str, tuple[float, str] | None]:
+            t: ThresholdsConfig, now: float) -> tuple[peers.Score | None, dict, LiveMemory, Finding]:
     """The 30 s window's detector on a node in rotation, the live ITL's sequential test on each new sample: (the
-    score it acts on, None without a new sample; its score and ratio for the state; its memory; its weight factor;
-    its reason; its quarantine request, with a second witness as the live one's). excused: the live signals say the
-    node is like its peers now, or it is at capacity by its load: the window (the past, or the same prompts) is not
-    acted on, and its evidence starts over."""
+    score it acts on, None without a new sample; its score and ratio for the state; its memory; its finding, whose
+    quarantine takes a second witness as the live one's). excused: the live signals say the node is like its peers
+    now, or it is at capacity by its load: the window (the past, or the same prompts) is not acted on, and its
+    evidence starts over."""
     m = s.window
     if sc is not None and not renewed:  # a sample seen before: no new evidence, the cut holds as it was
         if not m.cut:
-            return None, {}, m, 1.0, "", None
+            return None, {}, m, NOTHING[Detector.LATENCY]
         held = f"latency {s.ratio:.2f}x peer median, score {s.score:.1f}" \
             if s.ratio is not None and s.score is not None else "latency (held)"
-        return None, {}, m, weight_factor(m.z), held, None
+        return None, {}, m, Finding(Detector.LATENCY, weight_factor(m.z), None, held)
     noise, spread, per_obs = window
     spread = spread if renewed else None
     lat = {"score": sc.z, "ratio": sc.ratio} if sc is not None else \
@@ -723,84 +700,81 @@ def _window(s: NodeState, sc: peers.Score | None, renewed: dict | None,
         learned = m.noise.learn(spread, now)
         if m.cut or m.xs or learned is not m.noise:
             m = LiveMemory(noise=learned)
-        return sc, lat, m, 1.0, "", None
+        return sc, lat, m, NOTHING[Detector.LATENCY]
     m, f, reason, q = live.assess(m, sc, t, "latency", bool(evidence), noise, pm.ratio if pm is not None else None,
                                   spread, now, per_obs, "sample")
-    if not q:  # most nodes, every sample
-        return sc, lat, m, f, reason, None
-    quarantine, waits = _witnessed(q, sc, noise, pm, evidence, t)
-    return sc, lat, m, f, f"{reason}; {waits}" if waits and reason else reason or waits, quarantine
+    return sc, lat, m, _witnessed(Detector.LATENCY, f, reason, q, sc, noise, pm, evidence, t)
 
 
 def _live(s: NodeState, li: peers.Score | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig,
-          noise: float | None, live_spread: float | None, now: float
-          ) -> tuple[LiveMemory, float, list[str], tuple[float, str] | None]:
-    """The live ITL's detector: its memory, weight factor, reasons and quarantine request (priority, reason).
-    live_spread: the spread learned with a new window sample (None: none new; see Noise)."""
+          noise: float | None, live_spread: float | None, now: float) -> tuple[LiveMemory, Finding]:
+    """The live ITL's detector: its memory and its finding. live_spread: the spread learned with a new window sample
+    (None: none new; see Noise)."""
     lm, lf, l_reason, q = live.assess(s.live_itl, li, t, "live ITL", bool(evidence), noise,
                                       pm.ratio if pm is not None else None, live_spread, now)
-    quarantine, waits = _witnessed(q, li, noise, pm, evidence, t)
-    return lm, lf, [x for x in (l_reason, waits) if x], quarantine
+    return lm, _witnessed(Detector.LIVE, lf, l_reason, q, li, noise, pm, evidence, t)
 
 
-def _witnessed(q: str | None, sc: peers.Score | None, noise: float | None, pm: peers.Score | None, evidence: tuple,
-               t: ThresholdsConfig) -> tuple[tuple[float, str] | None, str]:
-    """A sequential test's quarantine request (its reason q) with its second witness: GPU evidence (which also lets
-    one value's evidence ask), or the node's probes: their median `live_probe_confirm` above its peers' (the probes
-    are too noisy to act alone, and one latency signal too). Probes that say the node is like its peers hold the
-    request; no probe data says nothing either way (absent is not a no): the evidence stands alone. (priority,
-    reason) or None, and why it waits if it does."""
+def _witnessed(detector: str, factor: float, reason: str, q: str | None, sc: peers.Score | None,
+               noise: float | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig) -> Finding:
+    """A sequential test's finding: its cut, and its quarantine request (its reason q) with its second witness: GPU
+    evidence (which also lets one value's evidence ask, and is named), or the node's probes: their median
+    `live_probe_confirm` above its peers' (the probes are too noisy to act alone, and one latency signal too).
+    Probes that say the node is like its peers hold the request, and the reason says it waits; no probe data says
+    nothing either way (absent is not a no): the evidence stands alone. Its priority: the evidence in noise widths."""
     if not q:
-        return None, ""
+        return Finding(detector, factor, None, reason) if factor < 1.0 or reason else NOTHING[detector]
     z = against_noise(sc.z, sc.ratio, noise, t.min_spread) if sc is not None else math.inf
-    if evidence or pm is None:
-        return (z, q), ""
+    if evidence:
+        return Finding(detector, factor, f"{q}; GPU evidence: {', '.join(evidence)}", reason, z)
+    if pm is None:
+        return Finding(detector, factor, q, reason, z)
     if pm.ratio >= t.live_probe_confirm:
-        return (z, f"{q}; probes agree ({pm.ratio:.2f}x peers')"), ""
-    return None, f"quarantine waits for the probes to agree (probes {pm.ratio:.2f}x peers')"
+        return Finding(detector, factor, f"{q}; probes agree ({pm.ratio:.2f}x peers')", reason, z)
+    waits = f"quarantine waits for the probes to agree (probes {pm.ratio:.2f}x peers')"
+    return Finding(detector, factor, None, f"{reason}; {waits}" if reason else waits)
 
 
-def _in_force(shadow: frozenset[str], window: tuple[float, str], probe: tuple[float, str],
-              errors: tuple[float, str], live_: tuple[float, str]) -> tuple[bool, tuple, str, dict[str, list]]:
-    """The detectors' cuts in force: (degraded, the factors with their reasons, the reason, what the shadowed
-    detectors ask: detector -> [factor, quarantine reason (filled by _candidacy) or None, reason]). A detector is
-    named as the signal it cuts (Detector.PROBE == Signal.PROBE)."""
-    cuts = ((Signal.LATENCY, *window), (Signal.PROBE, *probe), (Signal.ERRORS, *errors), (Signal.LIVE, *live_))
-    asked = {Detector(sig): [f, None, text] for sig, f, text in cuts if f < 1.0 and sig in shadow} if shadow else {}
-    factors = tuple(c for c in cuts if c[1] < 1.0 and c[0] not in shadow)
+def _in_force(shadow: frozenset[str], findings: tuple[Finding, ...]) -> tuple[bool, tuple, str]:
+    """The detectors' cuts in force: (degraded, the factors with their reasons, by signal, the reason). A detector is
+    named as the signal it cuts (Detector.PROBE == Signal.PROBE); a shadowed one cuts nothing."""
+    factors = tuple((Signal(f.detector), f.factor, f.reason) for f in findings
+                    if f.factor < 1.0 and f.detector not in shadow)
     if not factors:  # no signal cuts the weight: no factors
-        return False, (), "", asked
-    return True, factors, "; ".join(f[2] for f in factors if f[2]), asked
+        return False, (), ""
+    return True, factors, "; ".join(f[2] for f in factors if f[2])
 
 
-def _candidacy(s: NodeState, i: NodeInput, pf: float, p_quarantine: str | None, e_quarantine: str | None,
-               l_quarantine: tuple[float, str] | None, w_quarantine: tuple[float, str] | None, p_reason: str,
-               peer_probe: float | None, evidence: tuple, t: ThresholdsConfig, shadow: frozenset[str],
-               asked: dict[str, list]) -> tuple | None:
-    """The node's quarantine candidacy this tick, (priority, cause, reason), the first by precedence of an enforced
-    detector; a shadowed detector's request goes into `asked` (detector -> [factor, quarantine, reason])."""
-    tail = f"; GPU evidence: {', '.join(evidence)}" if evidence else ""
-    asks: list[tuple[str, tuple]] = []  # (detector, candidacy), by precedence
-    if p_quarantine or e_quarantine:
-        asks.append((Detector.PROBE if p_quarantine else Detector.ERRORS,
-                     (math.inf, DrainCause.PROBE if p_quarantine else DrainCause.ERRORS, p_quarantine or e_quarantine)))
-        if p_quarantine and e_quarantine:  # both ask: the errors' comes next, should the probe's be shadowed
-            asks.append((Detector.ERRORS, (math.inf, DrainCause.ERRORS, e_quarantine)))
-    if evidence and s.signals.probe_slow and pf < 1.0:  # slow first tokens on hardware that says it is sick
-        # its priority: how much slower than its peers' probes, or the least a slow probe is (peers unmeasured)
-        ratio = (i.probe_ttft / peer_probe) if i.probe_ttft and peer_probe else t.live_probe_confirm
-        asks.append((Detector.PROBE, (ratio, DrainCause.PROBE, f"{p_reason} with GPU evidence: {', '.join(evidence)}")))
-    if l_quarantine is not None:
-        asks.append((Detector.LIVE, (l_quarantine[0], DrainCause.LATENCY, l_quarantine[1] + tail)))
-    if w_quarantine is not None:
-        asks.append((Detector.LATENCY, (w_quarantine[0], DrainCause.LATENCY, w_quarantine[1] + tail)))
-    for det, cand in asks:
-        if det not in shadow:
-            return cand
-        ask = asked.setdefault(det, [1.0, None, cand[2]])
-        if ask[1] is None:
-            ask[1] = cand[2]
-    return None
+# the order in which the quarantine requests of one node are taken: hard faults (a failing probe, an open error
+# circuit: priority inf) before evidence, each by the detectors' precedence
+_PRECEDENCE = {Detector.PROBE: 0, Detector.ERRORS: 1, Detector.LIVE: 2, Detector.LATENCY: 3}
+_CAUSE = {Detector.PROBE: DrainCause.PROBE, Detector.ERRORS: DrainCause.ERRORS, Detector.LIVE: DrainCause.LATENCY,
+          Detector.LATENCY: DrainCause.LATENCY}
+
+
+def _candidacy(findings: tuple[Finding, ...], shadow: frozenset[str]) -> tuple[tuple | None, dict[str, str]]:
+    """The node's quarantine candidacy this tick, (priority, cause, reason): the first request of an enforced
+    detector, hard faults before evidence, each by precedence (probe, errors, live, latency); and the requests of
+    the shadowed detectors taken before it (detector -> quarantine reason), which are reported."""
+    asking = [f for f in findings if f.quarantine is not None]
+    if not asking:  # most nodes, every tick
+        return None, {}
+    asking.sort(key=lambda f: (f.priority != math.inf, _PRECEDENCE[f.detector]))
+    before: dict[str, str] = {}
+    for f in asking:
+        if f.detector not in shadow:
+            return (f.priority, _CAUSE[f.detector], f.quarantine), before
+        before.setdefault(f.detector, f.quarantine)  # type: ignore[arg-type]
+    return None, before
+
+
+def _shadowed(findings: tuple[Finding, ...], shadow: frozenset[str], asked: dict[str, str]) -> tuple[Finding, ...]:
+    """What the shadowed detectors ask for this tick: each one's cut (with its quarantine request, if it was taken
+    before the candidacy), then the quarantine requests of those that do not cut."""
+    cuts = [f._replace(quarantine=asked.get(f.detector)) for f in findings
+            if f.factor < 1.0 and f.detector in shadow]
+    cutting = {f.detector for f in cuts}
+    return tuple(cuts) + tuple(Finding(d, 1.0, q, q) for d, q in asked.items() if d not in cutting)
 
 
 def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,

@@ -1,24 +1,45 @@
-"""Non-latency signals, each a pure function: probe, errors, KV-cache saturation, hardware evidence.
+"""Non-latency signals, each a pure function: probe, errors, KV outlier, KV-cache saturation, hardware evidence.
 
-Each returns the node's updated per-signal memory, a weight factor in [0, 1] with its reason, and
-(probe and errors only) a reason to quarantine. The policy multiplies the factors (see
-docs/architecture.md) and owns the state machine.
+The detectors (probe, errors, kv_outlier) each return the node's updated per-signal memory and their Finding: a
+weight factor in [0, 1] with its reason, and a quarantine request with its priority. The policy multiplies the
+factors, owns the state machine, and arbitrates the quarantine requests (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from grayguard.config import ThresholdsConfig
 from grayguard.frozen import dict_init as dict_init  # re-exported: the policy's and the tests' import
 from grayguard.frozen import evolve as evolve  # re-exported: the controller's memories are copied with it
 from grayguard.vocab import PROBE_ANSWERED as PROBE_ANSWERED  # re-exported: the old name
-from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, ProbeResult
+from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, Detector, ProbeResult
 
 WINDOW_TICKS = 5  # the exporter's live window (exporters/live.py, 5 s) over the tick (1 s): one live observation
 PROBE_CUDA = ProbeResult.CUDA_ERROR  # quarantines at once
 PROBE_BAD = ProbeResult.BAD_RESPONSE  # quarantines at once when hardware evidence corroborates it
+
+
+class Finding(NamedTuple):
+    """What one detector asks for one node this tick: a weight factor (1.0: no cut) with its reason, and a quarantine
+    (its reason; None: none) with its priority among the pool's candidates (the evidence in noise widths, how many
+    times its peers' a probe or a cache is; inf: a hard fault, a failing probe or an open error circuit). A shadowed
+    detector's findings are reported (NodeDecision.shadow) and acted on by nobody."""
+
+    detector: str  # grayguard.vocab.Detector
+    factor: float = 1.0
+    quarantine: str | None = None
+    reason: str = ""
+    priority: float = math.inf
+
+    def asks(self) -> tuple[str, ...]:
+        """What it asks for: "cut", "quarantine", both or neither (the logs', the metrics' and replay's word)."""
+        return tuple(a for a, on in (("cut", self.factor < 1.0), ("quarantine", self.quarantine is not None)) if on)
+
+
+NOTHING = {d: Finding(d) for d in Detector}  # each detector's finding of a node with nothing to ask (most, most ticks)
 
 
 @dataclass(frozen=True)
@@ -36,13 +57,14 @@ class SignalMemory:
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
-          corroborated: bool = False, median_calm: bool = False,
-          like_peers: bool = False, run_needed: int | None = None) -> tuple[SignalMemory, float, str, str | None]:
+          evidence: tuple[str, ...] = (), median_calm: bool = False,
+          like_peers: bool = False, run_needed: int | None = None) -> tuple[SignalMemory, Finding]:
     """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
 
-    corroborated: the GPU reports trouble (hardware evidence), so one slow probe is not taken for noise,
-    and one bad response (garbage text, a broken stream) quarantines at once, like a CUDA error: HAProxy
-    cannot see a 200 with broken text, so every tick waited for a second bad probe delivers garbage.
+    evidence: what the GPU reports (hardware evidence, signals.evidence; () none), which corroborates: one slow
+    probe is not taken for noise, a slow-probe cut asks for a quarantine (slow first tokens on hardware that says
+    it is sick), and one bad response (garbage text, a broken stream) quarantines at once, like a CUDA error:
+    HAProxy cannot see a 200 with broken text, so every tick waited for a second bad probe delivers garbage.
     Without corroboration a bad response is one failure among `probe_consecutive` (a single
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
 
@@ -58,23 +80,24 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     run_needed: slow probes in a row that cut (default probe_consecutive; the policy passes more where the
     node's peers get slow probes too: probe_run_needed).
     """
+    corroborated = bool(evidence)
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
-        return m, (t.cut_factor if m.probe_slow else 1.0), ("probe slow (held)" if m.probe_slow else ""), None
+        return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
     if result == ProbeResult.TIMEOUT and like_peers:
-        return evolve(m, probe_good=0), (t.cut_factor if m.probe_slow else 1.0), \
-            ("probe slow (held)" if m.probe_slow else ""), None
+        m = evolve(m, probe_good=0)
+        return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
     bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
-        return evolve(m, probe_bad=bad, probe_good=0), 1.0, "", \
-            "probe: CUDA error (the engine answers with a GPU fault)"
+        return evolve(m, probe_bad=bad, probe_good=0), \
+            Finding(Detector.PROBE, quarantine="probe: CUDA error (the engine answers with a GPU fault)")
     if result == PROBE_BAD and corroborated:
-        return evolve(m, probe_bad=bad, probe_good=0), 1.0, "", \
-            "probe: bad response while the GPU reports trouble (one strike)"
+        return evolve(m, probe_bad=bad, probe_good=0), \
+            Finding(Detector.PROBE, quarantine="probe: bad response while the GPU reports trouble (one strike)")
     if result in PROBE_FAILURES:
         m = evolve(m, probe_bad=bad, probe_good=0)
         if bad >= t.probe_consecutive:
-            return m, 1.0, "", f"probe: {bad} consecutive failed probes (last: {result})"
-        return m, 1.0, "", None
+            return m, Finding(Detector.PROBE, quarantine=f"probe: {bad} consecutive failed probes (last: {result})")
+        return m, NOTHING[Detector.PROBE]
     # answered: slow when the exporter says so (its threshold is absolute) and it is slower than the peers' probes;
     # a run of them cuts the weight. A probe far slower than its peers' that the exporter calls ok is left to the
     # live signals, which measure the node's speed (on the real fleet it was one probe queued behind a long prompt)
@@ -92,11 +115,24 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         good = m.probe_good + 1
         m = evolve(m, probe_bad=0, probe_good=good, probe_slow_run=0,
                    probe_slow=m.probe_slow and good < t.probe_ok_to_clear)
-    if m.probe_slow:
-        what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
-        peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
-        return m, t.cut_factor, f"probe slow ({what}{peers})", None
-    return m, 1.0, "", None
+    if not m.probe_slow:
+        return m, NOTHING[Detector.PROBE]
+    what = f"{ttft * 1000:.0f} ms" if ttft is not None else "slow"
+    peers = f" vs peers {peer_ttft * 1000:.0f} ms" if peer_ttft else ""
+    return m, _slow_probes(m, f"probe slow ({what}{peers})", ttft, peer_ttft, t, evidence)
+
+
+def _slow_probes(m: SignalMemory, reason: str, ttft: float | None, peer_ttft: float | None, t: ThresholdsConfig,
+                 evidence: tuple[str, ...]) -> Finding:
+    """The slow-probe cut while it is in force (m.probe_slow); with GPU evidence it asks for a quarantine too (slow
+    first tokens on hardware that says it is sick), ranked by how many times its peers' the node's last probe took
+    (the least a slow probe is, live_probe_confirm, when either is unknown)."""
+    if not m.probe_slow:
+        return NOTHING[Detector.PROBE]
+    if not evidence or t.cut_factor >= 1.0:
+        return Finding(Detector.PROBE, t.cut_factor, None, reason)
+    ratio = ttft / peer_ttft if ttft and peer_ttft else t.live_probe_confirm
+    return Finding(Detector.PROBE, t.cut_factor, f"{reason} with GPU evidence: {', '.join(evidence)}", reason, ratio)
 
 
 # how unlikely a run of slow probes must be for one of a pool's healthy nodes, given their share of slow probes now,
@@ -119,19 +155,21 @@ def probe_run_needed(slow_share: float | None, least: int, nodes: int = 1) -> in
     return max(least, math.ceil(math.log(chance) / math.log(slow_share) - 1e-9))
 
 
-def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, float, str, str | None]:
+def errors(m: SignalMemory, ratio: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, Finding]:
     """The error share of the requests the node finished over the control window, one value a sample: above
     error_ratio it cuts the weight by cut_factor, at or above circuit_error_ratio it opens the node's circuit (a
     quarantine: drained, then canaries). The share is already a rate over the window's requests, so its value acts
     as it comes; counting ticks would count the same sample again. No value (no request finished): the cut holds."""
     if ratio is None:
-        return m, (t.cut_factor if m.errors else 1.0), ("errors (held)" if m.errors else ""), None
+        return m, (Finding(Detector.ERRORS, t.cut_factor, None, "errors (held)") if m.errors
+                   else NOTHING[Detector.ERRORS])
     if ratio >= t.circuit_error_ratio:
-        return m, 1.0, "", f"errors: {ratio:.0%} of requests failed (circuit open)"
+        return m, Finding(Detector.ERRORS, quarantine=f"errors: {ratio:.0%} of requests failed (circuit open)")
     cut = ratio > t.error_ratio
     if cut != m.errors:  # a quiet node keeps its memory: no copy
         m = evolve(m, errors=cut)
-    return m, (t.cut_factor if cut else 1.0), (f"errors {ratio:.1%}" if cut else ""), None
+    return m, (Finding(Detector.ERRORS, t.cut_factor, None, f"errors {ratio:.1%}") if cut
+               else NOTHING[Detector.ERRORS])
 
 
 def kv_cache(m: SignalMemory, usage: float | None, t: ThresholdsConfig) -> tuple[SignalMemory, bool]:
@@ -154,9 +192,9 @@ def evidence(gpu_throttled: bool | None, pcie_degraded: bool | None, ecc: bool |
 
 def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
                t: ThresholdsConfig, load_share: float = 1.0,
-               held: int = WINDOW_TICKS) -> tuple[SignalMemory, str | None]:
+               held: int = WINDOW_TICKS) -> tuple[SignalMemory, Finding]:
     """A KV cache far fuller than the peers' (the median of their usage) at a like share of traffic, held for
-    `held` ticks in a row (one observation of the live window, WINDOW_TICKS): a quarantine reason, else None.
+    `held` ticks in a row (one observation of the live window, WINDOW_TICKS): a quarantine request (no cut).
 
     A node whose KV budget shrank (another process holding GPU memory, a leak, a smaller
     gpu_memory_utilization) fills its cache with a fraction of its peers' requests; the rest wait for a slot, so
@@ -170,12 +208,14 @@ def kv_outlier(m: SignalMemory, usage: float | None, peer_usage: float | None,
     leastconn, so its share is 1.
     """
     if t.kv_outlier_ratio <= 0 or usage is None or peer_usage is None:
-        return m, None
+        return m, NOTHING[Detector.KV_OUTLIER]
     hot = usage >= max(t.kv_outlier_min, t.kv_outlier_ratio * peer_usage * load_share)
     run = m.kv_hot + 1 if hot else 0
     if run != m.kv_hot:
         m = evolve(m, kv_hot=run)
     if run >= held:
-        return m, (f"KV cache {usage:.0%} full vs its peers' {peer_usage:.0%} for {run} ticks: less room for the "
-                   f"KV cache than its peers (GPU memory taken or a KV budget that shrank), requests wait for a slot")
-    return m, None
+        why = (f"KV cache {usage:.0%} full vs its peers' {peer_usage:.0%} for {run} ticks: less room for the "
+               f"KV cache than its peers (GPU memory taken or a KV budget that shrank), requests wait for a slot")
+        # ranked by how many times its peers' usage it holds
+        return m, Finding(Detector.KV_OUTLIER, 1.0, why, why, usage / max(peer_usage, 1e-3))
+    return m, NOTHING[Detector.KV_OUTLIER]

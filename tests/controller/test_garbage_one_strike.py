@@ -49,10 +49,10 @@ def test_two_bad_responses_without_evidence_still_quarantine():
 
 def test_probe_rule_directly():
     t = ThresholdsConfig()
-    m, factor, _why, q = signals.probe(SignalMemory(), "bad_response", None, 1, None, t, corroborated=True)
-    assert q is not None and factor == 1.0 and m.probe_bad == 1
-    _m, _f, _w, q = signals.probe(SignalMemory(), "bad_response", None, 1, None, t, corroborated=False)
-    assert q is None
+    m, found = signals.probe(SignalMemory(), "bad_response", None, 1, None, t, evidence=("xid",))
+    assert found.quarantine is not None and found.factor == 1.0 and m.probe_bad == 1
+    _m, found = signals.probe(SignalMemory(), "bad_response", None, 1, None, t)
+    assert found.quarantine is None
     # evidence alone with an answered probe quarantines nothing
-    _m, _f, _w, q = signals.probe(SignalMemory(), "ok", 0.03, 0, 0.03, t, corroborated=True)
-    assert q is None
+    _m, found = signals.probe(SignalMemory(), "ok", 0.03, 0, 0.03, t, evidence=("xid",))
+    assert found.quarantine is None

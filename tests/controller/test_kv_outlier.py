@@ -14,7 +14,9 @@ T = ThresholdsConfig()
 def run(usages, peer, t=T, m=None):
     m, why = m or SignalMemory(), None
     for u in usages:
-        m, why = kv_outlier(m, u, peer, t)
+        m, found = kv_outlier(m, u, peer, t)
+        assert found.detector == "kv_outlier" and found.factor == 1.0 and found.reason == (found.quarantine or "")
+        why = found.quarantine
     return m, why
 
 
@@ -39,8 +41,8 @@ def test_not_an_outlier(usage, peer):
 
 def test_one_tick_below_the_bar_starts_over_and_absent_holds():
     m, _ = run([0.6, 0.6, 0.6], 0.1)
-    held, why = kv_outlier(m, None, 0.1, T)  # the node's value is absent: hold
-    assert held.kv_hot == 3 and why is None
+    held, found = kv_outlier(m, None, 0.1, T)  # the node's value is absent: hold
+    assert held.kv_hot == 3 and found.quarantine is None
     held, _ = kv_outlier(m, 0.6, None, T)  # no peers' value: hold
     assert held.kv_hot == 3
     reset, _ = kv_outlier(m, 0.2, 0.1, T)
@@ -90,9 +92,10 @@ def test_a_prefill_heavy_node_holds_long_contexts_not_a_smaller_cache():
     tokens than they do, 10x here: its peers' usage scaled by that share is what its load holds, and 63 % is below
     kv_outlier_ratio times it. Load, not a shrunk KV budget."""
     m, why = run([0.6] * (HELD - 1), 0.04)
-    held, why = kv_outlier(m, 0.63, 0.04, T, load_share=10.0)
-    assert held.kv_hot == 0 and why is None  # the loaded tick starts the count over
-    assert kv_outlier(m, 0.63, 0.04, T, load_share=2.0)[1] is not None  # 2x the prompts do not hold 16x the cache
+    held, found = kv_outlier(m, 0.63, 0.04, T, load_share=10.0)
+    assert held.kv_hot == 0 and found.quarantine is None  # the loaded tick starts the count over
+    found = kv_outlier(m, 0.63, 0.04, T, load_share=2.0)[1]  # 2x the prompts do not hold 16x the cache
+    assert found.quarantine is not None and found.priority == 0.63 / 0.04  # ranked by its peers' usage it holds
 
     def ticks(prefill_x):
         usages = {"a": 0.04, "b": 0.05, "c": 0.04, "x": 0.63}
