@@ -373,7 +373,7 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
     live_scores, probe_load, live_spread, at_capacity = _live_scores(inputs, st, names, groups, policy, noise)
     # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
     # tenant's long prompts queues its probes behind them). A node at capacity by its load (g infinite) is no peer,
-    # and its own slow probes are load: they start no run (like_peers)
+    # and its own timed-out probes are load: they count no failure (like_peers)
     peer_probe = peers.peer_medians(rotating, {n: v / probe_load.get(n, 1.0) for n, v in probe_ttfts.items()
                                                if n not in at_capacity}, groups)
     for n, g in probe_load.items():
@@ -644,7 +644,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
     decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
-                                 evidence=evidence, median_calm=pm is not None and pm.ratio < t.live_probe_confirm,
+                                 evidence=evidence, measured=i.live_itl is not None,
                                  like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
     lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)

@@ -57,9 +57,10 @@ class SignalMemory:
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
-          evidence: tuple[str, ...] = (), median_calm: bool = False,
+          evidence: tuple[str, ...] = (), measured: bool = False,
           like_peers: bool = False, run_needed: int | None = None) -> tuple[SignalMemory, Finding]:
-    """Slow probes degrade, failing probes quarantine, a cold start (`starting`) is not a fault.
+    """Failing probes quarantine; slow probes degrade a node the live signals do not measure; a cold start
+    (`starting`) is not a fault.
 
     evidence: what the GPU reports (hardware evidence, signals.evidence; () none), which corroborates: one slow
     probe is not taken for noise, a slow-probe cut asks for a quarantine (slow first tokens on hardware that says
@@ -68,15 +69,15 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     Without corroboration a bad response is one failure among `probe_consecutive` (a single
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
 
-    median_calm: the median of the node's last few probes is like its peers' (controller/live.py's probe median):
-    a slow probe now is one stuck behind a passing backlog, so it starts no run of slow probes (and clears none);
-    unless the GPU reports trouble (corroborated): a throttled or link-degraded GPU answering a slow probe is the
-    fault's first sign, seconds before the median of the last probes moves.
+    measured: the live signals measure the node's speed (it has a live ITL: its engine has a fast path and it decoded
+    in the live window), at its own load: a slow probe is then no evidence of its own (a 1-token request's first token
+    is mostly the queue it met, which the live signals judge at the node's load, seconds later and on far more
+    tokens), so it starts no run and clears none, unless the GPU reports trouble (corroborated: a throttled or
+    link-degraded GPU answering a slow probe is the fault's first sign, seconds before the live window moves). A node
+    they do not measure (an engine without a fast path, a node that decodes nothing) is judged by its probes.
     like_peers: the node decodes now, and its live signals are like its peers' (policy.like_peers_now): a probe that
-    timed out or was slow waited in a queue its peers have too (a saturated pool), which is load, not a failure:
-    it starts no run and counts no failure. A hung node decodes nothing, so its timeouts still count. A slow probe
-    on a GPU that reports trouble (corroborated) counts all the same: the live signals are averages over the last
-    seconds and lag the fault they would deny.
+    timed out waited in a queue its peers have too (a saturated pool), which is load, not a failure: it counts no
+    failure. A hung node decodes nothing, so its timeouts still count.
     run_needed: slow probes in a row that cut (default probe_consecutive; the policy passes more where the
     node's peers get slow probes too: probe_run_needed).
     """
@@ -102,10 +103,8 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # a run of them cuts the weight. A probe far slower than its peers' that the exporter calls ok is left to the
     # live signals, which measure the node's speed (on the real fleet it was one probe queued behind a long prompt)
     slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
-    slow = result == ProbeResult.SLOW and slower
-    if slow and (median_calm or like_peers) and not corroborated and not m.probe_slow:
-        m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
-    elif slow:
+    slow = result == ProbeResult.SLOW and slower and (corroborated or not measured)
+    if slow:
         run = m.probe_slow_run + 1
         m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run,
                    probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_consecutive))
