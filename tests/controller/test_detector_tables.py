@@ -210,13 +210,21 @@ LIVE_ROWS = [  # the live ITL at each node's load (rules 5-8)
         slower(0, 1.8), ticks=8, cut_by=1, drain_by=5, drain_cause="live ITL"),
 ]
 
-PROBE_ROWS = [  # the micro-probe (rules 8-12)
+PROBE_ROWS = [  # the micro-probe (rules 8-11)
     Row("hung", "a node that answers /health but decodes nothing: its probes time out",
         only_n0(probe_result="timeout", probe_ttft=None, probe_failures=3, live_itl=None, live_ttft=None,
                 live_decode_batch=None), ticks=5, drain_by=2, drain_cause="probe"),
     Row("one slow probe", "one probe behind a passing backlog is nothing",
         lambda i, k, x: replace(x, probe_result="slow", probe_ttft=10 * PROBE_S) if i == 0 and k == 5 else x,
         never_cut=True, never_drained=True),
+    Row("slow probes, decoding at its peers' pace", "a node the live signals measure is judged by them: its slow "
+        "first tokens are a queue (the real fleet's healthy nodes, cut by them over one tick)",
+        lambda i, k, x: replace(x, probe_result="slow", probe_ttft=20 * PROBE_S,
+                                probe_ttft_median=20 * x.probe_ttft_median, live_ttft=20 * x.live_ttft)
+        if i == 0 else x, never_cut=True, never_drained=True),
+    Row("slow probes, no fast path", "a node the live signals do not measure is judged by its probes: a run cuts",
+        both(no_live, only_n0(probe_result="slow", probe_ttft=20 * PROBE_S)), ticks=10, cut_by=3,
+        never_drained=True),
     Row("slow probes, decoding at its load behind a tenant's prompts", "queued, not failed",
         lambda i, k, x: replace(x, probe_result="slow", probe_ttft=20 * PROBE_S, live_prefill_rate=3 * PREFILL,
                                 live_itl=x.live_itl * load_factor(BATCH, 3 * PREFILL))
@@ -226,7 +234,7 @@ PROBE_ROWS = [  # the micro-probe (rules 8-12)
         drain_cause="probe"),
 ]
 
-ERRORS_ROWS = [  # the error share (rule 13)
+ERRORS_ROWS = [  # the error share (rule 12)
     Row("5 % errors", "an error share above error_ratio cuts the weight",
         only_n0(error_ratio=0.05), ticks=10, cut_by=1, never_drained=True),
     Row("80 % errors", "a high error share opens the node's circuit", only_n0(error_ratio=0.8), ticks=10,
@@ -235,7 +243,7 @@ ERRORS_ROWS = [  # the error share (rule 13)
         never_drained=True),
 ]
 
-KV_ROWS = [  # the KV cache (rules 15, 17)
+KV_ROWS = [  # the KV cache (rules 14, 16)
     Row("far fuller than its peers", "a cache filled by a fraction of its peers' traffic: its memory went elsewhere",
         only_n0(kv_cache_usage=0.9, live_prefill_rate=PREFILL), ticks=12, drain_by=WINDOW_TICKS + 2,
         drain_cause="KV"),
@@ -245,14 +253,14 @@ KV_ROWS = [  # the KV cache (rules 15, 17)
         both(everyone(kv_cache_usage=3.3), only_n0(kv_cache_usage=0.97)), ticks=12, cut_by=1, never_drained=True),
 ]
 
-EVIDENCE_ROWS = [  # GPU evidence (rule 14)
+EVIDENCE_ROWS = [  # GPU evidence (rule 13)
     Row("2x with its PCIe link degraded", "the GPU's own evidence drains at once",
         both(slower(0, 2.0, probes=False), only_n0(pcie_degraded=True)), ticks=6, drain_by=2),
     Row("evidence, no slowness", "evidence alone never drains a fast node (its alert pages)",
         only_n0(gpu_throttled=True), never_cut=True, never_drained=True),
 ]
 
-GATEWAY_ROWS = [  # HAProxy's reflexes (rule 16)
+GATEWAY_ROWS = [  # HAProxy's reflexes (rule 15)
     Row("agent mark-down", "the exporter's agent saw a hang: quarantined, outranking all",
         only_n0(agent_down=True, down=True, agent_why="hang: no token in 2.0s"), ticks=3, drain_by=0),
     Row("error-limit mark-down", "HAProxy's own error limit fired: quarantined so its health check cannot return it",
