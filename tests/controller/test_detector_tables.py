@@ -163,6 +163,13 @@ LATENCY_ROWS = [  # the 30 s window (docs/architecture.md's rules 1-4, 6)
         both(no_live, slower(0, 1.08, live=False, probes=False)), never_cut=True, never_drained=True),
     Row("window slow, live like its peers", "the live veto: the window is the past (a few heavy requests)",
         slower(0, 3.0, live=False, probes=False), never_cut=True, never_drained=True),
+    Row("first tokens slow, decoding at its peers' pace", "a fault of the first token alone (a starved prefill) on a "
+        "node the live ITL measures: its slow probes are no evidence of their own, and the veto does not excuse its "
+        "window, which cuts and drains it, the probes agreeing",
+        both(slower(0, 3.0, live=False, probes=False),
+             lambda i, k, x: replace(x, live_ttft=5 * x.live_ttft, probe_result="slow", probe_ttft=5 * x.probe_ttft,
+                                     probe_ttft_median=5 * x.probe_ttft_median) if i == 0 else x),
+        cut_by=6, drain_by=25, drain_cause="latency"),
 ]
 
 LIVE_ROWS = [  # the live ITL at each node's load (rules 5-8)
