@@ -99,9 +99,10 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         if bad >= t.probe_consecutive:
             return m, Finding(Detector.PROBE, quarantine=f"probe: {bad} consecutive failed probes (last: {result})")
         return m, NOTHING[Detector.PROBE]
-    # answered: slow when the exporter says so (its threshold is absolute) and it is slower than the peers' probes;
-    # a run of them cuts the weight. A probe far slower than its peers' that the exporter calls ok is left to the
-    # live signals, which measure the node's speed (on the real fleet it was one probe queued behind a long prompt)
+    # answered: slow when the exporter says so (its threshold is absolute) and it is slower than the peers' probes, of
+    # a node the live signals do not measure or whose GPU reports trouble; a run of them cuts the weight. A probe far
+    # slower than its peers' that the exporter calls ok is left to the live signals, which measure the node's speed
+    # (on the real fleet it was one probe queued behind a long prompt)
     slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
     slow = result == ProbeResult.SLOW and slower and (corroborated or not measured)
     if slow:
