@@ -644,7 +644,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
     decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
-                                 evidence=evidence, measured=i.live_itl is not None,
+                                 evidence=evidence, measured=li is not None or at_capacity,
                                  like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
     lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now)

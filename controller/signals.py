@@ -69,12 +69,14 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     Without corroboration a bad response is one failure among `probe_consecutive` (a single
     broken stream can be the network's fault; the exporter's class does not tell garbage from that).
 
-    measured: the live signals measure the node's speed (it has a live ITL: its engine has a fast path and it decoded
-    in the live window), at its own load: a slow probe is then no evidence of its own (a 1-token request's first token
-    is mostly the queue it met, which the live signals judge at the node's load, seconds later and on far more
-    tokens), so it starts no run and clears none, unless the GPU reports trouble (corroborated: a throttled or
+    measured: the live signals measure the node's speed (its live ITL is scored against its peers': its engine has a
+    fast path, it decoded in the live window and so did enough peers in rotation; or its load puts it at capacity, so
+    its slowness is its load), at its own load: a slow probe is then no evidence of its own (a 1-token request's
+    first token is mostly the queue it met, which the live signals judge at the node's load, seconds later and on
+    far more tokens), so it starts no run and clears none, unless the GPU reports trouble (corroborated: a throttled or
     link-degraded GPU answering a slow probe is the fault's first sign, seconds before the live window moves). A node
-    they do not measure (an engine without a fast path, a node that decodes nothing) is judged by its probes.
+    they do not measure (an engine without a fast path, a node that decodes nothing, a live ITL with too few peers
+    decoding to be compared: a small pool with nodes in slow start) is judged by its probes.
     like_peers: the node decodes now, and its live signals are like its peers' (policy.like_peers_now): a probe that
     timed out waited in a queue its peers have too (a saturated pool), which is load, not a failure: it counts no
     failure. A hung node decodes nothing, so its timeouts still count.

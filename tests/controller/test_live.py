@@ -301,10 +301,12 @@ def test_slow_probes_judge_only_a_node_the_live_signals_do_not_measure():
     """A 1-token probe's first token is mostly the queue it met. A node with a live ITL is judged by it, at its own
     load, so its slow probes start no run, however many: on the six real-vLLM runs they cut healthy nodes (a probe
     behind a long prompt) and never the faulty one sooner. A node without one (an engine with no fast path, a node
-    that decodes nothing) is judged by its probes: a run of them cuts."""
+    that decodes nothing) is judged by its probes: a run of them cuts. So is a node whose live ITL has no peers to be
+    compared with (fewer than MIN_PEERS nodes in rotation decode): a live ITL nothing scores measures nothing (the
+    real-vLLM tier, 3 nodes, one cut to weight 1 and one back from a restart: the throttled node went uncut)."""
     live = {"n0": 0.020, "n1": 0.020, "n2": 0.021, "n3": 0.019}
 
-    def run(median0, live0):
+    def run(median0, live0, peers_decode=("n1", "n2", "n3")):
         pol = Policy()
         states = {f"n{i}": seasoned(since=0.0, ema=0.02) for i in range(4)}
         out = []
@@ -312,7 +314,8 @@ def test_slow_probes_judge_only_a_node_the_live_signals_do_not_measure():
             inputs = _inputs(live, probes={"n0": median0, "n1": 0.05, "n2": 0.05, "n3": 0.05})
             inputs["n0"] = replace(inputs["n0"], probe_result="slow", probe_ttft=0.5, live_itl=live0)
             for n in ("n1", "n2", "n3"):
-                inputs[n] = replace(inputs[n], probe_result="ok", probe_ttft=0.05)
+                inputs[n] = replace(inputs[n], probe_result="ok", probe_ttft=0.05,
+                                    live_itl=inputs[n].live_itl if n in peers_decode else None)
             d = decide_pool(states, inputs, pol, 100.0 + tick)
             states = {n: nd.state for n, nd in d.nodes.items()}
             out.append((states["n0"].state, d.nodes["n0"].weight))
@@ -321,6 +324,8 @@ def test_slow_probes_judge_only_a_node_the_live_signals_do_not_measure():
         assert all(x == (HEALTHY, 100) for x in run(median0, 0.020))  # measured: decoding at its peers' pace
         slow = run(median0, None)  # not measured: its probes judge it
         assert slow[-1][0] == DEGRADED and slow[-1][1] < 100, (median0, slow)
+        alone = run(median0, 0.020, peers_decode=("n1",))  # a live ITL, but no peers to score it against
+        assert alone[-1][0] == DEGRADED and alone[-1][1] < 100, (median0, alone)
 
 
 def test_a_slow_probe_on_a_gpu_reporting_trouble_drains_at_once_though_the_probe_median_has_not_moved_yet():

@@ -79,6 +79,19 @@ def in_rotation(r: Rig, node: str) -> bool:
     return not (s.down or s.drain or s.maint) and s.weight > 0
 
 
+def pool_view(r: Rig) -> str:
+    """Each node: the controller's state, weight and reason, its last probe's class, HAProxy's weight."""
+    nodes = {n["node"]: n for p in r.stack.controller_status()["pools"] for n in p["nodes"]}
+    out = []
+    for n in r.stack.nodes:
+        c = nodes.get(n.name, {})
+        ex = r.stack.exporters.get(n.name)
+        probe = ex.prober.state.last_result if ex is not None else None
+        out.append(f"{n.name} {c.get('state')} w={c.get('weight')} haproxy={r.server(n.name).weight} "
+                   f"probe={probe} ({c.get('reason') or ''})")
+    return "; ".join(out)
+
+
 def completion_s(r: Rig, node: str, tokens: int = 50, timeout_s: float = 60.0) -> float:
     """Seconds for one direct (not through HAProxy) completion of `tokens` tokens."""
     t = time.monotonic()
@@ -187,12 +200,21 @@ def test_the_controller_cuts_a_throttled_real_node(rig, record_property):
     node = wait_until(at_full, 120, 0.5, "a node at full weight before the fault")
     t = time.monotonic()
     st.set_fault(node, "thermal", k=10)
+    seen: list[str] = []  # the pool as the controller, the probes and HAProxy saw it, every 5 s: a miss explains itself
+
+    def cut_now() -> float | None:
+        if not seen or time.monotonic() - t >= 5 * len(seen):
+            seen.append(f"+{time.monotonic() - t:.0f} s: " + pool_view(rig))
+        return rig.server(node).weight < FULL and time.monotonic()
     try:
-        cut = wait_until(lambda: rig.server(node).weight < FULL and time.monotonic(), 60, 0.2, f"{node} cut") - t
+        try:
+            cut = wait_until(cut_now, 60, 0.2, f"{node} cut") - t
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; the pool meanwhile:\n" + "\n".join(seen)) from None
         reason = next(n.get("reason") for p in st.controller_status()["pools"] for n in p["nodes"]
                       if n["node"] == node)
     finally:
         st.clear_fault(node)
     report(record_property, cut_s=cut)
-    print("reason:", reason)
+    print(f"{node} throttled; the pool then, {seen[0]}; the cut's reason: {reason}")
     assert cut <= 30
