@@ -47,7 +47,7 @@ class PoolObservation:
     servers: Mapping[str, ServerState]  # the tier's view of every HAProxy endpoint that answered (plan.tier_view)
     prev: Mapping[str, NodeState]  # the states after the previous tick
     canaries: Sequence[CanaryRound] = ()
-    # pool_data of this tick's samples, servers, max age and min request rate, when the shell has it already (it
+    # pool_data of this tick's samples, servers, max age, when the shell has it already (it
     # checks every pool's data before the canaries); None: decide_tick computes it
     data: PoolData | None = None
 
@@ -98,9 +98,9 @@ class PoolData:
 
     latency: dict[str, float]  # node -> value: one series of the pool, fresh
     rate: dict[str, float]
-    with_data: tuple[str, ...]  # nodes the controller can score (fresh latency, enough requests)
+    with_data: tuple[str, ...]  # nodes the controller can score (fresh latency, requests in the window)
     # node -> why it has no usable data: conflict (two series for its key), stale (older than stale_after_s,
-    # or of unknown age), unmatched (no series of the pool names it), idle (no latency, or too few requests)
+    # or of unknown age), unmatched (no series of the pool names it), idle (no latency, or no requests in the window)
     without: dict[str, str]
     held: str | None = None  # why the pool holds every weight (not one node has fresh data), None: decide
     latency_at: dict[str, float] = field(default_factory=dict)  # node -> its latency sample's own timestamp
@@ -188,8 +188,7 @@ def _keys(pool: PoolConfig, servers: Mapping[str, ServerState]) -> dict[str, tup
 
 
 def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Mapping[str, Sequence[Sample]],
-              max_age_s: float = math.inf, min_request_rate: float = 0.0,
-              keys: Mapping[str, tuple[str, ...]] | None = None) -> PoolData:
+              max_age_s: float = math.inf, keys: Mapping[str, tuple[str, ...]] | None = None) -> PoolData:
     """Match the pool's latency and rate series to its servers; drop what cannot be trusted.
 
     A node with two series for its key has no data (which one is its own is a guess); a series older than
@@ -230,7 +229,7 @@ def pool_data(pool: PoolConfig, servers: Mapping[str, ServerState], samples: Map
             vals["rate"].pop(n, None)
         elif n not in vals["latency"] and n not in vals["rate"]:
             without[n] = "unmatched"
-        elif usable(vals["latency"].get(n)) and vals["rate"].get(n, math.inf) >= min_request_rate:
+        elif usable(vals["latency"].get(n)) and vals["rate"].get(n, math.inf) > 0:
             with_data.append(n)
         else:
             without[n] = "idle"
@@ -335,8 +334,7 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
             continue
         own = pool_samples(samples, pool.name)
         keys = _keys(pool, po.servers)  # once for pool_data and node_inputs
-        data = po.data or pool_data(pool, po.servers, own, obs.max_age_s,
-                                    policies[pool.name].thresholds.min_request_rate, keys)
+        data = po.data or pool_data(pool, po.servers, own, obs.max_age_s, keys)
         if data.held:  # no fresh data at all: hold every weight of the pool (the shell logs and counts it)
             continue
         est, outcomes = canary_estimates(po.canaries, po.prev)

@@ -169,9 +169,8 @@ class Controller:
                         samples: dict[str, list[Sample]]) -> tuple[str | None, decide.PoolData]:
         """Export how many of the pool's nodes have usable data, say why the others have none; the reason the
         pool holds (not one node has fresh data: no canary, no decision, no write, the tick is no success), and
-        the data (decide_tick takes it as it is: the same samples, max age and min request rate)."""
-        data = decide.pool_data(pool, servers, samples, self.cfg.stale_after_s,
-                                self.policies[pool.name].thresholds.min_request_rate)
+        the data (decide_tick takes it as it is: the same samples and max age)."""
+        data = decide.pool_data(pool, servers, samples, self.cfg.stale_after_s)
         m, p = self.metrics, pool.name
         m.pool_nodes_with_data.labels(p).set(len(data.with_data))
         for reason in decide.NO_DATA_REASONS:

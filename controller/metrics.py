@@ -114,7 +114,8 @@ class ControllerMetrics:
             pool_nodes_without_data=Gauge("grayguard_pool_nodes_without_data",
                                           "Nodes without usable data by reason: conflict (two series), stale "
                                           "(older than stale_after_s), unmatched (no series names the server), "
-                                          "idle (no latency or too few requests)", ["pool", "reason"], registry=r),
+                                          "idle (no latency or no requests in the window)", ["pool", "reason"],
+                                          registry=r),
             tick_duration=Histogram("grayguard_tick_duration_seconds", "Duration of a control tick",
                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                                     registry=r),

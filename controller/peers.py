@@ -56,8 +56,14 @@ def _groups(values: Mapping[str, float], groups: Mapping[str, Group]) -> dict[Gr
 
 
 def coefficients(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
-                 speed: Mapping[str, float], min_members: int = 2) -> dict[Group, float]:
-    """Speed coefficient per group (1.0 = the pool's reference speed); groups without one are left out."""
+                 speed: Mapping[str, float], min_members: int = 2,
+                 noise: Mapping[str, float] | None = None) -> dict[Group, float]:
+    """Speed coefficient per group (1.0 = the pool's reference speed); groups without one are left out.
+
+    noise: each value's own noise width (log units; scoring.sampled_noise: a mean over few requests is noisy). A
+    small group's speed is its fastest member's, each member counted at its value times its noise beyond the group's
+    best-measured member's: a thin window fast by chance (a node back in slow start, a few short requests) does not
+    set its group-mate's expectation. Without noise, the plain minimum."""
     by = _groups(values, groups)
     large = [v for g in by.values() if len(g) >= min_peers for v in g.values()]
     ref = statistics.median(large or list(values.values())) if values else 1.0
@@ -68,15 +74,19 @@ def coefficients(values: Mapping[str, float], groups: Mapping[str, Group], min_p
         elif len(members) >= min_peers:
             out[g] = statistics.median(members.values()) / ref
         elif len(members) >= min_members:
-            out[g] = min(members.values()) / ref
+            if noise:
+                least = min(noise.get(n, 0.0) for n in members)
+                out[g] = min(v * math.exp(noise.get(n, 0.0) - least) for n, v in members.items()) / ref
+            else:
+                out[g] = min(members.values()) / ref
     for g, c in speed.items():
         out.setdefault(g, c)
     return out
 
 
 def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int, min_spread: float,
-           speed: Mapping[str, float]) -> dict[str, Score]:
-    """Leave-one-out score of every node that can be scored."""
+           speed: Mapping[str, float], noise: Mapping[str, float] | None = None) -> dict[str, Score]:
+    """Leave-one-out score of every node that can be scored (noise: each value's own, for small groups' speeds)."""
     by = _groups(values, groups)
     out: dict[str, Score] = {}
     small = []
@@ -87,7 +97,7 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
             small.append(g)
     if not small:
         return out
-    coef = coefficients(values, groups, min_peers, speed)
+    coef = coefficients(values, groups, min_peers, speed, noise=noise)
     norm = {n: v / coef[groups.get(n)] for n, v in values.items() if groups.get(n) in coef}
     if len(norm) < min_peers:
         return out
@@ -101,7 +111,7 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
 
 
 def spread(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int,
-           speed: Mapping[str, float]) -> float | None:
+           speed: Mapping[str, float], noise: Mapping[str, float] | None = None) -> float | None:
     """The pool's spread this tick (scoring.spread_of) of the values as scores() compares them: each within its peer
     group when the group has min_peers, the others speed-normalized against the pool; None below min_peers values."""
     by = _groups(values, groups)
@@ -115,7 +125,7 @@ def spread(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
         else:
             small.extend(members)
     if small:
-        coef = coefficients(values, groups, min_peers, speed)
+        coef = coefficients(values, groups, min_peers, speed, noise=noise)
         norm = sorted(math.log(values[n] / coef[groups.get(n)]) for n in small if groups.get(n) in coef)
         if len(norm) >= min_peers:
             m = median(norm)

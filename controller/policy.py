@@ -337,24 +337,25 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
         i, s = inputs[n], st[n]
         if i.hold or s.state in EJECTED or not usable(i.latency):
             continue
-        if i.request_rate is not None and i.request_rate < t.min_request_rate:
-            continue
         if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
                 or s.ema is None:
             renewed[n] = {"ema": i.latency, "latency_seen_at": i.latency_at}
             fresh[n] = i.latency  # type: ignore[assignment]
         else:
             fresh[n] = s.ema
-    scored = peers.scores(fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     # the window's noise, learned from its spread on each new sample (scoring.Noise), and each node's: the pool's,
-    # widened by the sampling noise of the requests in its own window (a thin window is a noisy mean)
-    window_spread = peers.spread(fresh, groups, MIN_PEERS, policy.group_speed)
-    lat_noise = pool_noise([st[n].window.noise for n in scored])
+    # widened by the sampling noise of the requests in its own window (a thin window is a noisy mean: its score
+    # waits for more, and it sets no small group's speed by chance)
+    lat_noise = pool_noise([st[n].window.noise for n in fresh])
     window_noise: dict[str, float] = {}
-    for n, sc in scored.items():
+    for n in fresh:
         rate = inputs[n].request_rate
-        window_noise[n] = w = sampled_noise(lat_noise, t.min_spread, None if rate is None else rate * policy.window_s,
-                                            t.window_noise_cv)
+        window_noise[n] = sampled_noise(lat_noise, t.min_spread, None if rate is None else rate * policy.window_s,
+                                        t.window_noise_cv)
+    scored = peers.scores(fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=window_noise)
+    window_spread = peers.spread(fresh, groups, MIN_PEERS, policy.group_speed, noise=window_noise)
+    for n, sc in scored.items():
+        w = window_noise[n]
         z = against_noise(sc.z, sc.ratio, w, t.min_spread)
         if z != sc.z:
             scored[n] = peers.score_of(z, sc.ratio, sc.peer_median)

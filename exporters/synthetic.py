@@ -8,8 +8,8 @@ finished requests, e2e seconds, prompt and generated tokens less the probes' (do
 Requests and tokens come out exactly (vLLM's usage says what it counted for each probe); seconds within the HTTP
 overhead of a probe, which the exporter learns where vLLM finished only probes. Subtracting here, where the probe
 tally and vLLM's counters are read together, is exact; subtracting in Prometheus would compare two targets
-scraped at different moments, an error of about a probe per window (up to 0.08 req/s over 30 s, as large as
-`thresholds.min_request_rate` itself). An engine that counts no tokens of its requests (Triton: successful requests
+scraped at different moments, an error of about a probe per window (up to 0.08 req/s over 30 s: almost
+3 requests a window). An engine that counts no tokens of its requests (Triton: successful requests
 and their microseconds) gives a tally of requests and seconds: its tokens stay 0 on both sides and are not exported
 (EngineLoad.request_tokens, Traffic.tokens). Time is a parameter, never read.
 """

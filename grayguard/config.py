@@ -394,9 +394,6 @@ class ThresholdsConfig:
     # noise joins the peers' spread in the node's score (a node finishing 30 requests: +/-18 %); 0: not counted
     window_noise_cv: float = 1.0
     max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
-    # req/s of finished requests below which a node's latency is not trusted (~3 in a 30 s window). Keep it
-    # low: a badly slowed node finishes few requests (the probes cover a node that finishes none).
-    min_request_rate: float = 0.1
     # the weight factor of a cut whose finding does not measure how slow the node is (slow probes, errors)
     cut_factor: float = 0.3
     # probes (the exporter's 1-token micro-probe)
@@ -443,7 +440,6 @@ class ThresholdsConfig:
         pr.check(self.min_spread > 0, p + "min_spread", "must be > 0")
         pr.check(self.window_noise_cv >= 0, p + "window_noise_cv", "must be >= 0 (0: not counted)")
         pr.check(0 <= self.max_ejected_fraction <= 1, p + "max_ejected_fraction", "must be in [0, 1]")
-        pr.check(self.min_request_rate >= 0, p + "min_request_rate", "must be >= 0")
         for name in ("live_cut_ratio", "live_drift", "live_probe_confirm"):
             pr.check(getattr(self, name) >= 1, p + name, "must be >= 1 (a multiple of the peer median)")
         pr.check(self.live_cut_ratio > self.live_drift, p + "live_cut_ratio", f"must be > {p}live_drift",
@@ -935,6 +931,9 @@ REMOVED_FIELDS = {
                                    "peers'; one the exporter calls ok is left to the live signals; ignored",
     "thresholds.min_peers": "a scoring group needs 3 nodes with data, the node and two peers (grayguard.config: "
                             "MIN_PEERS, the least the field accepted); ignored",
+    "thresholds.min_request_rate": "a node's 30 s window is scored whatever its request count: a thin window's "
+                                   "sampling noise (window_noise_cv) widens its score and discounts it in its group's "
+                                   "speed; ignored",
     "thresholds.min_degraded_weight": "a cut node keeps at least weight 1 (HAProxy's least weight that still serves), "
                                       "so that it stays measured; ignored",
 }

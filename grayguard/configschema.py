@@ -75,7 +75,6 @@ CONSTRAINTS: dict[str, dict[str, dict[str, Any]]] = {
         "min_spread": POSITIVE,
         "window_noise_cv": NON_NEGATIVE,
         "max_ejected_fraction": RATIO,
-        "min_request_rate": NON_NEGATIVE,
         "live_cut_ratio": {"minimum": 1},
         "live_drift": {"minimum": 1},
         "live_probe_confirm": {"minimum": 1},

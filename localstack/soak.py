@@ -204,7 +204,7 @@ def _counter_by(stack, name: str, *labels: str) -> dict[str, float]:
 
 def stack_spec(args: argparse.Namespace):
     """The stack the soak runs: the shipped production timing by default, or the demo's compressed one."""
-    from grayguard.config import RecoveryConfig, ThresholdsConfig
+    from grayguard.config import RecoveryConfig
     from grayguard.exporters.prober import ProbeConfig
     from grayguard.localstack.stack import StackSpec
 
@@ -212,11 +212,10 @@ def stack_spec(args: argparse.Namespace):
                      exporter_processes=True)
     if getattr(args, "timing", "production") == "demo":
         return spec
-    t, r = ThresholdsConfig(), RecoveryConfig()  # the shipped defaults, as grayguard.example.yaml has them
+    r = RecoveryConfig()  # the shipped defaults, as grayguard.example.yaml has them (the thresholds: the stack's own)
     return replace(spec, tick_s=5.0, control_window="30s", scrape_interval="5s",
                    probe_interval_s=ProbeConfig().interval,
-                   overrides={"thresholds": {"min_request_rate": t.min_request_rate},
-                              "recovery": {f: getattr(r, f) for f in ("min_quarantine_s", "canary_interval_s",
+                   overrides={"recovery": {f: getattr(r, f) for f in ("min_quarantine_s", "canary_interval_s",
                                            "canary_successes", "canary_timeout_s", "slow_start_initial",
                                            "slow_start_step_per_min")},
                               "rules": {"control_interval": "5s"}, "stale_after_s": 60})

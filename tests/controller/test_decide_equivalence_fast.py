@@ -50,7 +50,7 @@ def _ref_keys(pool, servers):
     return {n: tuple(dict.fromkeys(decide.series_keys(pool, srv))) for n, srv in servers.items()}
 
 
-def _ref_pool_data(pool, servers, samples, max_age_s=math.inf, min_request_rate=0.0):
+def _ref_pool_data(pool, servers, samples, max_age_s=math.inf):
     vals = {"latency": {}, "rate": {}}
     without = {}
     latency_at = {}
@@ -80,7 +80,7 @@ def _ref_pool_data(pool, servers, samples, max_age_s=math.inf, min_request_rate=
             vals["rate"].pop(n, None)
         elif n not in vals["latency"] and n not in vals["rate"]:
             without[n] = "unmatched"
-        elif usable(vals["latency"].get(n)) and vals["rate"].get(n, math.inf) >= min_request_rate:
+        elif usable(vals["latency"].get(n)) and vals["rate"].get(n, math.inf) > 0:
             with_data.append(n)
         else:
             without[n] = "idle"
@@ -248,9 +248,9 @@ def test_the_observe_side_gives_what_the_plain_version_gave(kinds, lat_rows, rat
     own, own_opt = decide.pool_samples(grouped, "us"), decide.pool_samples(grouped_opt, "us")
     canaries = {"n1": math.inf, "n2": 0.5}
 
-    want = _ref_pool_data(pool, srv, samples, max_age_s=60, min_request_rate=0.1)
-    for got in (decide.pool_data(pool, srv, samples, max_age_s=60, min_request_rate=0.1),
-                decide.pool_data(pool, srv, own, 60, 0.1, decide._keys(pool, srv))):
+    want = _ref_pool_data(pool, srv, samples, max_age_s=60)
+    for got in (decide.pool_data(pool, srv, samples, max_age_s=60),
+                decide.pool_data(pool, srv, own, 60, decide._keys(pool, srv))):
         assert repr(got) == repr(want)
     assert repr(decide.pool_data(pool, srv, samples)) == repr(_ref_pool_data(pool, srv, samples))
 
@@ -284,14 +284,14 @@ def test_decide_tick_hands_the_policy_what_the_plain_version_built(kinds, lat_ro
 
     obs = decide.Observation(1000.0, samples, optional, {"us": decide.PoolObservation(srv, {}),
                                                          "eu": decide.PoolObservation(eu, {})}, 60.0)
-    policies = {p: SimpleNamespace(name=p, thresholds=SimpleNamespace(min_request_rate=0.1)) for p in ("us", "eu")}
+    policies = {p: SimpleNamespace(name=p) for p in ("us", "eu")}
     real, decide.decide_pool = decide.decide_pool, decide_pool  # not monkeypatch: a fixture outlives examples
     try:
         decide.decide_tick(obs, [pool, other], policies)  # type: ignore[arg-type]
     finally:
         decide.decide_pool = real
     for cfg, servers in ((pool, srv), (other, eu)):
-        want = _ref_pool_data(cfg, servers, samples, 60.0, 0.1)
+        want = _ref_pool_data(cfg, servers, samples, 60.0)
         got = seen.get(cfg.name)
         if want.held:
             assert got is None

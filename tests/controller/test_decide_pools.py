@@ -57,8 +57,8 @@ def test_each_pool_decides_on_its_own_series_as_on_the_whole_answers(lat_rows, r
         srv = {f"n{i}": ServerState(cfg.backend, f"n{i}", f"10.0.{k}.{i}:8000" if i % 2 else f"10.0.0.{i}:8000",
                                     100, 100, 0, 2) for i in range(NODES)}
         own, own_opt = decide.pool_samples(grouped, pool), decide.pool_samples(grouped_opt, pool)
-        whole = decide.pool_data(cfg, srv, samples, max_age_s=60, min_request_rate=0.1)
-        assert decide.pool_data(cfg, srv, own, max_age_s=60, min_request_rate=0.1) == whole
+        whole = decide.pool_data(cfg, srv, samples, max_age_s=60)
+        assert decide.pool_data(cfg, srv, own, max_age_s=60) == whole
         assert decide.signal_maps(cfg, srv, own_opt) == decide.signal_maps(cfg, srv, optional)
         assert decide.node_inputs(cfg, srv, own, own_opt, {}, whole) == \
             decide.node_inputs(cfg, srv, samples, optional, {}, whole)

@@ -56,9 +56,9 @@ def test_once_dry_run_prints_a_plan_and_writes_nothing(tmp_path):
             others = [v for k, v in vals.items() if k != slow]
             return len(vals) == 4 and vals[slow] > 1.6 * max(others)
         prom.wait_for(cfg.signals.latency_query, ready, timeout_s=40)
-        # and the controller trusts it: enough finished requests on the throttled node
+        # and finished requests on the throttled node (3 a window at least: not a mean of one or two)
         prom.wait_for(cfg.signals.request_rate_query, lambda res: any(
-            r["metric"]["instance"] == slow and float(r["value"][1]) >= cfg.thresholds.min_request_rate for r in res),
+            r["metric"]["instance"] == slow and float(r["value"][1]) >= 0.1 for r in res),
             timeout_s=30)
         # One tick has no memory: its score is the window's ratio against the peers' spread, which a loaded
         # machine widens (4.99x at score 2.46 was seen: degraded, but a factor of 1 at the threshold). Each --once

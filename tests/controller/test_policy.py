@@ -1,11 +1,13 @@
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller.haproxy import ServerState
 from grayguard.controller.live import LiveMemory
+from grayguard.controller.peers import coefficients
 from grayguard.controller.plan import plan_backend
 from grayguard.controller.policy import (
     CANARY,
@@ -189,6 +191,30 @@ def test_hysteresis_a_node_at_the_edge_does_not_flap():
     assert states[0] == DEGRADED and set(states) == {DEGRADED}  # 1.4x is not calm
     d = fleet({**peers, "x": 0.115}, prev=prev, now=20.0)  # 1.15x: calm, the cut ends
     assert d.nodes["x"].state.state == HEALTHY
+
+
+def test_a_thin_window_fast_by_chance_sets_no_group_mates_expectation():
+    """A mixed pool of two 2-node GPU groups: each group's speed is its fastest member's (a sick node is slower,
+    never faster). A node back in slow start finished three short requests in its window, fast by chance (0.54x):
+    counted at its value, it made its healthy group-mate read 1.85x (seed 2, kv_thrash/n4/mixed/bursty: a healthy
+    node cut 5 s, when `min_request_rate` was taken out). Each member counts at its value times its sampling noise
+    beyond the best-measured member's: the group-mate is not cut, and a slow group-mate still is."""
+    groups = {"a1": "a", "a2": "a", "b1": "b", "b2": "b"}
+
+    def tick(a2: float):
+        inputs = {"a1": NodeInput(100, 0.054, peer_group="a", request_rate=0.1),  # 3 requests in 30 s
+                  "a2": NodeInput(100, a2, peer_group="a", request_rate=10.0),
+                  **{n: NodeInput(100, 0.1, peer_group=groups[n], request_rate=10.0) for n in ("b1", "b2")}}
+        prev = {n: seasoned(since=0.0) for n in inputs}
+        return decide_pool(prev, inputs, Policy(window_samples=1), 100.0).nodes
+    d = tick(0.1)
+    assert all(x.state.state == HEALTHY and x.weight == 100 for x in d.values()), \
+        {n: (x.state.state, x.state.reason) for n, x in d.items()}
+    assert d["a2"].state.ratio < 1.2
+    slow = tick(0.3)  # 3x its well-measured peers: the thin fast member does not hide it either
+    assert slow["a2"].state.state in (DEGRADED, QUARANTINED)
+    # the plain minimum, for values without a noise of their own (the canary baseline, the live signals)
+    assert coefficients({"a1": 0.054, "a2": 0.1, "b1": 0.1, "b2": 0.1}, groups, 3, {})["a"] == pytest.approx(0.54)
 
 
 def test_no_data_holds_state_and_weight():

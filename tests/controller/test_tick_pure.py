@@ -197,7 +197,7 @@ def test_the_pool_data_the_shell_checked_is_the_data_decided_on(monkeypatch):
     # decide_tick takes that match as it is: the same outcome as matching again, one match per pool
     now, prev = 1000.0, {}
     obs = observe(now, prev, slow())
-    data = decide.pool_data(POOL, SERVERS, obs.samples, obs.max_age_s, POLICIES["chat"].thresholds.min_request_rate)
+    data = decide.pool_data(POOL, SERVERS, obs.samples, obs.max_age_s)
     given = decide.Observation(now, obs.samples, {}, {"chat": decide.PoolObservation(SERVERS, prev, data=data)},
                                obs.max_age_s)
     assert decide.decide_tick(given, [POOL], POLICIES) == decide.decide_tick(obs, [POOL], POLICIES)

@@ -164,14 +164,14 @@ def test_pool_data_is_pure_and_order_free():
         return Sample({"__name__": LAT_Q, "pool": pool, "instance": f"10.0.0.{i}:8000", **extra}, v, 1000.0)
     lat = [s(0, 0.02), s(0, 0.9, pool="eu"), s(1, 0.02, replica="a"), s(1, 0.03, replica="b"),
            Sample({"instance": "10.0.0.2:8000"}, 0.02, 1000.0), s(3, 0.02), s(4, 0.02)]
-    rate = [Sample(x.labels, 5.0 if "10.0.0.4" not in x.labels["instance"] else 0.01, 1000.0) for x in lat]
+    rate = [Sample(x.labels, 5.0 if "10.0.0.4" not in x.labels["instance"] else 0.0, 1000.0) for x in lat]
     ts = [Sample({k: v for k, v in x.labels.items() if k != "__name__"}, 1000.0 - (200 if "10.0.0.3" in
                                                                                   x.labels["instance"] else 1),
                  1000.0) for x in lat]
     for order in (1, -1):
         got = decide.pool_data(pool, srv, {"latency": lat[::order], "rate": rate[::order],
                                            "latency_timestamp": ts[::order], "rate_timestamp": ts[::order]},
-                               max_age_s=60, min_request_rate=0.1)
+                               max_age_s=60)
         assert got.latency == {"n0": 0.02, "n2": 0.02, "n4": 0.02}  # the EU series of n0 is not the US pool's
         assert got.with_data == ("n0", "n2")  # n2: no pool label, matched by key alone
         assert got.without == {"n1": "conflict", "n3": "stale", "n4": "idle"} and got.held is None

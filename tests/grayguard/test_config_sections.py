@@ -59,8 +59,6 @@ def with_override(where: str, override: dict) -> dict:
      "thresholds.window_noise_cv: must be >= 0 (0: not counted)"),
     ("thresholds", {"max_ejected_fraction": 1.5},
      "thresholds.max_ejected_fraction: must be in [0, 1]"),
-    ("thresholds", {"min_request_rate": -1},
-     "thresholds.min_request_rate: must be >= 0"),
     ("thresholds", {"cut_factor": 0},
      "thresholds.cut_factor: must be in (0, 1]"),
     ("thresholds", {"cut_factor": 1.1},

@@ -106,12 +106,11 @@ def test_a_30_second_soak_measures_the_controller_and_exporter_processes(tmp_pat
 def test_the_soak_runs_at_the_shipped_timing_by_default():
     import argparse
 
-    from grayguard.config import ThresholdsConfig
     from grayguard.localstack.soak import stack_spec
 
     prod = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="production"))
     assert (prod.tick_s, prod.control_window, prod.scrape_interval) == (5.0, "30s", "5s")
-    assert prod.overrides["thresholds"]["min_request_rate"] == ThresholdsConfig().min_request_rate
+    assert "thresholds" not in prod.overrides  # the shipped thresholds (the stack sets none of its own)
     assert prod.overrides["rules"]["control_interval"] == "5s"  # six samples a window: the shipped observation
     demo = stack_spec(argparse.Namespace(nodes=5, seed=1, timing="demo"))
     assert (demo.tick_s, demo.control_window, demo.scrape_interval) == (1.0, "10s", "1s")
