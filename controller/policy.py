@@ -449,55 +449,9 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             s = _judge_canary(s, n, i.canary, fresh, groups, policy, now, i.canary_at, lat_noise)
         st[n] = s
 
-    # 3. Drain the worst candidates within the safeguard cap. The cap bounds what is out of rotation from any
-    # cause: servers in MAINT or DOWN by their health check count first (capacity already gone), and
-    # KV-saturated nodes share the same budget. Draining a node that is out anyway (DOWN) costs nothing now, but
-    # keeps it out once its health check puts it back: so it is drained only while the pool is within the cap
-    # (a pool-wide failure that HAProxy marked DOWN everywhere must not come back to a pool the controller holds
-    # drained).
+    # 3. The pool's limit: who is out of rotation, at most `cap` nodes from any cause (_arbitrate: one ranking).
     cap = max_ejected(len(names), t.max_ejected_fraction)
-    away = {n for n in names if inputs[n].hold or inputs[n].down}
-    out_now = len(away) + sum(1 for n in names if n not in away and st[n].state in EJECTED)
-    gone = f" ({len(away)} in MAINT or DOWN)" if away else ""
-    safeguard = False
-    # drained nodes whose last canaries were good; the closest to recovery (most good canaries, drained first) last
-    passing_canaries = sorted((n for n in names if n not in away and st[n].state == CANARY and st[n].canary_ok >= 1),
-                              key=lambda n: (-st[n].canary_ok, st[n].since, n), reverse=True) if candidates else []
-    for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):
-        fits = (out_now <= cap) if n in away else (out_now < cap)
-        if not fits and passing_canaries:
-            passing = passing_canaries.pop()
-            # the cap is full, and a drained node's canaries pass: it is not sick now, this one is. The budget goes
-            # to the node with evidence now (a node drained for a blip must not keep a throttled one in rotation)
-            st[passing] = evolve(_move(st[passing], SLOW_START, now, f"released for {n} (the safeguard cap of {cap} "
-                                       f"node(s) out of rotation was full): {st[passing].canary_ok} good canaries"),
-                                 canary_ok=0, cause="")
-            out_now -= 1
-            fits = True
-        if fits:
-            st[n] = evolve(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
-            out_now += n not in away
-        else:
-            safeguard = True
-            st[n] = evolve(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
-                           f"rotation of {len(names)} reached{gone}")
-    # agents took out more than the cap: release the excess agents first (the controller's own drains stand)
-    agent_off, out_now = _agent_releases(st, inputs, names, cap, out_now)
-    if out_now > cap:  # the pool shrank, nodes left rotation or the cap was lowered: release the closest to recovery
-        drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
-                         key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
-        for n in drained[:out_now - cap]:
-            st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
-        out_now -= min(len(drained), out_now - cap)
-    kv_zero = set()
-    for _, n in sorted(kv_full):
-        if st[n].state in EJECTED or n in away:
-            continue
-        if out_now + len(kv_zero) < cap:
-            kv_zero.add(n)
-        else:
-            st[n] = evolve(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
-                           + "KV cache saturated, but the safeguard cap keeps it in rotation")
+    safeguard, agent_off, out_now, kv_zero = _arbitrate(st, inputs, names, candidates, kv_full, cap, now)
 
     # 4. Weights.
     out = {}
@@ -528,6 +482,72 @@ def _share(mine: float | None, peers_: float | None) -> float:
     if mine is None or peers_ is None or not peers_ > 0:
         return 1.0
     return max(1.0, mine / peers_)
+
+
+def _arbitrate(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str],
+               candidates: list[tuple[float, str, str, str]], kv_full: list[tuple[float, str]], cap: int, now: float
+               ) -> tuple[bool, frozenset[str], int, set[str]]:
+    """The pool's one limit: at most `cap` nodes out of rotation, from any cause. Who is out is one ranking:
+
+    1. servers HAProxy has in MAINT or DOWN by its health check: the capacity is gone already, and nothing here
+       brings it back (they count first);
+    2. drained nodes whose canaries have not passed yet, the farthest from recovery first;
+    3. the nodes sick now (`candidates`), by priority: HAProxy's own reflexes first (an agent's mark-down, the error
+       limit: out already, they take no new place), then the detectors' findings;
+    4. drained nodes whose canaries pass, the farthest from recovery first;
+    5. KV-saturated nodes (weight 0 without a drain: their running requests finish).
+
+    A node ranked past the cap stays in or comes back: a candidate's quarantine is withheld (the safeguard, said in
+    its reason), a drained node is released into slow start (a passing one for the candidate that takes its place,
+    "released for"), an agent's mark-down past the cap has its agent disabled (_agent_releases: HAProxy then follows
+    its health check), and a saturated node keeps its weight. st is updated in place; returns whether a quarantine
+    was withheld, the nodes whose agent check the shell disables, the count out of rotation after it, and the nodes
+    at weight 0 for their KV cache."""
+    away = {n for n in names if inputs[n].hold or inputs[n].down}  # rank 1
+    out_now = len(away) + sum(1 for n in names if n not in away and st[n].state in EJECTED)
+    gone = f" ({len(away)} in MAINT or DOWN)" if away else ""
+    safeguard = False
+    # rank 4, last out first: the closest to recovery (most good canaries, drained first) at the end
+    passing = sorted((n for n in names if n not in away and st[n].state == CANARY and st[n].canary_ok >= 1),
+                     key=lambda n: (-st[n].canary_ok, st[n].since, n), reverse=True) if candidates else []
+    for _prio, n, cause, reason in sorted(candidates, key=lambda c: (-c[0], c[1])):  # rank 3
+        # a node out already (DOWN) takes no new place. Draining it costs nothing now, but keeps it out once its
+        # health check puts it back: so only while the pool is within the cap (a pool-wide failure HAProxy marked
+        # DOWN everywhere must not come back to a pool the controller holds drained)
+        fits = (out_now <= cap) if n in away else (out_now < cap)
+        if not fits and passing:  # the cap is full and a drained node's canaries pass: it is not sick now, n is
+            p = passing.pop()
+            st[p] = evolve(_move(st[p], SLOW_START, now, f"released for {n} (the safeguard cap of {cap} node(s) out "
+                                 f"of rotation was full): {st[p].canary_ok} good canaries"), canary_ok=0, cause="")
+            out_now -= 1
+            fits = True
+        if fits:
+            st[n] = evolve(_move(st[n], QUARANTINED, now, reason), canary_ok=0, last_canary=None, cause=cause)
+            out_now += n not in away
+        else:
+            safeguard = True
+            st[n] = evolve(st[n], reason=f"{reason}; quarantine withheld: safeguard cap of {cap} node(s) out of "
+                           f"rotation of {len(names)} reached{gone}")
+    # past the cap still (agents took out more, the pool shrank, nodes left rotation or the cap was lowered): the
+    # agents' mark-downs the controller has not confirmed go back first (its own drains stand), then the drained
+    # closest to recovery
+    agent_off, out_now = _agent_releases(st, inputs, names, cap, out_now)
+    if out_now > cap:
+        drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
+                         key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
+        for n in drained[:out_now - cap]:
+            st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
+        out_now -= min(len(drained), out_now - cap)
+    kv_zero: set[str] = set()
+    for _, n in sorted(kv_full):  # rank 5: the fullest first, in the budget left
+        if st[n].state in EJECTED or n in away:
+            continue
+        if out_now + len(kv_zero) < cap:
+            kv_zero.add(n)
+        else:
+            st[n] = evolve(st[n], reason=(st[n].reason + "; " if st[n].reason else "")
+                           + "KV cache saturated, but the safeguard cap keeps it in rotation")
+    return safeguard, agent_off, out_now, kv_zero
 
 
 def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], cap: int,
