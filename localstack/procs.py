@@ -50,19 +50,47 @@ def free_port(host: str = "127.0.0.1") -> int:
     as every outgoing connection's local port, and on a busy machine one of those took it before the server bound
     it (seen in CI: etcd's "bind: address already in use"). Falls back to the kernel's pick when that range is
     too small or nothing in it is free.
+
+    A port is free only until its server binds it, which can be a minute later (the local stack's controller binds
+    after the fleet is up): so a process never hands out one port twice, and each pytest-xdist worker picks from its
+    own share of the range (seen in CI: the controller's port, picked at the stack's start, was taken by the time it
+    bound it, "Address already in use").
     """
     lo = ephemeral_range()[0]
+    first, last = _share(LISTEN_PORTS_FROM, lo)
     for _ in range(64 if lo - LISTEN_PORTS_FROM >= 1000 else 0):
-        port = random.randrange(LISTEN_PORTS_FROM, lo)
+        port = random.randrange(first, last)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.add(port)
+    return port
+
+
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process: never twice
+
+
+def _share(first: int, end: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [first, end) (PYTEST_XDIST_WORKER gwK of PYTEST_XDIST_WORKER_COUNT): two
+    workers of one run never pick the same port. Outside xdist, or a share under 500 ports: the whole range."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return first, end
+    k, n = int(worker[2:]) % int(count), int(count)
+    size = (end - first) // n
+    return (first + k * size, first + (k + 1) * size) if size >= 500 else (first, end)
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.1,

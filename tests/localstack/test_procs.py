@@ -67,6 +67,26 @@ def test_free_port_skips_a_port_in_use_and_falls_back_to_the_kernel_when_the_ran
     assert port >= LISTEN_PORTS_FROM + 10
 
 
+def test_free_port_never_hands_out_a_port_twice_and_keeps_to_its_xdist_workers_share(monkeypatch):
+    """A port is free only until its server binds it, which can be a minute later: the local stack picked its
+    controller's port at its start and bound it after the fleet was up, and found it taken ("Address already in
+    use", a fresh-clone CI run on f336a2c). One process never gets one port twice, and two xdist workers pick from
+    disjoint shares."""
+    import grayguard.localstack.procs as procs
+    monkeypatch.setattr(procs, "ephemeral_range", lambda: (LISTEN_PORTS_FROM + 1200, 65535))
+    monkeypatch.setattr(procs, "_HANDED_OUT", set())
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    ports = [free_port() for _ in range(300)]  # 300 picks of 1200 ports: repeats were likely before
+    assert len(set(ports)) == len(ports)
+    shares = {}
+    for k in range(2):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{k}")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        shares[k] = {free_port() for _ in range(50)}
+    assert all(LISTEN_PORTS_FROM <= p < LISTEN_PORTS_FROM + 600 for p in shares[0])
+    assert all(LISTEN_PORTS_FROM + 600 <= p < LISTEN_PORTS_FROM + 1200 for p in shares[1])
+
+
 def test_wait_until_returns_the_value_or_times_out():
     t0 = time.monotonic()
     assert wait_until(lambda: time.monotonic() - t0 > 0.1 and "done", 5, 0.01) == "done"
