@@ -176,7 +176,8 @@ AGENT_REASON = ("its exporter's agent check marked it DOWN in HAProxy (garbage t
 
 # The live signal is the live ITL (its LiveMemory is NodeState.live_itl). The probe TTFT median does not act alone
 # (heavy-tailed prompts queue ahead of a probe): it confirms a live quarantine. The live TTFT joins the live ITL to
-# veto the 30 s window's past. The NodeInput fields scored each tick:
+# say a node is like its peers now (like_peers_now: its timed-out probes queued, not failed). The NodeInput fields
+# scored each tick:
 LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
 
 
@@ -611,13 +612,13 @@ def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> b
     Decode: its live ITL below `ratio` x the peers', or no ITL at all (nothing decoded in the live window: a
     quiet node, which the probes still measure). First token: its live TTFT or its probe TTFT median below
     `ratio` x the peers' (the probes are the same 1-token request everywhere, so the prompt mix does not move
-    them). Both are needed, and at least one measurement of the node now: absent data alone vetoes nothing.
+    them). Both are needed, and at least one measurement of the node now: absent data alone says nothing.
     """
     li = live_sc.get(LIVE_ITL)
     if li is not None and li.ratio >= ratio:
         return False
     lt, pm = live_sc.get(LIVE_TTFT), live_sc.get(PROBE_MEDIAN)
-    if lt is None or pm is None:  # one first-token measurement, or none (which vetoes nothing)
+    if lt is None or pm is None:  # one first-token measurement, or none (which says nothing)
         one = pm if lt is None else lt
         return one is not None and not one.ratio >= ratio
     return not min(lt.ratio, pm.ratio) >= ratio
@@ -652,18 +653,18 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     if live_sc:
         li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
         # the live signals say it is like its peers now: within the allowance, in the live comparison's noise
-        veto = like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))
-    else:  # no live score: no veto (like_peers_now of nothing)
-        live_sc, li, pm, veto = _NO_SCORES, None, None, False
+        like_now = like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))
+    else:  # no live score: not like its peers (like_peers_now of nothing)
+        live_sc, li, pm, like_now = _NO_SCORES, None, None, False
     prev_factors = s.factors
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
-    sc, lat, wm, window_f = _window(s, sc, renewed, window, veto or at_capacity, pm, evidence, t, now)
+    sc, lat, wm, window_f = _window(s, sc, renewed, window, at_capacity, pm, evidence, t, now)
     # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
-    # its first tokens like its peers' at its load (the veto), or load for a probe to wait behind: prompt tokens
+    # its first tokens like its peers' at its load (like_now), or load for a probe to wait behind: prompt tokens
     # beyond its peers' (a tenant's long prompts) or a pool whose probes all queue. Decoding alone is not enough: a
     # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
-    decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (veto or behind_load)
+    decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (like_now or behind_load)
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
                                  evidence=evidence, measured=li is not None or at_capacity,
                                  like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
@@ -703,9 +704,11 @@ def _window(s: NodeState, sc: peers.Score | None, renewed: dict | None,
             t: ThresholdsConfig, now: float) -> tuple[peers.Score | None, dict, LiveMemory, Finding]:
     """The 30 s window's detector on a node in rotation, the live ITL's sequential test on each new sample: (the
     score it acts on, None without a new sample; its score and ratio for the state; its memory; its finding, whose
-    quarantine takes a second witness as the live one's). excused: the live signals say the node is like its peers
-    now, or it is at capacity by its load: the window (the past, or the same prompts) is not acted on, and its
-    evidence starts over."""
+    quarantine takes a second witness as the live one's). excused: the node is at capacity by its load: the window
+    (the same prompts) is not acted on, and its evidence starts over. The window is evidence of its own where the
+    live signals say the node is like its peers (a slowness they do not see); a thin window is a noisy mean, which
+    its own sampling noise weighs (the live veto that excused it went on 2026-12-06: seeds 1-7 and the real runs
+    unchanged without it)."""
     m = s.window
     if sc is not None and not renewed:  # a sample seen before: no new evidence, the cut holds as it was
         if not m.cut:

@@ -909,8 +909,9 @@ REMOVED_FIELDS = {
                                               "live_cusum_cut", "live_cusum_quarantine", "live_calm_ratio")},
     **{f"thresholds.{k}": _ONE_WINDOW_TEST for k in ("ema_alpha", "sustain_ticks", "evidence_sustain_ticks",
                                                      "hysteresis", "min_relative_gap")},
-    "thresholds.live_veto_ratio": "the 30 s window is not acted on while the live signals are within live_drift of "
-                                  "the peers' (the same allowance); ignored",
+    "thresholds.live_veto_ratio": "the 30 s window is judged on its own, a thin one by its own sampling noise "
+                                  "(window_noise_cv), and its drain takes a second witness: no live veto since "
+                                  "2026-12-06; ignored",
     "thresholds.live_prefill_gate": "the load model compares each node's live latencies with what its peers predict "
                                     "at its own decode batch and prompt tokens (docs/architecture.md); ignored",
     **{f"thresholds.{k}": "replaced by probe_consecutive (slow probes in a row that cut, failed probes in a row that "
