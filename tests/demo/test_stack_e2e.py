@@ -4,9 +4,11 @@ webhook pager, controller) catches faults. Each run is bounded: about 30-45 s.""
 import csv
 import io
 import json
+import re
 
 import pytest
 
+from grayguard.config import ThresholdsConfig
 from grayguard.demo.cli import DemoOptions, run_scenario
 
 pytestmark = pytest.mark.e2e
@@ -56,9 +58,11 @@ def test_a_hung_node_is_quarantined_within_10s_through_the_probes(tmp_path):
     reason = quarantine_reason(r)
     # why, in the reason: the exporter's agent check (no token while its probe waited) or, where the node's own
     # recent stalls were long (a loaded machine: its hang is then called later, exporters/hang.py), the probes'
-    # two timeouts in a row, whichever reached the controller first
+    # timeouts in a row (probe_consecutive, 2, at least: a loaded machine's tick can read the exporter's count at 3,
+    # seen in a fresh-clone CI run on 73d35cd), whichever reached the controller first
+    runs = re.search(r"(\d+) consecutive failed probes \(last: timeout\)", reason)
     assert ("agent check" in reason and "hang: no token" in reason) or (
-        "2 consecutive failed probes (last: timeout)" in reason), reason
+        runs is not None and int(runs.group(1)) >= ThresholdsConfig().probe_consecutive), reason
     assert r["false_quarantines"] == [], log
 
 
