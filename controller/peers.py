@@ -74,11 +74,9 @@ def coefficients(values: Mapping[str, float], groups: Mapping[str, Group], min_p
         elif len(members) >= min_peers:
             out[g] = statistics.median(members.values()) / ref
         elif len(members) >= min_members:
-            if noise:
-                least = min(noise.get(n, 0.0) for n in members)
-                out[g] = min(v * math.exp(noise.get(n, 0.0) - least) for n, v in members.items()) / ref
-            else:
-                out[g] = min(members.values()) / ref
+            own = noise or {}  # none: every member at its value (exp(0)), the plain minimum
+            least = min(own.get(n, 0.0) for n in members)
+            out[g] = min(v * math.exp(own.get(n, 0.0) - least) for n, v in members.items()) / ref
     for g, c in speed.items():
         out.setdefault(g, c)
     return out
