@@ -9,7 +9,8 @@ controller/peers.py); here x = ln(ratio), one a tick, is judged by one test over
 
     Z_n = (mean of the last n x - ln live_drift) * sqrt(max(1, n / W)) / sigma,   Z = max over n in HORIZONS
 
-- sigma: the comparison's learned noise on the live ITL, floored at min_spread (scoring.Noise);
+- sigma: the node's noise on the live ITL: the comparison's learned noise, floored at min_spread (scoring.Noise),
+  widened by the sampling noise of the token gaps its value is a mean of (gaps, scoring.sampled_noise);
 - W = WINDOW_TICKS: the ticks whose values share their samples (the exporter's 5 s window at a 1 s tick): n ticks
   are n / W observations, not n, so one noisy window counts once, not five times;
 - live_drift: the allowance; a healthy node averages below it, so its evidence stays negative;
@@ -17,12 +18,13 @@ controller/peers.py); here x = ln(ratio), one a tick, is judged by one test over
   tens (a generalized likelihood ratio over the change's start, on the horizons 1..55).
 
 It cuts at Z >= ln(live_cut_ratio / live_drift) / min_spread (3.1 noise widths: one tick at 1.5x in a pool as
-quiet as min_spread; probes that agree let the shipped ratio cut in a noisier pool, as long as Z is at least
+quiet as min_spread; with a second witness, the shipped ratio cuts in a noisier pool too, as long as Z is at least
 DEGRADE_AT, 2) and asks for a quarantine at Z >= quarantine_score (or the cut's level if higher) over at least W
-ticks (one tick with GPU evidence). A cut ends at the first calm tick (x within one noise width of the
-allowance), and the history goes with it: the next cut needs evidence of its own. A tick without a live value
-(no token produced, no peers, stale) holds what was known: absent is not zero; a cut node that decodes nothing
-is judged by its probes (below live_cut_ratio x its peers' on probe_ok_to_clear ticks in a row: released).
+ticks (one tick with GPU evidence), which waits for that witness (witness: GPU evidence or the probes agreeing).
+A cut ends at the first calm value (x within one noise width of the allowance), and the history goes with it: the
+next cut needs evidence of its own. A tick without a live value (no token produced, no peers, stale) holds what was
+known, a cut included, until a value of its own comes: absent is not zero (a cut node keeps weight 1, so it is
+measured again; its probes' median, which released it before 2026-12-06, let a sick node in a noisy pool go).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from grayguard.controller.scoring import DEGRADE_AT, Noise, against_noise, weigh
 from grayguard.controller.signals import WINDOW_TICKS as WINDOW_TICKS  # re-exported: one live observation's ticks
 from grayguard.controller.signals import evolve
 
+LIVE_WINDOW_S = 5.0  # the exporter's live window (exporters/live.py): the span a live value is a mean over
 HORIZONS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 30, 36, 45, 55)  # ticks: about 1.25x apart past 5
 
 
@@ -52,7 +55,6 @@ class LiveMemory:
     """One live signal's memory for one node (a part of NodeState)."""
 
     cut: bool = False  # the weight cut is in force
-    calm: int = 0  # ticks in a row without a live value whose probes are like the peers', while cut
     z: float = 0.0  # the score that set the cut (its factor holds while the node has no data)
     noise: Noise = field(default_factory=Noise)  # the comparison's learned noise (scoring.Noise)
     # the last ln(ratio), most recent last, at most HORIZONS[-1]; not in the state file (rewritten every tick for
@@ -72,6 +74,23 @@ def in_noise(ratio: float, noise: float | None, min_spread: float) -> float:
     if noise is None or noise <= min_spread:
         return ratio
     return ratio ** (noise / min_spread)
+
+
+def gaps(itl: float | None, batch: float | None, window: float = LIVE_WINDOW_S) -> float | None:
+    """How many token gaps a live ITL is the mean of: its decode batch (every decoding sequence adds one second of
+    gaps a second) over the ITL, across the exporter's live window; None when either is unknown."""
+    if itl is None or batch is None or not (itl > 0 and batch >= 0) or not math.isfinite(batch):
+        return None
+    return batch * window / itl
+
+
+def witness(corroborated: bool, probe_ratio: float | None, noise: float | None, t: ThresholdsConfig) -> bool:
+    """A second witness of a latency test's evidence: GPU evidence (corroborated), or the node's probes, their median
+    `live_probe_confirm` x its peers' in the comparison's noise (in_noise). A quarantine request takes one
+    (policy._witnessed; no probe data: the evidence alone), and with one the shipped ratio cuts in a pool noisier
+    than min_spread (evidence of at least DEGRADE_AT widths there)."""
+    return corroborated or (probe_ratio is not None
+                            and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread))
 
 
 def evidence(xs: tuple[float, ...], sigma: float, drift: float, least: int = WINDOW_TICKS,
@@ -108,36 +127,31 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     spread: the pool's spread this tick, which the node's memory of the noise learns at `now` (None: not this
     tick). probe_ratio: the node's probe TTFT median over its peers' (None: unknown), the second witness.
     """
-    probes_like_peers = probe_ratio is not None and probe_ratio < t.live_cut_ratio
     learned = m.noise.learn(spread, now)  # goes into the one copy of the memory this call makes
-    if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:
+    sigma = max(noise or 0.0, t.min_spread)
+    ld = math.log(t.live_drift)
+    if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:  # no value: what was known holds
         if learned is not m.noise:
             m = evolve(m, noise=learned)
-        if m.cut and probes_like_peers:  # a cut took its traffic, and with it the tokens that would show it normal
-            if m.calm + 1 >= t.probe_ok_to_clear:
-                return evolve(m, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
-            m = evolve(m, calm=m.calm + 1)
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
-    sigma = max(noise or 0.0, t.min_spread)
     cut_at = math.log(t.live_cut_ratio / t.live_drift) / t.min_spread
     ratio, z, x = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread), math.log(sc.ratio)
     xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)
-    ld = math.log(t.live_drift)
     # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
     # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
     bound = max(0.0, max(xs) - ld) * math.sqrt(max(1.0, len(xs) / per_obs)) / sigma
     if not m.cut and bound < min(cut_at, DEGRADE_AT):
         return evolve(m, noise=learned, xs=xs), 1.0, "", None
+    witnessed = witness(corroborated, probe_ratio, noise, t)
     e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else per_obs, per_obs=per_obs)
     fires = e >= cut_at
-    if not fires and sigma > t.min_spread and e >= DEGRADE_AT and probe_ratio is not None \
-            and probe_ratio >= in_noise(t.live_probe_confirm, noise, t.min_spread):
-        fires = e * sigma / t.min_spread >= cut_at  # the probes agree: the shipped ratio cuts, whatever the noise
+    if not fires and witnessed and sigma > t.min_spread and e >= DEGRADE_AT:
+        fires = e * sigma / t.min_spread >= cut_at  # a witness: the shipped ratio cuts, whatever the noise
     if m.cut and x - ld < sigma:  # a calm tick ends the cut, and its evidence with it
-        return evolve(m, noise=learned, cut=False, calm=0, z=0.0, xs=()), 1.0, "", None
+        return LiveMemory(noise=learned), 1.0, "", None
     cut = fires or m.cut
     zz = max(z, DEGRADE_AT + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
-    m = evolve(m, noise=learned, cut=cut, calm=0, z=zz, xs=xs)
+    m = evolve(m, noise=learned, cut=cut, z=zz, xs=xs)
     reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} {unit}(s))" if cut else ""
     quarantine = None
     if eq >= max(t.quarantine_score, cut_at):

@@ -183,30 +183,36 @@ LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT = "live_itl", "probe_ttft_median", "live_ttft"
 
 def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], names: list[str],
                  groups: Mapping[str, str | None], policy: Policy, noise: float
-                 ) -> tuple[dict[str, dict[str, peers.Score]], dict[str, float], float | None, set[str]]:
+                 ) -> tuple[dict[str, dict[str, peers.Score]], dict[str, float], float | None, set[str],
+                            dict[str, float]]:
     """Peer scores of the live signals (and of the probe median that confirms them) over the nodes in rotation, each
     at the node's own load (controller/loadmodel.py: each value divided by what its decode batch and the prompt
     tokens in its steps make it, the slopes fitted on its peers, each node's value worth what the pool's learned noise
     on the live ITL says, floored at min_spread). Returns the scores, each node's load factor on the probe median
     (what its load makes a probe's first token: slow probes are judged against it; none for a node at capacity), the
-    live ITLs' spread this tick (peers.spread, at each node's load) and the nodes at capacity by their load (g
-    infinite: none of their live values is scored or a peer's)."""
+    live ITLs' spread this tick (peers.spread, at each node's load), the nodes at capacity by their load (g
+    infinite: none of their live values is scored or a peer's), and each live ITL's own noise: the pool's, widened by
+    the sampling noise of the token gaps it is a mean of (few tokens, wide error; as a thin 30 s window's)."""
     t = policy.thresholds
-    live = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
-    load = {n: loadmodel.load_of(inputs[n].live_decode_batch, inputs[n].live_prefill_rate) for n in live}
-    raw = {name: {n: v for n in live if usable(v := getattr(inputs[n], name))}
+    serving = [n for n in names if not inputs[n].hold and st[n].state in IN_ROTATION]
+    load = {n: loadmodel.load_of(inputs[n].live_decode_batch, inputs[n].live_prefill_rate) for n in serving}
+    raw = {name: {n: v for n in serving if usable(v := getattr(inputs[n], name))}
            for name in (LIVE_ITL, PROBE_MEDIAN, LIVE_TTFT)}
     g = loadmodel.at_load(raw[LIVE_ITL], set(raw[PROBE_MEDIAN]) | set(raw[LIVE_TTFT]), load, t.live_batch_slope,
                           groups=groups, noise=max(noise, t.min_spread))
+    own = {n: sampled_noise(noise, t.min_spread, live.gaps(v, inputs[n].live_decode_batch), t.window_noise_cv)
+           for n, v in raw[LIVE_ITL].items()}
     out = {}
     itl_spread = None
     for name, values in raw.items():  # a node at capacity by its load (g infinite) is neither scored nor a peer
         vals = {n: v / g[n] for n, v in values.items() if g[n] < math.inf}
-        out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed)
         if name == LIVE_ITL:
-            itl_spread = peers.spread(vals, groups, MIN_PEERS, policy.group_speed)
+            out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=own)
+            itl_spread = peers.spread(vals, groups, MIN_PEERS, policy.group_speed, noise=own)
+        else:
+            out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     at_capacity = {n for n, x in g.items() if x == math.inf}
-    return out, {n: g[n] for n in raw[PROBE_MEDIAN] if n not in at_capacity}, itl_spread, at_capacity
+    return out, {n: g[n] for n in raw[PROBE_MEDIAN] if n not in at_capacity}, itl_spread, at_capacity, own
 
 
 # drain cause of a node seeded from HAProxy: drained before this controller knew it, why is unknown
@@ -372,7 +378,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
             if i.kv_cache_usage is not None:
                 kv_used[n] = i.kv_cache_usage
     noise = pool_noise([st[n].live_itl.noise for n in names])
-    live_scores, probe_load, live_spread, at_capacity = _live_scores(inputs, st, names, groups, policy, noise)
+    live_scores, probe_load, live_spread, at_capacity, live_noise = _live_scores(inputs, st, names, groups, policy,
+                                                                                 noise)
     # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
     # tenant's long prompts queues its probes behind them). A node at capacity by its load (g infinite) is no peer,
     # and its own timed-out probes are load: they count no failure (like_peers)
@@ -420,7 +427,8 @@ def decide_pool(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], 
                                           renewed=renewed.get(n), window=(window_noise.get(n), window_spread,
                                                                           policy.window_samples),
                                           behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
-                                          noise=noise, live_spread=live_spread, at_capacity=n in at_capacity,
+                                          noise=live_noise.get(n, noise), live_spread=live_spread,
+                                          at_capacity=n in at_capacity,
                                           shadow=policy.shadow,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_consecutive, probed))
@@ -741,9 +749,10 @@ def _live(s: NodeState, li: peers.Score | None, pm: peers.Score | None, evidence
 
 def _witnessed(detector: str, factor: float, reason: str, q: str | None, sc: peers.Score | None,
                noise: float | None, pm: peers.Score | None, evidence: tuple, t: ThresholdsConfig) -> Finding:
-    """A sequential test's finding: its cut, and its quarantine request (its reason q) with its second witness: GPU
-    evidence (which also lets one value's evidence ask, and is named), or the node's probes: their median
-    `live_probe_confirm` above its peers' (the probes are too noisy to act alone, and one latency signal too).
+    """A sequential test's finding: its cut, and its quarantine request (its reason q) with its second witness
+    (live.witness, the one that also lets the shipped ratio cut in a noisy pool): GPU evidence (which also lets one
+    value's evidence ask, and is named), or the node's probes: their median `live_probe_confirm` x its peers' in the
+    comparison's noise (the probes are too noisy to act alone, and one latency signal too).
     Probes that say the node is like its peers hold the request, and the reason says it waits; no probe data says
     nothing either way (absent is not a no): the evidence stands alone. Its priority: the evidence in noise widths."""
     if not q:
@@ -753,7 +762,7 @@ def _witnessed(detector: str, factor: float, reason: str, q: str | None, sc: pee
         return Finding(detector, factor, f"{q}; GPU evidence: {', '.join(evidence)}", reason, z)
     if pm is None:
         return Finding(detector, factor, q, reason, z)
-    if pm.ratio >= t.live_probe_confirm:
+    if live.witness(False, pm.ratio, noise, t):
         return Finding(detector, factor, f"{q}; probes agree ({pm.ratio:.2f}x peers')", reason, z)
     waits = f"quarantine waits for the probes to agree (probes {pm.ratio:.2f}x peers')"
     return Finding(detector, factor, None, f"{reason}; {waits}" if reason else waits)

@@ -374,7 +374,7 @@ HARDWARE_SIGNALS = ("gpu_throttled", "pcie_degraded", "gpu_ecc", "gpu_xid", "pee
 
 
 # the score, in noise widths, from which a cut's weight falls (2^-(score-2), controller/scoring.py); a canary scored
-# below it is good, and probes that agree let evidence of it cut in a pool noisier than min_spread (controller/live.py).
+# below it is good, and a second witness lets evidence of it cut in a pool noisier than min_spread (controller/live.py).
 # Two noise widths: the scale of the score, not a tuned threshold (it was thresholds.degrade_score, which the weight
 # curve never read)
 DEGRADE_AT = 2.0
@@ -389,9 +389,10 @@ MIN_PEERS = 3
 class ThresholdsConfig:
     quarantine_score: float = 3.5  # evidence, in noise widths over at least one observation, that drains the node
     min_spread: float = 0.1  # floor of the peer spread (log units): quiet pools do not amplify noise
-    # the per-request variability (coefficient of variation) of the latency per weighted token: the 30 s window's
-    # value is a mean over the requests that finished in it, noisy by about this / sqrt(their count), and that
-    # noise joins the peers' spread in the node's score (a node finishing 30 requests: +/-18 %); 0: not counted
+    # the variability (coefficient of variation) of one observation a node's value is a mean of: the 30 s window's
+    # is a mean over the requests that finished in it, the live ITL over the token gaps of the live window (decode
+    # batch x 5 s over the ITL), each noisy by about this / sqrt(their count), and that noise joins the peers' spread
+    # in the node's score (a node finishing 30 requests: +/-18 %; three token gaps: +/-58 %); 0: not counted
     window_noise_cv: float = 1.0
     max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
     # the weight factor of a cut whose finding does not measure how slow the node is (slow probes, errors)
@@ -400,8 +401,7 @@ class ThresholdsConfig:
     # slow probes in a row that cut (one spike is noise; more where the peers' probes are slow too), failed probes in a
     # row that quarantine (a CUDA error: one)
     probe_consecutive: int = 2
-    # good probes in a row that end a slow-probe cut, and the latency cut of a node without data (its probes below
-    # live_cut_ratio x its peers')
+    # good probes in a row that end a slow-probe cut
     probe_ok_to_clear: int = 3
     # errors: the share of finished requests that ended in an error, over the control window (one value a sample)
     error_ratio: float = 0.01  # above it the weight is cut by cut_factor
@@ -418,9 +418,10 @@ class ThresholdsConfig:
     # sequential test over the ticks: the evidence that it sits above live_drift x the peers', in noise widths
     live_cut_ratio: float = 1.5  # cuts at the evidence of one tick at this ratio in a pool as quiet as min_spread
     live_drift: float = 1.1  # the allowance: a node at or below this ratio gathers no evidence
-    # a latency quarantine (live ITL or 30 s window) needs the node's probe TTFT median at least this many times its
-    # peers' (the probes are noisier, so they only confirm: without them a latency signal cuts but does not drain);
-    # a probe, or a canary, this much slower than its peers' is a slow one
+    # a latency quarantine (live ITL or 30 s window) needs a second witness: GPU evidence, or the node's probe TTFT
+    # median at least this many times its peers' in a pool as quiet as min_spread (as many noise widths in a noisier
+    # one; the probes are noisier, so they only confirm: without them a latency signal cuts but does not drain); a
+    # probe this much slower than its peers' is a slow one
     live_probe_confirm: float = 1.2
     # the load model's prior for the batch slope (controller/loadmodel.py): a decode step with more sequences takes
     # longer, each sequence beyond the first this share of a batch-1 step (fitted to published vLLM measurements of
@@ -916,8 +917,8 @@ REMOVED_FIELDS = {
                                     "at its own decode batch and prompt tokens (docs/architecture.md); ignored",
     **{f"thresholds.{k}": "replaced by probe_consecutive (slow probes in a row that cut, failed probes in a row that "
                           "quarantine); ignored" for k in ("probe_slow_consecutive", "probe_failures_to_quarantine")},
-    "thresholds.recover_ticks": "a cut node without data is released after probe_ok_to_clear probes like its peers' "
-                                "(the count that ends a slow-probe cut); ignored",
+    "thresholds.recover_ticks": "a latency cut holds until the node has a value of its own, which the calm test "
+                                "judges (absent is not zero: a cut node keeps weight 1 and is measured); ignored",
     **{f"thresholds.{k}": "replaced by cut_factor (the cut of a finding that does not measure the node's speed: "
                           "slow probes, errors); ignored" for k in ("probe_slow_factor", "error_factor")},
     **{f"thresholds.{k}": "the error share is a rate over the control window, judged on each new sample: a tick "

@@ -62,7 +62,7 @@ def test_leave_one_out_is_each_nodes_peers_sorted_on_their_own(seed):
 
 MEMORIES = [NodeState(state="degraded", since=5.0, ema=0.02, reason="x", factors=(("live", 0.5, "y"),),
                       signals=SignalMemory(probe_good=3), live_itl=LiveMemory(cut=True, xs=(0.5, 0.25))),
-            SignalMemory(probe_bad=1, kv_saturated=True), LiveMemory(calm=1, cut=True, z=3.0)]
+            SignalMemory(probe_bad=1, kv_saturated=True), LiveMemory(cut=True, z=3.0)]
 
 
 @pytest.mark.parametrize("obj", MEMORIES)

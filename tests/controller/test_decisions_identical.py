@@ -73,7 +73,7 @@ def test_peer_medians_use_statistics_median_arithmetic():
 
 MEMORIES = [NodeState(state="degraded", since=5.0, ema=0.02, reason="x", factors=(("live", 0.5, "y"),),
                       signals=SignalMemory(probe_good=3), live_itl=LiveMemory(cut=True, xs=(0.5, 0.25))),
-            SignalMemory(probe_bad=1, kv_saturated=True), LiveMemory(calm=1, cut=True, z=3.0)]
+            SignalMemory(probe_bad=1, kv_saturated=True), LiveMemory(cut=True, z=3.0)]
 
 
 # a draw can wait on a garbage collection of the large trace above (3 s once, on a busy machine): not slow input

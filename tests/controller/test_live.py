@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from grayguard.config import ThresholdsConfig
 from grayguard.controller.live import HORIZONS, WINDOW_TICKS, LiveMemory, assess, evidence
+from grayguard.controller.live import gaps as live_gaps
+from grayguard.controller.live import witness as live_witness
 from grayguard.controller.loadmodel import PRIOR_PREFILL_SLOPE
 from grayguard.controller.peers import Score
 from grayguard.controller.policy import (
@@ -134,7 +136,7 @@ def test_a_whole_pool_slowing_together_is_no_outlier():
 
 def test_live_memory_survives_the_state_file(tmp_path):
     from grayguard.controller.statefile import StateFile
-    s = replace(NodeState(since=1.0), live_itl=LiveMemory(cut=True, calm=1, z=4.0, xs=(0.5, 0.7)))
+    s = replace(NodeState(since=1.0), live_itl=LiveMemory(cut=True, z=4.0, xs=(0.5, 0.7)))
     f = StateFile(tmp_path / "state.json")
     f.save({"chat": {"n0": s}})
     # all but the recent values, rewritten every tick: a restarted controller gathers them anew
@@ -491,3 +493,44 @@ def test_no_horizon_s_evidence_exceeds_the_largest_value_s_at_the_longest_horizo
     e, n, eq, _ = evidence(tuple(xs), sigma, drift)
     bound = max(0.0, max(xs) - math.log(drift)) * math.sqrt(max(1.0, len(xs) / WINDOW_TICKS)) / sigma
     assert e <= bound + 1e-9 and eq <= e and 1 <= n <= len(xs)
+
+
+def test_a_thin_live_itl_is_a_noisy_mean_and_needs_a_wider_gap():
+    """A live ITL is the mean of the token gaps of the live window (its decode batch x 5 s over the ITL): a node that
+    decoded a handful of tokens (a batch of 0.02: about three gaps) makes a 1.7x mean by chance, which its own
+    sampling noise (window_noise_cv / sqrt(gaps), as a thin 30 s window's) holds back. The same 1.7x over hundreds of
+    gaps is cut at once, and so is one whose batch is unknown (the pool's noise alone)."""
+    live = {"n0": 0.034, "n1": 0.020, "n2": 0.021, "n3": 0.019}
+    even = {n: 0.05 for n in live}
+    assert [s.state for s, _ in _ticks(live, 3, probes=even, batch={"n0": 0.02, "n1": 2, "n2": 2, "n3": 2})] \
+        == [HEALTHY] * 3
+    assert _ticks(live, 1, probes=even, batch={n: 2 for n in live})[0][0].state == DEGRADED
+    assert _ticks(live, 1, probes=even)[0][0].state == DEGRADED
+    assert live_gaps(0.02, 2.0) == pytest.approx(500) and live_gaps(0.02, None) is None and live_gaps(None, 1) is None
+
+
+def test_a_cut_node_without_a_value_of_its_own_holds_its_cut_whatever_its_probes_say():
+    """Absent is not zero: a cut node without a live value keeps its cut, its probes' median like its peers' or not,
+    until a value of its own comes (a cut keeps weight 1, so it decodes and is measured again), and the first calm
+    one ends it. The probes released it before (seed 3, thermal+thermal/n4: in a pool whose learned noise two sick
+    nodes of four had widened, a 2.3x median read as calm let a 6x node back to weight 11)."""
+    m = _run([3.0])[0][0]
+    for probes in (1.0, None, 2.3, 1.0, 1.0, 1.0):
+        m, f, why, _ = assess(m, None, T, "live ITL", noise=0.8, probe_ratio=probes)
+        assert m.cut and f < 1.0 and "(held)" in why
+    freed, f, why, _ = assess(m, _score(1.05), T, "live ITL")
+    assert not freed.cut and f == 1.0 and why == "" and freed.xs == ()
+
+
+def test_one_witness_gpu_evidence_or_the_probes_lets_the_shipped_ratio_cut_in_a_noisy_pool_and_drain():
+    """In a pool whose learned noise is 0.3, one tick at 2.2x is 2.3 widths of evidence: under the cut level (3.1 at
+    min_spread) on its own. A second witness (GPU evidence, or the probes `live_probe_confirm` x the peers' in that
+    noise) lets the shipped ratio cut; the same witness is what a quarantine request waits for."""
+    noisy = 0.3
+    x = Score(z=math.log(2.2) / noisy, ratio=2.2, peer_median=0.02)
+    alone = assess(LiveMemory(), x, T, "live ITL", noise=noisy)[0]
+    gpu = assess(LiveMemory(), x, T, "live ITL", corroborated=True, noise=noisy)[0]
+    agreeing = assess(LiveMemory(), x, T, "live ITL", noise=noisy, probe_ratio=1.2 ** 3)[0]
+    short = assess(LiveMemory(), x, T, "live ITL", noise=noisy, probe_ratio=1.5)[0]  # 1.2x, not 1.2x in this noise
+    assert (alone.cut, gpu.cut, agreeing.cut, short.cut) == (False, True, True, False)
+    assert live_witness(False, 1.5, noisy, T) is False and live_witness(False, 1.5, T.min_spread, T) is True
