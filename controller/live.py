@@ -128,12 +128,11 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     tick). probe_ratio: the node's probe TTFT median over its peers' (None: unknown), the second witness.
     """
     learned = m.noise.learn(spread, now)  # goes into the one copy of the memory this call makes
-    sigma = max(noise or 0.0, t.min_spread)
-    ld = math.log(t.live_drift)
     if sc is None or not math.isfinite(sc.ratio) or sc.ratio <= 0:  # no value: what was known holds
         if learned is not m.noise:
             m = evolve(m, noise=learned)
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
+    sigma, ld = max(noise or 0.0, t.min_spread), math.log(t.live_drift)
     cut_at = math.log(t.live_cut_ratio / t.live_drift) / t.min_spread
     ratio, z, x = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread), math.log(sc.ratio)
     xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)

@@ -206,11 +206,10 @@ def _live_scores(inputs: Mapping[str, NodeInput], st: Mapping[str, NodeState], n
     itl_spread = None
     for name, values in raw.items():  # a node at capacity by its load (g infinite) is neither scored nor a peer
         vals = {n: v / g[n] for n, v in values.items() if g[n] < math.inf}
+        own_noise = own if name == LIVE_ITL else None  # the sampling noise of the ITL's token gaps
+        out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=own_noise)
         if name == LIVE_ITL:
-            out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=own)
             itl_spread = peers.spread(vals, groups, MIN_PEERS, policy.group_speed, noise=own)
-        else:
-            out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     at_capacity = {n for n, x in g.items() if x == math.inf}
     return out, {n: g[n] for n in raw[PROBE_MEDIAN] if n not in at_capacity}, itl_spread, at_capacity, own
 
