@@ -23,7 +23,7 @@ from grayguard.bench.wholetick import measure_tick
 from grayguard.controller import gcpolicy
 from grayguard.controller.haproxy import Command, RuntimeClient, ServerState
 from grayguard.controller.plan import plan_backend
-from grayguard.controller.policy import NodeInput, Policy, decide_pool
+from grayguard.controller.policy import NodeInput, Policy, decide_pools
 
 HELP = ("benchmark the controller: decision time per tick at scale, HAProxy batch write throughput, "
         "what the shipped rules and queries cost Prometheus")
@@ -91,7 +91,7 @@ def noisy_pools(n_pools: int, per_pool: int, rnd: random.Random, slow_every: int
 
 
 def bench_decide(n_nodes: int, per_pool: int, ticks: int, seed: int = 1) -> dict:
-    """Median and max seconds of one tick's decide_pool + plan_backend over every pool."""
+    """Median and max seconds of one tick's decide_pools + plan_backend over every pool."""
     rnd = random.Random(seed)
     n_pools = max(1, n_nodes // per_pool)
     policy = Policy()
@@ -103,8 +103,8 @@ def bench_decide(n_nodes: int, per_pool: int, ticks: int, seed: int = 1) -> dict
             pools = noisy_pools(n_pools, per_pool, rnd)
             actual = {p: {n: ServerState(p, n, "h:1", 100, 100, 0, 2) for n in nodes} for p, nodes in pools.items()}
             t0 = time.perf_counter()
-            for p, inputs in pools.items():
-                d = decide_pool(states.get(p, {}), inputs, policy, 1000.0 + 5 * k)
+            decided = decide_pools([(states.get(p, {}), inputs, policy) for p, inputs in pools.items()], 1000.0 + 5 * k)
+            for p, d in zip(pools, decided, strict=True):
                 states[p] = {n: nd.state for n, nd in d.nodes.items()}
                 changes += len(plan_backend(p, p, d.nodes, actual[p]))
             times.append(time.perf_counter() - t0)

@@ -110,7 +110,7 @@ def deep_size(obj) -> int:
 def measure_scale(sizes: Iterable[int] = (1000, 10000), ticks: int = 1000, pool_size: int = 20,
                   memory_at: Iterable[int] = (1, 100, 1000), seed: int = TraceParams.seed,
                   collect_between_ticks: bool = False) -> dict:
-    """Decision time per tick (decide_pool + plan_backend over every pool: wall, CPU, and the part of the wall time
+    """Decision time per tick (decide_pools + plan_backend over every pool: wall, CPU, and the part of the wall time
     Python's cyclic garbage collector took) at each size on the realistic trace, in one run; at the largest size
     also the controller's memory after the ticks in memory_at (1-based): the states it keeps and its last
     decisions (deep size), its metrics (the registry with every node's series, as the controller exports them
@@ -190,7 +190,7 @@ def _p90(xs: list[float]) -> float:
 def format_scale(r: dict) -> list[str]:
     """measure_scale's result as the lines `grayguard bench-controller` prints."""
     how = "; gc.collect() between ticks" if r.get("collect_between_ticks") else ""
-    lines = [f"decision time per tick on the realistic trace (decide_pool + plan_backend, every pool{how}):"]
+    lines = [f"decision time per tick on the realistic trace (decide_pools + plan_backend, every pool{how}):"]
     for s in r["sizes"]:
         lines.append(f"  {s['nodes']:>6} nodes in {s['pools']:>4} pools: median {s['median_s'] * 1000:7.1f} ms, "
                      f"p90 {s['p90_s'] * 1000:7.1f} ms, max {s['max_s'] * 1000:7.1f} ms over {s['ticks']} ticks "

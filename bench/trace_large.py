@@ -11,7 +11,7 @@ loop's is: canaries go to the nodes held in canary (controller.canary, controlle
 are applied to the simulated HAProxy, so quarantines, canaries, slow starts and recoveries happen.
 
 Each pool draws from its own random stream (seed, pool), so a smaller trace is the first pools of a larger one.
-`run` drives decide_pool + plan_backend over it; `digest` is the SHA-256 of one tick's canonical decisions.
+`run` drives decide_pools + plan_backend over it; `digest` is the SHA-256 of one tick's canonical decisions.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from grayguard.config import RecoveryConfig, ThresholdsConfig
 from grayguard.controller import canary, decide
 from grayguard.controller.haproxy import CHK_ST_CONFIGURED, CHK_ST_ENABLED, STATUS_AGENT_DOWN, ServerState
 from grayguard.controller.plan import Change, plan_backend
-from grayguard.controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pool
+from grayguard.controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pools
 from grayguard.reflexes import CHECK_STATUS_HANA
 from grayguard.vocab import ProbeResult
 
@@ -297,13 +297,13 @@ class Tick:
     plans: dict[str, list[Change]]
     states: dict[str, dict[str, NodeState]]  # what the controller keeps until the next tick, by pool
     started: float  # time.perf_counter() when the decisions began
-    seconds: float  # decide_pool + plan_backend over every pool, this tick (wall clock)
+    seconds: float  # decide_pools + plan_backend over every pool, this tick (wall clock)
     cpu_seconds: float  # the same, this thread's CPU time (steadier on a shared machine)
 
 
 def run(params: TraceParams, profile: cProfile.Profile | None = None, pools: Iterable[int] | None = None
         ) -> Iterator[Tick]:
-    """Drive decide_pool + plan_backend over the trace, closed-loop, as the live loop does; yield every tick.
+    """Drive decide_pools + plan_backend over the trace, closed-loop, as the live loop does; yield every tick.
     profile: enabled around the decision code only (not the trace's own work). pools: only these pools of the trace
     (each pool is the same whatever else runs: the trace can be split across processes)."""
     sims = [PoolSim(p, params) for p in (range(params.pools) if pools is None else pools)]
@@ -320,8 +320,9 @@ def run(params: TraceParams, profile: cProfile.Profile | None = None, pools: Ite
         if profile is not None:
             profile.enable()
         t0, c0 = time.perf_counter(), time.thread_time()
-        for s in sims:
-            d = decisions[s.name] = decide_pool(states[s.name], inputs[s.name], s.policy, now)
+        for s, d in zip(sims, decide_pools([(states[s.name], inputs[s.name], s.policy) for s in sims], now),
+                        strict=True):
+            decisions[s.name] = d
             plans[s.name] = plan_backend(s.name, s.name, d.nodes, servers[s.name], d.agent_off)
         seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if profile is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from grayguard.config import PoolConfig
 from grayguard.controller import canary
 from grayguard.controller.haproxy import ServerState
-from grayguard.controller.policy import NodeInput, NodeState, Policy, PoolDecision, decide_pool
+from grayguard.controller.policy import NodeInput, NodeState, Policy, Pool, PoolDecision, decide_pools
 from grayguard.controller.scoring import usable
 from grayguard.promclient import Sample, finite
 from grayguard.vocab import POOL_LABEL as POOL_LABEL  # re-exported: the controller's import
@@ -325,8 +325,8 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
 
 def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping[str, Policy]
                 ) -> dict[str, PoolOutcome]:
-    """Every observed pool's decision, in config order."""
-    out = {}
+    """Every observed pool's decision, in config order (decided together: policy.decide_pools)."""
+    asked: list[tuple[str, list[tuple[str, str]], Pool]] = []  # (pool, its canaries' outcomes, what it decides on)
     samples, optional = by_pool(obs.samples), by_pool(obs.optional)
     for pool in pools:
         po = obs.pools.get(pool.name)
@@ -340,9 +340,10 @@ def decide_tick(obs: Observation, pools: Sequence[PoolConfig], policies: Mapping
         est, outcomes = canary_estimates(po.canaries, po.prev)
         at = {r.node: r.at for r in po.canaries if r.at is not None}
         inputs = node_inputs(pool, po.servers, own, pool_samples(optional, pool.name), est, data, keys, at)
-        d = decide_pool(po.prev, inputs, policies[pool.name], obs.now)
-        out[pool.name] = PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
-    return out
+        asked.append((pool.name, outcomes, (po.prev, inputs, policies[pool.name])))
+    decided = decide_pools([a[2] for a in asked], obs.now)
+    return {name: PoolOutcome(d, {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}, outcomes)
+            for (name, outcomes, _), d in zip(asked, decided, strict=True)}
 
 
 def _flag(v: float | None) -> bool | None:

@@ -271,25 +271,26 @@ def test_the_observe_side_gives_what_the_plain_version_gave(kinds, lat_rows, rat
        st.sampled_from((None, "gpu")), st.data())
 def test_decide_tick_hands_the_policy_what_the_plain_version_built(kinds, lat_rows, rate_rows, opt_rows,
                                                                    peer_group_label, data):
-    """decide_tick's plumbing (by_pool, pool_samples, the keys once per pool): the inputs decide_pool gets."""
+    """decide_tick's plumbing (by_pool, pool_samples, the keys once per pool): the inputs decide_pools gets."""
     pool, srv = _fleet(kinds, "instance", peer_group_label)
     samples, optional = _answers(data, lat_rows, rate_rows, opt_rows, "instance", True)
     other = PoolConfig(name="eu", backend="b_eu")  # a second pool of the tick, on the same answers
     eu = {n: ServerState("b_eu", n, s.address, 100, 100, 0, 2) for n, s in srv.items()}
     seen = {}
 
-    def decide_pool(prev, inputs, policy, now):
-        seen[policy.name] = inputs
-        return SimpleNamespace(retained={}, nodes={})
+    def decide_pools(pools, now):
+        for _, inputs, policy in pools:
+            seen[policy.name] = inputs
+        return [SimpleNamespace(retained={}, nodes={}) for _ in pools]
 
     obs = decide.Observation(1000.0, samples, optional, {"us": decide.PoolObservation(srv, {}),
                                                          "eu": decide.PoolObservation(eu, {})}, 60.0)
     policies = {p: SimpleNamespace(name=p) for p in ("us", "eu")}
-    real, decide.decide_pool = decide.decide_pool, decide_pool  # not monkeypatch: a fixture outlives examples
+    real, decide.decide_pools = decide.decide_pools, decide_pools  # not monkeypatch: a fixture outlives examples
     try:
         decide.decide_tick(obs, [pool, other], policies)  # type: ignore[arg-type]
     finally:
-        decide.decide_pool = real
+        decide.decide_pools = real
     for cfg, servers in ((pool, srv), (other, eu)):
         want = _ref_pool_data(cfg, servers, samples, 60.0)
         got = seen.get(cfg.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,24 +52,26 @@ def test_a_small_evenly_loaded_pool_keeps_the_prior():
 
 
 def test_each_node_is_left_out_of_its_own_fit_exactly():
-    """Sherman-Morrison's downdate equals refitting without the node (with the robust weights fixed)."""
-    vals, load = _pool(12, 0.05, 0.004, 0.1, 3)
-    seen = {n: (load[n][0], load[n][1] * vals[n]) for n in vals}
+    """Sherman-Morrison's downdate equals refitting without the node (with the robust weights fixed), in each pool of
+    a batch of pools fitted together."""
+    pools = [_pool(12, 0.05, 0.004, 0.1, 3), _pool(7, 0.2, 0.002, 0.05, 4), _pool(20, 0.0, 0.008, 0.02, 5)]
+    c = lm._Columns([lm.Request(vals, (), load, PRIOR_B) for vals, load in pools])
+    feats = {(p, n): load[n][1] * vals[n] for p, (vals, load) in enumerate(pools) for n in vals}
+    p = np.array([feats[(q, n)] for q, n in zip(c.pid.tolist(), c.names, strict=True)])
     saved = lm.ROBUST_K
     lm.ROBUST_K = math.inf  # no reweighting: the rows are the ones refitted below
     try:
-        fit = lm._Fit(vals, seen, True, True, PRIOR_B, PRIOR_PREFILL_SLOPE, {})
+        _, own = lm._fit(c, p, loo=True)
     finally:
         lm.ROBUST_K = saved
-    names = sorted(vals)
-    x, y, w = lm._rows(names, vals, seen, [0, 1], {})
-    pseudo = lm._prior_rows(x, y, w, fit.priors, lm.PRIOR_NOISE)
-    for i, n in enumerate(names):
-        others = ([[v for j, v in enumerate(col) if j != i] for col in x],
-                  [v for j, v in enumerate(y) if j != i], [v for j, v in enumerate(w) if j != i])
-        theta = lm._solve(lm._normal(*lm._joined(others, pseudo)))
-        refit = tuple(col[0] for col in lm._slopes([[t] for t in theta], fit.priors, [0, 1]))
-        assert fit.slopes_of(n) == pytest.approx(refit, rel=1e-9)
+    rows = lm._rows(c, p)
+    for j, entry in enumerate(rows.i):
+        w = rows.w.copy()
+        w[j] = 0.0  # the node's own row out of its pool's normal equations, nothing else
+        a, v = lm._normal(c, rows, w)
+        theta = np.linalg.solve(a, v[:, :, None])[:, :, 0]
+        refit = lm._slopes(theta, rows.priors, rows.used)[rows.pid[j]]
+        assert own[entry] == pytest.approx(refit, rel=1e-9)
 
 
 def _peer_ratio(vals, g, who):
@@ -188,3 +191,27 @@ def test_a_noisy_pool_keeps_the_prior_where_a_quiet_one_learns_from_its_nodes():
         assert noisy == pytest.approx(PRIOR_PREFILL_SLOPE, rel=0.5)
         far += abs(quiet - PRIOR_PREFILL_SLOPE) > abs(noisy - PRIOR_PREFILL_SLOPE)
     assert far >= 15  # the quiet pool's fit follows its data
+
+
+_node = st.tuples(st.one_of(st.none(), st.floats(1e-3, 1.0)), st.one_of(st.none(), st.floats(0.0, 64.0)),
+                  st.one_of(st.none(), st.floats(0.0, 5e4)), st.sampled_from([None, "a", "b"]), st.booleans())
+_pool_st = st.tuples(st.dictionaries(st.sampled_from([f"n{i}" for i in range(12)]), _node, max_size=12),
+                     st.sampled_from([0.0, PRIOR_B, 0.3]), st.sampled_from([0.0, PRIOR_PREFILL_SLOPE]),
+                     st.sampled_from([0.02, 0.3]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_pool_st, max_size=6))
+def test_pools_answered_together_are_answered_as_each_alone(pools):
+    """at_load_pools answers every pool of a tick in one pass over one set of columns: each pool's answer is the one
+    it gets alone, whatever the other pools hold (peer groups, unknown loads, nodes without a live ITL, terms left
+    out), to the bit: a pool's sums and order statistics are over its own entries."""
+    reqs = []
+    for nodes, batch_prior, prefill_prior, noise in pools:
+        itl = {n: v for n, (v, *_, with_itl) in nodes.items() if v is not None and with_itl}
+        load = {n: load_of(b, r) for n, (_, b, r, _, _) in nodes.items()}
+        groups = {n: g for n, (*_, g, _) in nodes.items()}
+        reqs.append(lm.Request(itl, set(nodes), load, batch_prior, prefill_prior, groups, noise))
+    together = lm.at_load_pools(reqs)
+    assert together == [lm.at_load_pools([q])[0] for q in reqs]
+    assert [set(g) for g in together] == [set(q.nodes) | set(q.itl) for q in reqs]
