@@ -131,6 +131,15 @@ def at_load_pools(requests: Sequence[Request]) -> list[dict[str, float]]:
     out: list[dict[str, float]] = [{} for _ in requests]
     if not c.names:
         return out
+    with np.errstate(all="ignore"):  # IEEE's infinities and NaNs, as Python's floats give them, without a warning
+        g = _steps(c)
+    for p, n, x in zip(c.pid.tolist(), c.names, g.tolist(), strict=True):
+        out[p][n] = x
+    return out
+
+
+def _steps(c: _Columns) -> np.ndarray:
+    """Each node's g (at_load_pools)."""
     pool_slopes, own, p = _fitted(c)
     slope = np.where(own[:, :1] >= 0, own, pool_slopes[c.pid])  # its peers' fit where it has one, else its pool's
     level = _levels(c, pool_slopes, p)
@@ -138,10 +147,7 @@ def at_load_pools(requests: Sequence[Request]) -> list[dict[str, float]]:
     share = np.where(known, slope[:, 1] * np.where(known, level, 0.0) * np.where(known, c.r, 0.0), 0.0)
     fits = share < PREFILL_SHARE_MAX
     xb = np.where(c.use_b[c.pid], c.xb, 0.0)
-    g = np.where(fits, (1.0 + slope[:, 0] * xb) / np.where(fits, 1.0 - share, 1.0), math.inf)
-    for p, n, x in zip(c.pid.tolist(), c.names, g.tolist(), strict=True):
-        out[p][n] = x
-    return out
+    return np.where(fits, (1.0 + slope[:, 0] * xb) / np.where(fits, 1.0 - share, 1.0), math.inf)
 
 
 class _Columns:

@@ -25,6 +25,7 @@ from grayguard.controller.scoring import (
     median,
     median_without,
     spread_of,
+    usable,
 )
 
 Group = str | None
@@ -79,7 +80,16 @@ def coefficients(values: Mapping[str, float], groups: Mapping[str, Group], min_p
             out[g] = min(v * math.exp(own.get(n, 0.0) - least) for n, v in members.items()) / ref
     for g, c in speed.items():
         out.setdefault(g, c)
-    return out
+    # a coefficient of 0 or infinity (values a float cannot hold apart: 1e-300 s against 1e300 s, an exporter's
+    # garbage) sets no speed: the group is not scored against the pool
+    return {g: c for g, c in out.items() if 0.0 < c < math.inf}
+
+
+def _normalized(values: Mapping[str, float], groups: Mapping[str, Group], coef: Mapping[Group, float]
+                ) -> dict[str, float]:
+    """Each value over its group's speed coefficient, for the nodes of a group with one; a quotient a float cannot
+    score (0 or infinite: garbage values apart by more than a float holds) is no value."""
+    return {n: x for n, v in values.items() if groups.get(n) in coef and usable(x := v / coef[groups.get(n)])}
 
 
 def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: int, min_spread: float,
@@ -96,7 +106,7 @@ def scores(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
     if not small:
         return out
     coef = coefficients(values, groups, min_peers, speed, noise=noise)
-    norm = {n: v / coef[groups.get(n)] for n, v in values.items() if groups.get(n) in coef}
+    norm = _normalized(values, groups, coef)
     if len(norm) < min_peers:
         return out
     loo = leave_one_out(norm, min_spread)
@@ -124,7 +134,7 @@ def spread(values: Mapping[str, float], groups: Mapping[str, Group], min_peers: 
             small.extend(members)
     if small:
         coef = coefficients(values, groups, min_peers, speed, noise=noise)
-        norm = sorted(math.log(values[n] / coef[groups.get(n)]) for n in small if groups.get(n) in coef)
+        norm = sorted(map(math.log, _normalized({n: values[n] for n in small}, groups, coef).values()))
         if len(norm) >= min_peers:
             m = median(norm)
             devs.extend(x - m for x in norm)
@@ -155,7 +165,7 @@ def canary_baseline(node: str, values: Mapping[str, float], groups: Mapping[str,
     coef = coefficients(values, groups, min_peers, speed, min_members=1)
     if g not in coef:
         return None
-    norm = [v / coef[groups.get(m)] for m, v in values.items() if groups.get(m) in coef]
+    norm = list(_normalized(values, groups, coef).values())
     b = baseline(norm, min_spread) if len(norm) >= min_peers - 1 else None
     return (b, coef[g]) if b else None
 

@@ -214,7 +214,7 @@ def _live_scores(inputs: Mapping[str, NodeInput], raw: Mapping[str, dict[str, fl
     out = {}
     itl_spread = None
     for name, values in raw.items():  # a node at capacity by its load (g infinite) is neither scored nor a peer
-        vals = {n: v / g[n] for n, v in values.items() if g[n] < math.inf}
+        vals = {n: x for n, v in values.items() if g[n] < math.inf and usable(x := v / g[n])}
         own_noise = own if name == LIVE_ITL else None  # the sampling noise of the ITL's token gaps
         out[name] = peers.scores(vals, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=own_noise)
         if name == LIVE_ITL:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grayguard.config import DEGRADE_AT
 
+_EXP_MAX = math.log(sys.float_info.max)  # math.exp of more overflows
 MAD_SCALE = 1.4826  # MAD of a normal sample * 1.4826 estimates its standard deviation
 EXACT_LOO_MAX = 64  # above this pool size one node cannot move the MAD: reuse the pool's own
 
@@ -77,9 +79,11 @@ class Baseline:
         return self.score_log(math.log(x))
 
     def score_log(self, lx: float) -> tuple[float, float]:
-        """score() of a latency whose log is lx (a caller that has the log already)."""
+        """score() of a latency whose log is lx (a caller that has the log already). A ratio past the largest float (a
+        value of 1e300 s among peers of milliseconds: an exporter's garbage) is infinite, not an OverflowError: the
+        detectors take an infinite ratio for no value (live.assess), and the tick goes on."""
         d = lx - self.log_median
-        return d / self.spread, math.exp(d)
+        return d / self.spread, math.exp(d) if d < _EXP_MAX else math.inf
 
 
 def _from_sorted_logs(logs: list[float], min_spread: float) -> Baseline:

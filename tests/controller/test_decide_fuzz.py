@@ -137,3 +137,28 @@ def test_a_node_that_gets_slower_never_gains_weight(seq, data, k):
     slowed = decide_pool(prev, {**last, n: slower(last[n], k)}, pol, now)
     w0, w1 = weight_of(as_is, n, before), weight_of(slowed, n, before)
     assert w1 <= w0, (n, k, w0, w1, as_is.nodes[n].state.reason, slowed.nodes[n].state.reason)
+
+
+# What a broken exporter or a lying backend can put in a finite float: magnitudes a float holds but no latency has
+GARBAGE = st.sampled_from([1e-300, 1e-30, 1e-9, 0.02, 1e9, 1e30, 1e300, 0.0, -1.0, math.inf, math.nan])
+garbage_input = st.builds(
+    NodeInput, base_weight=st.just(100), latency=maybe(GARBAGE), request_rate=maybe(GARBAGE),
+    peer_group=st.sampled_from([None, "a", "b"]), probe_ttft=maybe(GARBAGE), error_ratio=maybe(GARBAGE),
+    live_itl=maybe(GARBAGE), live_ttft=maybe(GARBAGE), probe_ttft_median=maybe(GARBAGE),
+    live_prefill_rate=maybe(GARBAGE), live_decode_batch=maybe(GARBAGE), kv_cache_usage=maybe(GARBAGE),
+    probe_result=st.sampled_from(PROBE_CLASSES))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from([f"n{i}" for i in range(8)]), garbage_input, min_size=1),
+                min_size=1, max_size=4))
+def test_garbage_values_are_survived(ticks):
+    """A node reporting garbage (1e300 s of ITL among peers of milliseconds, 1e-300 s, zero, negative, NaN, infinity,
+    in any latency, rate, batch or cache field) does not stop the decision: before, a ratio of 1e300 / 1e-3 overflowed
+    math.exp (OverflowError), a speed coefficient underflowed to 0 (ZeroDivisionError) and a quotient to 0 had no log
+    (ValueError), and one such node failed the tick of every pool. Every weight stays within HAProxy's range."""
+    prev = {}
+    for k, inputs in enumerate(ticks):
+        d = decide_pool(prev, inputs, Policy(), 1000.0 + k)
+        assert all(nd.weight is None or 0 <= nd.weight <= 256 for nd in d.nodes.values())
+        prev = {**d.retained, **{n: nd.state for n, nd in d.nodes.items()}}
