@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -139,15 +139,14 @@ def at_load_pools(requests: Sequence[Request]) -> list[dict[str, float]]:
 
 
 def _steps(c: _Columns) -> np.ndarray:
-    """Each node's g (at_load_pools)."""
+    """Each node's g (at_load_pools; under np.errstate: the masked-out lanes may divide by zero)."""
     pool_slopes, own, p = _fitted(c)
     slope = np.where(own[:, :1] >= 0, own, pool_slopes[c.pid])  # its peers' fit where it has one, else its pool's
     level = _levels(c, pool_slopes, p)
     known = c.use_p[c.pid] & ~np.isnan(level)
-    share = np.where(known, slope[:, 1] * np.where(known, level, 0.0) * np.where(known, c.r, 0.0), 0.0)
-    fits = share < PREFILL_SHARE_MAX
+    share = np.where(known, slope[:, 1] * level * c.r, 0.0)
     xb = np.where(c.use_b[c.pid], c.xb, 0.0)
-    return np.where(fits, (1.0 + slope[:, 0] * xb) / np.where(fits, 1.0 - share, 1.0), math.inf)
+    return np.where(share < PREFILL_SHARE_MAX, (1.0 + slope[:, 0] * xb) / (1.0 - share), math.inf)
 
 
 class _Columns:
@@ -182,6 +181,10 @@ class _Columns:
         self.noise = np.array([q.noise for q in requests], dtype=float)
         self.has = ~np.isnan(self.v)  # the nodes with a live ITL: the fit's rows
         self.n_itl = self.count(self.has)
+        self.itl = np.flatnonzero(self.has)  # their entries, their pools and their groups
+        self.itl_pid, self.itl_seg = self.pid[self.itl], self.seg[self.itl]
+        # each one's group has another node with a live ITL (a node alone in its group takes its pool's level)
+        self.in_group = np.bincount(self.itl_seg, minlength=self.segments)[self.itl_seg] >= 2
         # the terms each pool's model uses: a prior of 0, or a node without that load, leaves one out for all
         self.use_b = (self.batch_prior > 0) & (self.count(np.isnan(self.xb)) == 0)
         self.use_p = (self.prefill_prior > 0) & (self.n_itl >= 2) & (self.count(np.isnan(self.r)) == 0)
@@ -190,9 +193,13 @@ class _Columns:
         """Per pool, its entries where mask."""
         return np.bincount(self.pid, weights=mask, minlength=self.pools)
 
-    def sums(self, x: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """Per pool, the sum of x over its entries at the indices `at`."""
-        return np.bincount(self.pid[at], weights=x, minlength=self.pools)
+    def within_group(self, x: np.ndarray, stat: Callable[[np.ndarray, np.ndarray, int], np.ndarray]) -> np.ndarray:
+        """stat (_median_each or _medians_without) of x, one value a node with a live ITL, over its peer group, or
+        over its pool where it is alone in its group."""
+        out = stat(self.itl_seg, x, self.segments)
+        if not self.in_group.all():
+            out = np.where(self.in_group, out, stat(self.itl_pid, x, self.pools))
+        return out
 
 
 def _sorted_within(key: np.ndarray, x: np.ndarray, keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -221,6 +228,11 @@ def _medians(key: np.ndarray, x: np.ndarray, keys: int) -> np.ndarray:
     return np.where(size > 0, 0.5 * (s[lo] + s[hi]), math.nan)
 
 
+def _median_each(key: np.ndarray, x: np.ndarray, keys: int) -> np.ndarray:
+    """Each entry's median of its key's entries (itself among them)."""
+    return _medians(key, x, keys)[key]
+
+
 def _medians_without(key: np.ndarray, x: np.ndarray, keys: int) -> np.ndarray:
     """Each entry's median of the other entries of its key (scoring.median_without); NaN where it has no other."""
     order, start, size, rank = _sorted_within(key, x, keys)
@@ -244,20 +256,11 @@ def _features(c: _Columns, at: np.ndarray) -> np.ndarray:
     slowness would make its own P (a node k times slower holds k times the prompt tokens a step), and in a small
     pool that one row is a slope its peers are judged by (a real vLLM throttled at 10 % of a core, 388 ms a token,
     made its three peers' g 3x and one's infinite)."""
-    i = np.flatnonzero(c.has)
-    pid, seg = c.pid[i], c.seg[i]
+    i, pid = c.itl, c.itl_pid
     use_b = c.use_b[pid]
     xb = np.where(use_b, c.xb[i], 0.0)
     r = np.where(c.use_p[pid], c.r[i], 0.0)
-    in_group = np.bincount(seg, minlength=c.segments)[seg] >= 2  # a node alone in its group: the pool's level
-
-    alone = not in_group.all()
-
-    def level(x: np.ndarray) -> np.ndarray:
-        by_group = _medians(seg, x, c.segments)[seg]
-        return np.where(in_group, by_group, _medians(pid, x, c.pools)[pid]) if alone else by_group
-
-    m, b, rate = level(c.v[i]), level(xb), level(r)
+    m, b, rate = (c.within_group(x, _median_each) for x in (c.v[i], xb, r))
     sb, sp = at[pid, 0], at[pid, 1]
     lvl = m / (1.0 + sb * np.where(use_b, b, 0.0) + sp * rate * m)  # the linear form at the group's median node
     share = np.minimum(PREFILL_SHARE_MAX, sp * lvl * r)
@@ -298,13 +301,12 @@ class _Rows(NamedTuple):
 
 def _rows(c: _Columns, p: np.ndarray) -> _Rows:
     """The rows of each pool's fit, at the nodes' P (_features)."""
-    i = np.flatnonzero(c.has)
-    pid, seg = c.pid[i], c.seg[i]
+    i, pid = c.itl, c.itl_pid
     used = np.stack((c.use_b, c.use_p), axis=1)
     priors = np.where(used, np.stack((c.batch_prior, c.prefill_prior), axis=1), 0.0)
     x = np.stack((np.ones(len(i)), np.where(used[pid, 0], c.xb[i], 0.0), np.where(used[pid, 1], p[i], 0.0)))
-    y = c.v[i] / _medians(seg, c.v[i], c.segments)[seg]
-    w = np.where(np.bincount(seg, minlength=c.segments)[seg] >= 2, 1.0 / (y * y), 0.0)
+    y = c.v[i] / _median_each(c.itl_seg, c.v[i], c.segments)
+    w = np.where(c.in_group, 1.0 / (y * y), 0.0)
     return _Rows(i, pid, x, y, w, _prior_rows(c, pid, x, y, w, priors, used), used, priors,
                  used.any(axis=1) & (c.n_itl > 0))
 
@@ -359,7 +361,7 @@ def _prior_rows(c: _Columns, pid: np.ndarray, x: np.ndarray, y: np.ndarray, w: n
     node's row, 1 / y^2 at a relative error `noise`). The reach matters where the nodes carry alike loads: their
     spread of load is then small, and a fit would take noise for a slope. The pool's mean, spread and level are over
     its weighted nodes (all of them where none weighs)."""
-    keep = (w > 0) | (c.sums(w > 0, np.flatnonzero(c.has)) == 0)[pid]
+    keep = (w > 0) | (np.bincount(pid, weights=w > 0, minlength=c.pools) == 0)[pid]
     n = np.maximum(np.bincount(pid[keep], minlength=c.pools), 1)
     mean = np.stack([np.bincount(pid[keep], weights=col[keep], minlength=c.pools) / n for col in x[1:]], axis=1)
     sd = np.sqrt(np.stack([np.bincount(pid[keep], weights=(col[keep] - mean[pid[keep], k]) ** 2, minlength=c.pools)
@@ -430,13 +432,9 @@ def _levels(c: _Columns, pool_slopes: np.ndarray, p: np.ndarray) -> np.ndarray:
     median of the pool's."""
     bb, bp = pool_slopes[c.pid, 0], pool_slopes[c.pid, 1]
     own = c.v / (1.0 + bb * np.where(c.use_b[c.pid], c.xb, 0.0) + bp * np.where(c.use_p[c.pid], p, 0.0))
-    i = np.flatnonzero(c.has)
-    pid, seg = c.pid[i], c.seg[i]
-    in_group = np.bincount(seg, minlength=c.segments)[seg] >= 2
+    i = c.itl
     out = np.full(len(c.names), math.nan)
-    out[i] = _medians_without(seg, own[i], c.segments)
-    if not in_group.all():
-        out[i] = np.where(in_group, out[i], _medians_without(pid, own[i], c.pools))
+    out[i] = c.within_group(own[i], _medians_without)
     rest = np.flatnonzero(~c.has)
-    out[rest] = _medians(pid, own[i], c.pools)[c.pid[rest]]
+    out[rest] = _medians(c.itl_pid, own[i], c.pools)[c.pid[rest]]
     return out
