@@ -134,14 +134,14 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
         return m, (weight_factor(m.z) if m.cut else 1.0), (f"{what} (held)" if m.cut else ""), None
     sigma, ld = max(noise or 0.0, t.min_spread), math.log(t.live_drift)
     cut_at = math.log(t.live_cut_ratio / t.live_drift) / t.min_spread
-    ratio, z, x = sc.ratio, against_noise(sc.z, sc.ratio, noise, t.min_spread), math.log(sc.ratio)
+    ratio, x = sc.ratio, math.log(sc.ratio)
     xs = m.xs[1:] + (x,) if len(m.xs) >= HORIZONS[-1] else m.xs + (x,)
     # no horizon's evidence exceeds that of the largest value over the whole history: below every level the test
     # acts on (most nodes, most ticks), the scan would change nothing, and is skipped
     bound = max(0.0, max(xs) - ld) * math.sqrt(max(1.0, len(xs) / per_obs)) / sigma
     if not m.cut and bound < min(cut_at, DEGRADE_AT):
         return evolve(m, noise=learned, xs=xs), 1.0, "", None
-    witnessed = witness(corroborated, probe_ratio, noise, t)
+    z, witnessed = against_noise(sc.z, ratio, noise, t.min_spread), witness(corroborated, probe_ratio, noise, t)
     e, n, eq, nq = evidence(xs, sigma, t.live_drift, least=1 if corroborated else per_obs, per_obs=per_obs)
     fires = e >= cut_at
     if not fires and witnessed and sigma > t.min_spread and e >= DEGRADE_AT:

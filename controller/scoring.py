@@ -15,6 +15,7 @@ policy can require a minimum real-world slowdown as well.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import sys
 from collections.abc import Mapping
@@ -184,12 +185,20 @@ class Noise:
         """The noise once this sample's spread is counted (None: none this time)."""
         if spread is None or not spread >= 0:
             return self
-        dt = FIRST_DT_S if self.at is None else min(now - self.at, NOISE_S)
-        if not dt > 0:
-            return self
-        seconds = min(self.seconds + dt, NOISE_S)
-        weight = min(1.0, dt / min(seconds + PRIOR_S, NOISE_S))
-        return Noise(self.dev + (min(spread, NOISE_CLIP) - self.dev) * weight, seconds, now)
+        return _learned(self, spread, now)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _learned(noise: Noise, spread: float, now: float) -> Noise:
+    """Noise.learn of a spread: the pool's nodes learn its spread at the same times, so most of them hold equal
+    memories and learn the same one, which is made once a pool and shared (at 10,000 nodes, one Noise a pool
+    instead of one a node, every sample)."""
+    dt = FIRST_DT_S if noise.at is None else min(now - noise.at, NOISE_S)
+    if not dt > 0:
+        return noise
+    seconds = min(noise.seconds + dt, NOISE_S)
+    weight = min(1.0, dt / min(seconds + PRIOR_S, NOISE_S))
+    return Noise(noise.dev + (min(spread, NOISE_CLIP) - noise.dev) * weight, seconds, now)
 
 
 def spread_of(devs: list[float]) -> float | None:
