@@ -30,7 +30,7 @@ from grayguard.controller.gateway import Gateway, GatewayError
 from grayguard.controller.haproxy import Fence, ServerState, epoch_var, write_backend
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.plan import Change, plan_backend, tier_view
-from grayguard.controller.policy import NodeState, PoolDecision, config_policy, pool_policies
+from grayguard.controller.policy import NodeState, PoolDecision, config_policy, on_this_clock, pool_policies
 from grayguard.controller.statefile import StateFile
 from grayguard.controller.ticker import next_read
 from grayguard.promclient import PromError, PrometheusClient, Sample
@@ -86,7 +86,10 @@ class Controller:
         self.workers = canary_rounds.Workers(canary, self.clock, canary_workers) if canary else None
         self.rounds = canary_rounds.Rounds()
         self.dry_run = dry_run
-        self.states: dict[str, dict[str, NodeState]] = state_file.load() if state_file else {}
+        # a time in the stored states after this clock's now (a run before the wall clock was stepped back) is now
+        now, t = self.clock(), self.policy.thresholds
+        self.states: dict[str, dict[str, NodeState]] = {
+            p: on_this_clock(s, now, t) for p, s in (state_file.load() if state_file else {}).items()}
         self.last_decisions: dict[str, PoolDecision] = {}
         self.last_tick: float | None = None
         self.warned: set[str] = set()
@@ -554,7 +557,8 @@ class Controller:
         for pool, states in turn.handover.items():
             self._reseed.add(pool)
             if states is not None:  # None: nothing was ever published, keep what this replica has (its state file)
-                self.states[pool] = states
+                # the last leader's times are its clock's: one ahead of this replica's would freeze their timers
+                self.states[pool] = on_this_clock(states, self.clock(), self.policy.thresholds)
         for pool in sorted((self._led or frozenset()) - turn.led):  # the new leader's series are the truth
             self.node_series.forget_pool(pool)
             self.rounds.discard(pool)  # and its canaries are the new leader's to send and decide

@@ -307,6 +307,31 @@ def warm_up(s: NodeState, now: float, t: ThresholdsConfig, r: RecoveryConfig, wh
                   factors=(), signals=SignalMemory(), live_itl=s.live_itl.restarted(), window=s.window.restarted())
 
 
+def on_this_clock(states: Mapping[str, NodeState], now: float, t: ThresholdsConfig) -> dict[str, NodeState]:
+    """States written on another clock, made fit for this one: the state file of a run before the wall clock was
+    stepped back, the states a replica whose clock runs ahead handed over through the registry. Their times are
+    Unix times of that clock (controller/clock.py), and one after `now` would freeze what counts from it until this
+    clock caught up: a drained node held out, a slow start held at its first share, the pool's noise learning
+    nothing (its dt negative), a gone node never forgotten. A time after now is now (a quarantine counts its
+    minimum again, a canary round waits one interval); a warm-up may end at most new_node_warmup_s from now.
+    Times before now are kept: a clock behind makes timers end early, which the canaries and the ramp's caps
+    still guard. The latency sample's time (latency_seen_at) is Prometheus' clock, not the controller's: kept."""
+    out = {}
+    for n, s in states.items():
+        ch: dict = {}
+        for name in ("since", "last_canary", "gone_since"):
+            if (v := getattr(s, name)) is not None and v > now:
+                ch[name] = now
+        if s.ramp_start is not None and s.ramp_start > now + t.new_node_warmup_s:
+            ch["ramp_start"] = now + t.new_node_warmup_s
+        for name in ("window", "live_itl"):
+            m = getattr(s, name)
+            if m.noise.at is not None and m.noise.at > now:
+                ch[name] = evolve(m, noise=evolve(m.noise, at=now))
+        out[n] = replaced(s, ch) if ch else s
+    return out
+
+
 def _membership(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], t: ThresholdsConfig,
                 r: RecoveryConfig, now: float) -> tuple[dict[str, NodeState], dict[str, NodeState]]:
     """States of the present nodes (unknown ones seeded from HAProxy) and of the recently gone ones."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from grayguard.atomicfile import write_atomic
 from grayguard.controller.live import LiveMemory
 from grayguard.controller.policy import NodeState
-from grayguard.controller.scoring import Noise
+from grayguard.controller.scoring import NOISE_CLIP, NOISE_S, PRIOR_SPREAD, Noise
 from grayguard.controller.signals import SignalMemory
 from grayguard.vocab import DrainCause, State
 
@@ -99,7 +99,8 @@ def _value(tp: object, v: object, where: str) -> object:
             return None
         return _value(next(a for a in args if a is not type(None)), v, where)
     if tp in (SignalMemory, LiveMemory, Noise):
-        return tp(**_fields(tp, v, where))  # type: ignore[operator]
+        made = tp(**_fields(tp, v, where))  # type: ignore[operator]
+        return _noise(made, where) if isinstance(made, Noise) else made
     if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,):  # tuple[float, ...]: a JSON list
         if not isinstance(v, list):
             raise StateError(f"{where}: expected a list, got {_kind(v)}")
@@ -121,6 +122,17 @@ def _value(tp: object, v: object, where: str) -> object:
             raise StateError(f"{where}: expected a string, got {_kind(v)}")
         return v
     return v  # a field this loader does not know how to check: as stored (a newer NodeState)
+
+
+def _noise(m: Noise, where: str) -> Noise:
+    """A learned noise as Noise.learn can make it: a spread in [0, NOISE_CLIP] (each sample's is clipped there),
+    learned over [0, NOISE_S] seconds. A larger one would blind the detector for hours (a spread of 1e300, unlearned
+    at e^-1 a minute, cuts nothing for eleven), a negative time would never learn."""
+    if not 0 <= m.dev <= max(NOISE_CLIP, PRIOR_SPREAD):
+        raise StateError(f"{where}.dev: a learned noise is in [0, {max(NOISE_CLIP, PRIOR_SPREAD):g}], got {m.dev:g}")
+    if not 0 <= m.seconds <= NOISE_S:
+        raise StateError(f"{where}.seconds: a noise is learned over 0..{NOISE_S:g} s, got {m.seconds:g}")
+    return m
 
 
 def _factor(f: object, where: str) -> tuple:

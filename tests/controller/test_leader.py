@@ -385,3 +385,37 @@ def test_a_new_leader_keeps_a_drain_its_predecessor_made_without_etcd(world):
         assert clock() < 1000 + 4 * TTL
     assert hap_a.table[("vllm_chat", "node0")].drain
     assert b.states["chat"]["node0"].state == State.QUARANTINED
+
+
+@pytest.mark.parametrize("behind", [0.0, 3600.0])
+def test_a_new_leader_whose_clock_is_behind_its_predecessors_does_not_freeze_its_timers(world, behind):
+    """a drains node0 and dies; b, whose wall clock is an hour behind a's, takes over with a's states, whose times
+    are an hour in b's future. Before on_this_clock, b held node0 drained for that hour (its minimum quarantine
+    counted from a time b's clock had not reached), and the pool's noise learned nothing. Now b's timers run from
+    its own now: node0 goes to its canaries within min_quarantine_s (20 s) of b's takeover, as with no skew."""
+    clock, etcd = world
+    lat = {0: 0.02, 1: 0.02, 2: 0.02, 3: 0.02}
+    controller, _ = gated_controllers(world, lat)
+    a, hap_a, _ = controller("a")
+    a.tick()
+    lat[0] = 0.2
+    clock.advance(1.0)
+    a.tick()
+    assert '"quarantined"' in etcd.kv[state_key(PREFIX, "chat")].value  # published
+    b, hap_b, _ = controller("b")
+    b.clock = lambda: clock() - behind  # b's controller clock; the leases are etcd's (the shared clock)
+    hap_b.table = hap_a.table  # one HAProxy
+    lat[0] = 0.02  # node0 is fine again: its canaries will say so
+    b.tick()  # a stops ticking: its lease runs out
+    while not b.tick().decisions:
+        clock.advance(1.0)
+        assert clock() < 1000 + 4 * TTL
+    took = b.clock()
+    s = b.states["chat"]["node0"]
+    assert s.state == State.QUARANTINED and s.since <= took
+    assert all(x.since <= took and (x.window.noise.at is None or x.window.noise.at <= took)
+               for x in b.states["chat"].values())
+    while b.states["chat"]["node0"].state == State.QUARANTINED:
+        clock.advance(1.0)
+        b.tick()
+        assert b.clock() - took <= 21.0, "node0's quarantine counted from a time b's clock has not reached"

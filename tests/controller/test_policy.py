@@ -22,8 +22,10 @@ from grayguard.controller.policy import (
     decide_pool,
     latency_factor,
     max_ejected,
+    on_this_clock,
     target_weight,
 )
+from grayguard.controller.scoring import Noise
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned
 
@@ -221,3 +223,29 @@ def test_no_data_holds_state_and_weight():
     prev = {"x": NodeState(state=DEGRADED, score=4.0, weight=25, ema=0.5, window=LiveMemory(cut=True, z=4.0))}
     d = fleet({"a": None, "b": None, "c": None, "x": None}, prev=prev)
     assert d.nodes["x"].state.state == DEGRADED and d.nodes["x"].weight == 25
+
+
+_TIME = st.one_of(st.none(), st.floats(0, 2e9))
+
+
+@given(st.floats(1e8, 1e9), _TIME, _TIME, _TIME, _TIME, _TIME, _TIME)
+def test_states_on_this_clock_hold_no_time_after_now_but_a_warm_up_and_keep_the_rest(now, since, canary, ramp, gone,
+                                                                                    w_at, l_at):
+    """on_this_clock (the state file's and the registry's states, written on another clock): a time after now is
+    now, a warm-up ends at most new_node_warmup_s from now, and every time before now is kept as it was."""
+    t = ThresholdsConfig()
+    s = NodeState(state=QUARANTINED, since=since or 0.0, last_canary=canary, ramp_start=ramp, gone_since=gone,
+                  window=LiveMemory(noise=Noise(0.2, 60.0, w_at)), live_itl=LiveMemory(noise=Noise(0.3, 60.0, l_at)),
+                  reason="kept")
+    got = on_this_clock({"n": s}, now, t)["n"]
+    for name, at in (("since", lambda x: x.since), ("last_canary", lambda x: x.last_canary),
+                     ("gone_since", lambda x: x.gone_since), ("window", lambda x: x.window.noise.at),
+                     ("live_itl", lambda x: x.live_itl.noise.at)):
+        before, after = at(s), at(got)
+        assert after == (before if before is None or before <= now else now), name
+    assert got.ramp_start == (ramp if ramp is None or ramp <= now + t.new_node_warmup_s
+                              else now + t.new_node_warmup_s)
+    assert (got.state, got.reason, got.window.noise.dev, got.live_itl.noise.dev) == (QUARANTINED, "kept", 0.2, 0.3)
+    if all(x is None or x <= now for x in (since, canary, gone, w_at, l_at)) and \
+            (ramp is None or ramp <= now + t.new_node_warmup_s):
+        assert got is s  # on this clock already: the same object

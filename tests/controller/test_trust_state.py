@@ -25,8 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grayguard.controller.haproxy import RuntimeClient
+from grayguard.controller.live import LiveMemory
 from grayguard.controller.metrics import ControllerMetrics
 from grayguard.controller.policy import NodeState
+from grayguard.controller.scoring import Noise
 from grayguard.controller.signals import SignalMemory
 from grayguard.controller.statefile import StateError, StateFile, StateLock, StateLockError, dump_states, load_states
 from grayguard.vocab import STATES, State
@@ -67,6 +69,10 @@ BAD = [
     (doc({"factors": [["latency", 0.5]]}), "pools.chat.node0.factors[0]"),
     (doc({"factors": [["latency", 2.0, "x"]]}), "pools.chat.node0.factors[0]: a weight factor must be in [0, 1]"),
     (doc({"gone_since": {}}), "pools.chat.node0.gone_since: expected a finite number"),
+    # a learned noise no sample can make: 1e300 blinded the detector for eleven hours, a negative time never learned
+    (doc({"window": {"noise": {"dev": 1e300, "seconds": 60}}}), "pools.chat.node0.window.noise.dev: a learned noise"),
+    (doc({"live_itl": {"noise": {"dev": -0.1}}}), "pools.chat.node0.live_itl.noise.dev: a learned noise is in [0, 3]"),
+    (doc({"live_itl": {"noise": {"seconds": -1e300}}}), "pools.chat.node0.live_itl.noise.seconds: a noise is learned"),
     ("{" * 100000, "not JSON"),
     ("\ufeff{", "not JSON"),
 ]
@@ -205,6 +211,35 @@ def test_controller_with_an_unknown_state_starts_from_haproxy(haproxy_factory, t
     assert result.held is None and not result.errors
     assert all(s.state in STATES for s in ctl.states["chat"].values())
     assert '"zombie"' not in f.read_text()
+
+
+def test_a_state_file_from_a_clock_ahead_does_not_freeze_the_timers(haproxy_factory, tmp_path):
+    """Real HAProxy: the file of a run whose wall clock was an hour ahead (NTP stepped it back before this start)
+    holds node0 drained since an hour in this clock's future. Before on_this_clock it stayed drained that hour (its
+    minimum quarantine counted from then) and the pool's noise learned nothing; now its timers run from this
+    clock's now: node0 goes to its canaries within min_quarantine_s (20 s)."""
+    hap = haproxy_factory({"vllm_chat": servers(4)})
+    t = [1000.0]
+    ahead = t[0] + 3600
+    noise = LiveMemory(noise=Noise(0.2, 60.0, ahead))
+    f = tmp_path / "state.json"
+    f.write_text(dump_states({"chat": {
+        "node0": NodeState(state=State.QUARANTINED, since=ahead, cause="latency", weight=0, window=noise),
+        **{f"node{i}": NodeState(since=ahead - 600, weight=100, window=noise) for i in range(1, 4)}}}))
+    ctl = make_controller([hap.endpoint], clock=lambda: t[0], state_file=StateFile(f))
+    assert all(s.since <= t[0] and s.window.noise.at <= t[0] for s in ctl.states["chat"].values())
+    fine = {k: 0.02 for k in SICK}
+    while True:
+        with responses.RequestsMock(assert_all_requests_are_fired=False) as rsps:
+            prom_answers(rsps, fine, now=t[0])
+            result = ctl.tick()
+        assert not result.errors
+        if ctl.states["chat"]["node0"].state != State.QUARANTINED:
+            break
+        assert RuntimeClient(hap.endpoint).get_weight("vllm_chat", "node0")[0] == 0  # drained meanwhile
+        t[0] += 1.0
+        assert t[0] - 1000.0 <= 21.0, "node0's quarantine counted from a time this clock has not reached"
+    assert ctl.states["chat"]["node0"].state == State.CANARY
 
 
 # ---- one writer per host ---------------------------------------------------------------------------------------
