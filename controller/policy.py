@@ -228,10 +228,13 @@ SEEDED = DrainCause.SEEDED
 
 
 def max_ejected(n_nodes: int, fraction: float) -> int:
-    """How many nodes of a pool may be out of rotation: 0 below 3 nodes or at fraction 0, else at least one."""
+    """How many nodes of a pool may be out of rotation: 0 below 3 nodes or at fraction 0, else at least one, and
+    never the whole pool: one node at least stays in rotation, whatever the fraction (at 1.0, a pool whose probes
+    all time out for a reason of the probes' own, a broken probe path, was drained whole: an outage that doing
+    nothing would not have made)."""
     if n_nodes < 3 or fraction <= 0:
         return 0
-    return max(1, math.floor(fraction * n_nodes + 1e-9))
+    return min(n_nodes - 1, max(1, math.floor(fraction * n_nodes + 1e-9)))
 
 
 def canary_due(s: NodeState, now: float, r: RecoveryConfig) -> bool:

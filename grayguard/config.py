@@ -394,7 +394,7 @@ class ThresholdsConfig:
     # batch x 5 s over the ITL), each noisy by about this / sqrt(their count), and that noise joins the peers' spread
     # in the node's score (a node finishing 30 requests: +/-18 %; three token gaps: +/-58 %); 0: not counted
     window_noise_cv: float = 1.0
-    max_ejected_fraction: float = 0.3  # at most this share of a pool drained (at least one in pools of 3+; 0: never)
+    max_ejected_fraction: float = 0.3  # at most this share of a pool drained (one in pools of 3+, never all; 0: never)
     # the weight factor of a cut whose finding does not measure how slow the node is (slow probes, errors)
     cut_factor: float = 0.3
     # probes (the exporter's 1-token micro-probe)
