@@ -24,7 +24,7 @@ from grayguard.bench.node import NodeObs, node_input
 from grayguard.bench.spec import NodeSpec, Scenario
 from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.controller import canary
-from grayguard.controller.policy import EJECTED, NodeState, Policy, decide_pool, window_samples
+from grayguard.controller.policy import EJECTED, NodeState, Policy, decide_pool, live_samples, window_samples
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes
 from grayguard.vocab import Detector as DetectorName
@@ -294,10 +294,11 @@ def grayguard_variant(spec: str, scn: Scenario) -> Policy:
 
 
 def scenario_policy(scn: Scenario, t: ThresholdsConfig | None = None, shadow: frozenset[str] = frozenset()) -> Policy:
-    """grayguard's Policy for a scenario's control window and rule evaluation (as config_policy builds it from
-    rules.control_window and control_interval), with these thresholds (default: the shipped ones)."""
+    """grayguard's Policy for a scenario's control window, rule evaluation and tick (as config_policy builds it from
+    rules.control_window, control_interval and tick_interval_s), with these thresholds (default: the shipped ones)."""
     return Policy(t or ThresholdsConfig(), window_s=scn.window_s,
-                  window_samples=window_samples(scn.window_s, scn.rule_eval_s), shadow=shadow)
+                  window_samples=window_samples(scn.window_s, scn.rule_eval_s), live_samples=live_samples(scn.tick_s),
+                  shadow=shadow)
 
 
 def make_policy(name: str, nodes: Sequence[NodeSpec], scn: Scenario) -> tuple[Detector, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from grayguard.config import ThresholdsConfig
+from grayguard.config import ThresholdsConfig, parse_config
 from grayguard.controller.live import HORIZONS, WINDOW_TICKS, LiveMemory, assess, evidence
 from grayguard.controller.live import gaps as live_gaps
 from grayguard.controller.live import witness as live_witness
@@ -24,7 +25,9 @@ from grayguard.controller.policy import (
     NodeInput,
     NodeState,
     Policy,
+    config_policy,
     decide_pool,
+    live_samples,
 )
 from grayguard.vocab import DrainCause
 from tests.support.ctl_helpers import seasoned
@@ -534,3 +537,50 @@ def test_one_witness_gpu_evidence_or_the_probes_lets_the_shipped_ratio_cut_in_a_
     short = assess(LiveMemory(), x, T, "live ITL", noise=noisy, probe_ratio=1.5)[0]  # 1.2x, not 1.2x in this noise
     assert (alone.cut, gpu.cut, agreeing.cut, short.cut) == (False, True, True, False)
     assert live_witness(False, 1.5, noisy, T) is False and live_witness(False, 1.5, T.min_spread, T) is True
+
+
+def _healthy_noisy_pool(policy: Policy, tick: float, seconds: float, seed: int = 2, n: int = 10) -> tuple[float, float]:
+    """(node-seconds of live cuts, seconds to cut a node 2x its peers from the start): a healthy pool whose live ITLs
+    are 5 s means of noise of 0.25 (log units) a second, read every `tick` s (a value read again until the exporter's
+    next one, as Prometheus' fast path is scraped each second); node n0 2x slow in the second run."""
+    out = []
+    for slow in (1.0, 2.0):
+        rnd, prev, per_sec, cut_s, first, t = random.Random(seed), {}, {f"n{i}": [] for i in range(n)}, 0.0, None, 0.0
+        while t < seconds and (slow == 1.0 or first is None):
+            if not per_sec["n0"] or int(t) != int(t - tick):  # a new second: a new value in every live window
+                for m, v in per_sec.items():
+                    per_sec[m] = (v + [rnd.gauss(0, 0.25)])[-5:]
+            inputs = {m: NodeInput(100, 0.02, request_rate=5.0, latency_at=float(int(t // 5) * 5),
+                                   live_itl=0.02 * (slow if m == "n0" else 1.0) * math.exp(sum(v) / len(v)),
+                                   live_decode_batch=8.0, probe_ttft=0.01, probe_result="ok", probe_ttft_median=0.01)
+                      for m, v in per_sec.items()}
+            d = decide_pool(prev, inputs, policy, 1000.0 + t)
+            prev = {m: x.state for m, x in d.nodes.items()}
+            cut = [m for m, x in d.nodes.items() if any(f[0] == "live" for f in x.state.factors)]
+            cut_s += len(cut) * tick
+            if "n0" in cut and first is None:
+                first = t
+            t += tick
+        out.append(cut_s if slow == 1.0 else first)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("tick, seed", [(0.25, 1), (0.25, 2), (0.25, 3), (0.5, 2)])
+def test_a_faster_tick_counts_a_live_value_once_not_once_a_tick(tick, seed):
+    """The live test counts the ticks of one exporter window (5 s) as one observation. That was 5 ticks whatever
+    tick_interval_s: at 0.25 s a value counted as four observations, and a healthy pool (noise 0.25, 10 nodes)
+    had 4-14 node-seconds of false live cuts in 15 minutes (seeds 1-3). Now tick_interval_s sets the ticks of
+    one observation (Policy.live_samples, from the config): none, and a 2x node is still cut within seconds."""
+    cfg = parse_config({"prometheus": {"url": "http://127.0.0.1:9090"}, "haproxy": {"endpoints": ["unix:/h"]},
+                        "pools": [{"name": "chat", "backend": "b"}], "tick_interval_s": tick})
+    policy = config_policy(cfg)
+    assert policy.live_samples == round(5 / tick)
+    false_cut_s, cut_after = _healthy_noisy_pool(policy, tick, 900.0, seed)
+    assert false_cut_s == 0.0  # 5 ticks an observation: 4.0, 14.25, 13.0 at 0.25 s (seeds 1-3), 1.5 at 0.5 s
+    assert cut_after is not None and cut_after <= 12.0  # the shipped 1 s tick: 0-11 s on seeds 1-6
+
+
+def test_a_tick_of_a_second_or_more_keeps_five_ticks_an_observation():
+    """At the shipped 1 s tick and slower, five ticks make one observation, as before: at a 5 s tick one a tick
+    measured 30-90 node-seconds of false cuts in 30 minutes of the healthy pool above (5 ticks: none to 5)."""
+    assert [live_samples(x) for x in (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 30.0)] == [50, 20, 10, 5, 5, 5, 5]
