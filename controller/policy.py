@@ -428,8 +428,11 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         i, s = inputs[n], st[n]
         if i.hold or s.state in EJECTED or not usable(i.latency):
             continue
+        # new: later than the last one counted, or from another clock (earlier by more than the window: a Prometheus
+        # failed over to one whose clock is behind, or stepped back; counted as seen, the window went blind for the
+        # length of the step). An HA pair's samples a few seconds apart, read in turns, are not new twice
         if i.latency_at is None or s.latency_seen_at is None or i.latency_at > s.latency_seen_at \
-                or s.ema is None:
+                or i.latency_at < s.latency_seen_at - policy.window_s or s.ema is None:
             renewed[n] = {"ema": i.latency, "latency_seen_at": i.latency_at}
             fresh[n] = i.latency  # type: ignore[assignment]
         else:

@@ -304,3 +304,35 @@ def test_a_forgotten_node_loses_every_series(haproxy_factory):
     assert left == []
     assert gauge(ctl, "grayguard_node_state", pool="chat", node="node1", state="healthy") == 1
 
+
+
+@pytest.mark.parametrize("behind", [3600.0, 45.0])
+def test_a_prometheus_whose_clock_is_behind_the_last_one_does_not_blind_the_window(behind):
+    """Prometheus fails over to a replica whose clock is behind the first's (or is stepped back): every window
+    sample's own time is then before the last one counted. Counted as seen before, the window detector was blind
+    for the length of the step (a node 3x slow from 100 s, an hour behind: never cut in 300 s). A sample earlier
+    than the last by more than the window is another clock's, and new; an HA pair's samples a few seconds apart,
+    read in turns, are not counted twice."""
+    from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool
+
+    prev, cut_at = {}, None
+    for k in range(160):
+        t = 1000.0 + k
+        ahead = behind if k < 60 else 0.0  # the first Prometheus until 60 s, then the one behind it
+        inputs = {n: NodeInput(100, 0.06 if (n == "a" and k >= 100) else 0.02, request_rate=5.0,
+                               latency_at=float(int(t // 5) * 5) + ahead) for n in "abcdef"}
+        d = decide_pool(prev, inputs, Policy(), t)
+        prev = {n: x.state for n, x in d.nodes.items()}
+        if cut_at is None and (prev["a"].factors or prev["a"].state in EJECTED):
+            cut_at = k
+    assert cut_at is not None and cut_at <= 106  # the next sample (every 5 s) after the slowdown
+
+    # an HA pair read in turns, 3 s apart: each sample counted once, as from one Prometheus
+    prev, counted = {}, 0
+    for k in range(60):
+        at = float(int((1000.0 + k) // 5) * 5) + (3.0 if k % 2 else 0.0)
+        d = decide_pool(prev, {n: NodeInput(100, 0.02, request_rate=5.0, latency_at=at) for n in "abcdef"},
+                        Policy(), 1000.0 + k)
+        counted += d.nodes["a"].state.latency_seen_at != prev.get("a", d.nodes["a"].state).latency_seen_at
+        prev = {n: x.state for n, x in d.nodes.items()}
+    assert counted <= 2 * 12 + 1  # the newer of the pair's two samples each 5 s, and its twin 3 s later at most
