@@ -66,7 +66,8 @@ def live_samples(tick_s: float) -> int:
     fast path every second): counted as 5 ticks whatever the tick, a value at 0.25 s counted as four observations,
     and a healthy pool (noise 0.25, 10 nodes) had 4-14 node-seconds of false live cuts in 15 minutes. A slower tick
     keeps 5: its values are independent, but the test's threshold, set at the shipped tick, does not carry over to
-    them (at 5 s, one observation a tick measured 30-90 node-seconds of false cuts in 30 minutes, 5 none to 5)."""
+    them (at 5 s, one observation a tick measured 30-90 node-seconds of false cuts in 30 minutes; five ticks an
+    observation, 0-5)."""
     return max(live.WINDOW_TICKS, window_samples(live.LIVE_WINDOW_S, tick_s))
 
 
