@@ -515,7 +515,7 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
                                           behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
                                           noise=live_noise.get(n, noise), live_spread=live_spread,
                                           at_capacity=n in at_capacity,
-                                          shadow=policy.shadow, live_samples=policy.live_samples,
+                                          shadow=policy.shadow, live_per_obs=policy.live_samples,
                                           probe_run=signals.probe_run_needed(slow_share.get(n),
                                                                              t.probe_consecutive, probed))
             mem, kv = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
@@ -734,7 +734,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
                  window: tuple[float | None, float | None, int] = (None, None, 6), behind_load: bool = False,
                  noise: float | None = None, live_spread: float | None = None,
                  shadow: frozenset[str] = frozenset(), probe_run: int | None = None, at_capacity: bool = False,
-                 live_samples: int = live.WINDOW_TICKS
+                 live_per_obs: int = live.WINDOW_TICKS
                  ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
     """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
     detectors in `shadow` ask for (their findings: each runs and keeps its memory, and its weight factor and
@@ -744,7 +744,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     of the tick); None: a sample seen before (or none), which moves nothing (its score, evidence and factor are held
     as the last new sample left them). window: the node's noise on the window (the pool's learned one, widened by
     its own window's sampling noise), the pool's spread on it this tick, and the samples that make one observation;
-    live_samples: the ticks that make one observation of the live ITL (Policy.live_samples).
+    live_per_obs: the ticks that make one observation of the live ITL (Policy.live_samples).
     """
     if live_sc:
         li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
@@ -765,7 +765,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
                                  evidence=evidence, measured=li is not None or at_capacity,
                                  like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
-    lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now, live_samples)
+    lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now, live_per_obs)
     findings = (window_f, probe_f, errors_f, live_f)  # the factors' order, and their reasons'
     degraded, factors, why = _in_force(shadow, findings)
     # one copy for the latency signal and every other signal's memory; none when nothing moved (a quiet node)

@@ -100,7 +100,7 @@ def _value(tp: object, v: object, where: str) -> object:
         return _value(next(a for a in args if a is not type(None)), v, where)
     if tp in (SignalMemory, LiveMemory, Noise):
         made = tp(**_fields(tp, v, where))  # type: ignore[operator]
-        return _noise(made, where) if isinstance(made, Noise) else made
+        return _noise(made, where) if tp is Noise else made
     if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,):  # tuple[float, ...]: a JSON list
         if not isinstance(v, list):
             raise StateError(f"{where}: expected a list, got {_kind(v)}")
@@ -124,12 +124,15 @@ def _value(tp: object, v: object, where: str) -> object:
     return v  # a field this loader does not know how to check: as stored (a newer NodeState)
 
 
+_NOISE_MAX = max(NOISE_CLIP, PRIOR_SPREAD)  # the largest spread Noise.learn keeps: the prior, or a clipped sample
+
+
 def _noise(m: Noise, where: str) -> Noise:
     """A learned noise as Noise.learn can make it: a spread in [0, NOISE_CLIP] (each sample's is clipped there),
     learned over [0, NOISE_S] seconds. A larger one would blind the detector for hours (a spread of 1e300, unlearned
     at e^-1 a minute, cuts nothing for eleven), a negative time would never learn."""
-    if not 0 <= m.dev <= max(NOISE_CLIP, PRIOR_SPREAD):
-        raise StateError(f"{where}.dev: a learned noise is in [0, {max(NOISE_CLIP, PRIOR_SPREAD):g}], got {m.dev:g}")
+    if not 0 <= m.dev <= _NOISE_MAX:
+        raise StateError(f"{where}.dev: a learned noise is in [0, {_NOISE_MAX:g}], got {m.dev:g}")
     if not 0 <= m.seconds <= NOISE_S:
         raise StateError(f"{where}.seconds: a noise is learned over 0..{NOISE_S:g} s, got {m.seconds:g}")
     return m

@@ -21,6 +21,7 @@ from responses import matchers
 from grayguard.config import PoolConfig, ServerConfig
 from grayguard.controller import decide
 from grayguard.controller.haproxy import RuntimeClient, ServerState, parse_servers_state
+from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool
 from grayguard.promclient import Sample
 from tests.support.ctl_helpers import LAT_Q, PROM, RATE_Q, make_controller, prom_answers, servers, vector
 from tests.support.stack import prometheus_config, require, serve_registry, start_prometheus, static_job
@@ -305,7 +306,6 @@ def test_a_forgotten_node_loses_every_series(haproxy_factory):
     assert gauge(ctl, "grayguard_node_state", pool="chat", node="node1", state="healthy") == 1
 
 
-
 @pytest.mark.parametrize("behind", [3600.0, 45.0])
 def test_a_prometheus_whose_clock_is_behind_the_last_one_does_not_blind_the_window(behind):
     """Prometheus fails over to a replica whose clock is behind the first's (or is stepped back): every window
@@ -313,8 +313,6 @@ def test_a_prometheus_whose_clock_is_behind_the_last_one_does_not_blind_the_wind
     for the length of the step (a node 3x slow from 100 s, an hour behind: never cut in 300 s). A sample earlier
     than the last by more than the window is another clock's, and new; an HA pair's samples a few seconds apart,
     read in turns, are not counted twice."""
-    from grayguard.controller.policy import EJECTED, NodeInput, Policy, decide_pool
-
     prev, cut_at = {}, None
     for k in range(160):
         t = 1000.0 + k
