@@ -41,6 +41,10 @@ HAPROXY_WRITERS = ("controller", "actuators")  # who writes HAProxy (haproxy.wri
 GATEWAY_KINDS = ("haproxy", "nginx")  # what the controller steers (gateway.kind; docs/gateways.md)
 # an etcd key prefix: /segments of letters, digits, '-', '_', '.'; no trailing '/' (keys are <prefix>/leader/...)
 _PREFIX_RE = re.compile(r"^(/[A-Za-z0-9_.-]+)+$")
+# the controller's tick (tick_interval_s), at least and at most: a tick a twentieth of a second keeps the tests' fast
+# loops; past a minute a gray failure stays in rotation for minutes
+MIN_TICK_S, MAX_TICK_S = 0.05, 60.0
+MIN_CONTROL_WINDOW_S = 10.0  # rules.control_window: two of the example's 5 s scrapes (the demo's 10s)
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
@@ -399,7 +403,7 @@ class ThresholdsConfig:
     cut_factor: float = 0.3
     # probes (the exporter's 1-token micro-probe)
     # slow probes in a row that cut (one spike is noise; more where the peers' probes are slow too), failed probes in a
-    # row that quarantine (a CUDA error: one)
+    # row that quarantine (more where the peers' probes fail too, none when all do; a CUDA error: one)
     probe_consecutive: int = 2
     # good probes in a row that end a slow-probe cut
     probe_ok_to_clear: int = 3
@@ -576,6 +580,12 @@ class RulesConfig:
         for name in ("control_window", "human_window", "baseline_window"):
             pr.check(bool(DURATION_RE.match(getattr(self, name))), p + name,
                      "must be a Prometheus duration such as 30s, 5m or 1d")
+        if DURATION_RE.match(self.control_window):
+            cw = duration_seconds(self.control_window)
+            pr.check(cw >= MIN_CONTROL_WINDOW_S, p + "control_window",
+                     f"must be at least {MIN_CONTROL_WINDOW_S:g}s, got {self.control_window}: the rate() behind the "
+                     "controller's signals needs two of the engine's scrapes in the window (every 5 s in "
+                     "rules/prometheus.example.yml; 30s shipped)")
         pr.check(self.regression_factor > 1, p + "regression_factor", "must be > 1")
         pr.check(0 < self.kv_saturation_ratio <= 1, p + "kv_saturation_ratio", "must be in (0, 1]")
         pr.check(self.rerender_interval_s >= 0, p + "rerender_interval_s", "must be >= 0")
@@ -755,7 +765,12 @@ class Config:
         self.rules.validate("rules", problems=pr)
         self.registry.validate("registry", problems=pr)
         self.gateway.validate("gateway", problems=pr)
-        pr.check(self.tick_interval_s > 0, "tick_interval_s", "must be > 0")
+        pr.check(self.tick_interval_s >= MIN_TICK_S, "tick_interval_s",
+                 f"must be at least {MIN_TICK_S:g} (s), got {self.tick_interval_s:g}: each tick queries Prometheus and "
+                 "HAProxy, and the fast path they read moves once a second (1 shipped)")
+        pr.check(self.tick_interval_s <= MAX_TICK_S, "tick_interval_s",
+                 f"must be at most {MAX_TICK_S:g} (s), got {self.tick_interval_s:g}: a slower tick leaves a gray "
+                 "failure in rotation for minutes, and the stall limit of /healthz grows with it (1 shipped)")
         pr.check(self.stale_after_s > 0, "stale_after_s", "must be > 0")
         _check_finite(pr, self, "")
         host, _, port = self.listen_address.rpartition(":")

@@ -45,7 +45,7 @@ LABEL = {"pattern": _pattern(c.PROM_LABEL_RE)}
 CONSTRAINTS: dict[str, dict[str, dict[str, Any]]] = {
     "Config": {
         "pools": {"minItems": 1},
-        "tick_interval_s": POSITIVE,
+        "tick_interval_s": {"minimum": c.MIN_TICK_S, "maximum": c.MAX_TICK_S},
         "stale_after_s": POSITIVE,
         "listen_address": {"pattern": r"^.+:[0-9]{1,5}$"},
     },

@@ -126,7 +126,20 @@ def with_override(where: str, override: dict) -> dict:
     ("rules", {"reload_url": "localhost"},
      "rules.reload_url: must start with http:// or https://, or be null"),
     ("", {"tick_interval_s": 0},
-     "tick_interval_s: must be > 0"),
+     "tick_interval_s: must be at least 0.05 (s), got 0: each tick queries Prometheus and HAProxy, and the fast path "
+     "they read moves once a second (1 shipped)"),
+    ("", {"tick_interval_s": 1e-9},
+     "tick_interval_s: must be at least 0.05 (s), got 1e-09: each tick queries Prometheus and HAProxy, and the fast "
+     "path they read moves once a second (1 shipped)"),
+    ("", {"tick_interval_s": 1e9},
+     "tick_interval_s: must be at most 60 (s), got 1e+09: a slower tick leaves a gray failure in rotation for "
+     "minutes, and the stall limit of /healthz grows with it (1 shipped)"),
+    ("rules", {"control_window": "1s"},
+     "rules.control_window: must be at least 10s, got 1s: the rate() behind the controller's signals needs two of the "
+     "engine's scrapes in the window (every 5 s in rules/prometheus.example.yml; 30s shipped)"),
+    ("rules", {"control_window": "9999ms"},
+     "rules.control_window: must be at least 10s, got 9999ms: the rate() behind the controller's signals needs two of "
+     "the engine's scrapes in the window (every 5 s in rules/prometheus.example.yml; 30s shipped)"),
     ("", {"stale_after_s": -1},
      "stale_after_s: must be > 0"),
     ("", {"listen_address": "9300"},
