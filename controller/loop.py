@@ -659,6 +659,12 @@ class Controller:
         m.pool_ejected.labels(p).set(decision.ejected)
         m.pool_max_ejected.labels(p).set(decision.max_ejected)
         m.pool_safeguard.labels(p).set(1 if decision.safeguard else 0)
+        m.pool_nodes_uncompared.labels(p).set(len(decision.uncompared))
+        self._report_nodes(p, "uncompared", tuple(sorted(decision.uncompared)),
+                           "these nodes have latency data but no peers to compare it with: their peer group has fewer "
+                           "than 3 nodes with data and pools[].group_speed gives it no speed, so a slow one is not "
+                           "detected by latency (set group_speed for the group, or check pools[].peer_group_label "
+                           "and pools[].servers.<name>.peer_group)")
         rows = {n: node_row(d, servers[n].initial_weight, pool.backend, decide.series_key(pool, servers[n]))
                 for n, d in decision.nodes.items()}
         # retained: gone from HAProxy < forget_after_s; the others' states were dropped: their series go

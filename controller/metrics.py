@@ -35,6 +35,7 @@ class ControllerMetrics:
     pool_safeguard: Gauge
     pool_nodes_with_data: Gauge
     pool_nodes_without_data: Gauge
+    pool_nodes_uncompared: Gauge
     tick_duration: Histogram
     ticks: Counter
     last_success: Gauge
@@ -116,6 +117,11 @@ class ControllerMetrics:
                                           "(older than stale_after_s), unmatched (no series names the server), "
                                           "idle (no latency or no requests in the window)", ["pool", "reason"],
                                           registry=r),
+            pool_nodes_uncompared=Gauge("grayguard_pool_nodes_uncompared",
+                                        "Nodes in rotation with latency data that no peer comparison scores: their "
+                                        "peer group has fewer than 3 nodes with data and pools[].group_speed gives "
+                                        "it no speed, so a slow one is not seen by the latency detectors",
+                                        ["pool"], registry=r),
             tick_duration=Histogram("grayguard_tick_duration_seconds", "Duration of a control tick",
                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                                     registry=r),

@@ -178,6 +178,10 @@ class PoolDecision:
     # mark servers DOWN on their own, without the cap: when they take out more than the cap allows, the excess is
     # released (HAProxy then follows its health check) until the node's probe is healthy again or there is room
     agent_off: frozenset[str] = frozenset()
+    # nodes in rotation with a latency value (the window's or the live ITL) that no comparison scored: no peers to
+    # compare with (their peer group has fewer than MIN_PEERS nodes with data and pools[].group_speed gives it no
+    # speed). A slow one goes unseen by the latency detectors: the shell counts and names them
+    uncompared: frozenset[str] = frozenset()
 
 
 # the reason of a node HAProxy marked DOWN for errors (check_status HANA)
@@ -466,6 +470,8 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
             if i.kv_cache_usage is not None:
                 kv_used[n] = i.kv_cache_usage
     live_scores, probe_load, live_spread, at_capacity, live_noise = _live_scores(inputs, raw, g, groups, policy, noise)
+    uncompared = frozenset(n for n in fresh.keys() | raw[LIVE_ITL].keys()
+                           if n not in scored and n not in live_scores[LIVE_ITL] and n not in at_capacity)
     # a probe's first token is judged against what its peers' probes predict at its own load (a node prefilling a
     # tenant's long prompts queues its probes behind them). A node at capacity by its load (g infinite) is no peer,
     # and its own timed-out probes are load: they count no failure (like_peers)
@@ -564,7 +570,7 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         out[n] = NodeDecision(s if s.weight == w else evolve(s, weight=w), prev_state, w, s.state in EJECTED,
                               sc.peer_median if sc else None, shadow_of.get(n, ()))
     ejected = sum(1 for n in names if st[n].state in EJECTED)
-    return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off)
+    return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off, uncompared)
 
 
 def _more(mine: float | None, peers_: float | None) -> bool:

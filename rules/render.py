@@ -34,6 +34,7 @@ ALERTS: dict[str, tuple[str, str | None]] = {
     "GrayguardControllerDown": ("page", "2m"),
     "GrayguardControllerStale": ("page", "1m"),
     "GrayguardPoolUnprotected": ("ticket", "10m"),
+    "GrayguardNodesUncompared": ("ticket", "10m"),
     "GrayguardControllerRegistryDown": ("page", "1m"),
     "GrayguardRegistryMassExpiry": ("page", "0s"),
     "GrayguardRegistryExpiredKept": ("ticket", "2m"),

@@ -263,3 +263,24 @@ def test_one_node_stays_in_rotation_whatever_the_fraction(n):
                                             probe_failures=k + 1) for m in prev}, pol, 100.0 + k)
         prev = {m: x.state for m, x in d.nodes.items()}
     assert sum(x.state.state == QUARANTINED for x in d.nodes.values()) == len(prev) - 1 and d.safeguard
+
+
+@pytest.mark.parametrize("groups, speed, live, uncompared", [
+    (lambda i: "a", {}, True, []),  # one group: everyone compared
+    (lambda i: f"g{i}", {}, True, [f"n{i}" for i in range(10)]),  # a label that gives every node a group of its own
+    (lambda i: f"g{i // 2}", {}, True, []),  # pairs: each pair's speed from the pair, compared with the pool
+    (lambda i: "a" if i else "b", {}, True, ["n0"]),  # one L40S among H100s, no speed for it
+    (lambda i: "a" if i else "b", {"b": 2.0}, True, []),  # its speed configured: compared at that speed
+    (lambda i: "a" if i else "b", {}, False, ["n0"]),  # the window alone, the same
+])
+def test_nodes_no_comparison_scores_are_named(groups, speed, live, uncompared):
+    """PoolDecision.uncompared: nodes in rotation with a latency value that no peer comparison scores (the shell counts
+    them, grayguard_pool_nodes_uncompared, and names them): a slow one would go unseen by the latency detectors."""
+    prev: dict = {}
+    for k in range(3):
+        ins = {f"n{i}": NodeInput(base_weight=100, latency=0.02, request_rate=5.0, peer_group=groups(i),
+                                  live_itl=0.02 if live else None, live_decode_batch=8.0, live_prefill_rate=1000.0)
+               for i in range(10)}
+        d = decide_pool(prev, ins, Policy(group_speed=speed), 1000.0 + k)
+        prev = {m: nd.state for m, nd in d.nodes.items()}
+    assert sorted(d.uncompared) == uncompared

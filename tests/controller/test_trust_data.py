@@ -67,6 +67,7 @@ def prom(tmp_path_factory):
     rec.rows += rows("chat-us", 9231, {0: 0.2, 1: 0.02, 2: 0.02})  # a global view: two pools, same instances
     rec.rows += rows("chat-us", 9231, {3: 0.02}, replica="a") + rows("chat-us", 9231, {3: 0.5}, replica="b")
     rec.rows += rows("chat-eu", 9231, EVEN)
+    rec.rows += rows("lone", 9241, {0: 0.04, 1: 0.02, 2: 0.02, 3: 0.02, 4: 0.02})  # node0 an L40S among H100s
     reg = CollectorRegistry()
     reg.register(rec)
     job = static_job("recorded", [])
@@ -75,7 +76,7 @@ def prom(tmp_path_factory):
         job["honor_labels"] = True  # the series' own pool and instance, as federation or remote write keep them
         with start_prometheus(prometheus_config([job], interval="1s"),
                               workdir=tmp_path_factory.mktemp("prom")) as p:
-            p.wait_for(f"count({LAT_Q}) + count({RATE_Q})", lambda r: r and float(r[0]["value"][1]) == 2 * 21)
+            p.wait_for(f"count({LAT_Q}) + count({RATE_Q})", lambda r: r and float(r[0]["value"][1]) == 2 * 26)
             yield p
 
 
@@ -93,6 +94,29 @@ def gauge(ctl, name, **labels):
 
 
 # ---- 1: staleness is the age of the data itself, per node -----------------------------------------------------
+def test_a_node_no_peer_group_can_compare_is_counted_and_named_once_real_prometheus(prom, haproxy_factory, caplog):
+    """A peer group of one (an L40S among H100s, no group_speed for it): no comparison scores its latency, so a slow
+    one goes unseen, and nothing said so (GrayguardPoolUnprotected counts nodes with data: 5 here). Now
+    grayguard_pool_nodes_uncompared counts it (GrayguardNodesUncompared) and one warning names it; with a speed
+    for its group it is compared with the pool at that speed, and counted no more."""
+    hap = haproxy_factory({"vllm_lone": servers(5, base_port=9241)})
+    groups = {"node0": {"peer_group": "l40s"}, **{f"node{i}": {"peer_group": "h100"} for i in range(1, 5)}}
+    ctl = real_controller(hap, prom, [{"name": "lone", "backend": "vllm_lone", "servers": groups}])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert ctl.tick().held is None
+    assert gauge(ctl, "grayguard_pool_nodes_with_data", pool="lone") == 5
+    assert gauge(ctl, "grayguard_pool_nodes_uncompared", pool="lone") == 1
+    said = [r.getMessage() for r in caplog.records if "no peers to compare" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("pool=lone: ") and said[0].endswith(": node0"), said
+    sped = real_controller(hap, prom, [{"name": "lone", "backend": "vllm_lone", "servers": groups,
+                                        "group_speed": {"l40s": 2.0}}])
+    for _ in range(3):
+        assert sped.tick().held is None
+    assert gauge(sped, "grayguard_pool_nodes_uncompared", pool="lone") == 0
+    assert weights(hap, "vllm_lone") == {f"node{i}": 100 for i in range(5)}  # twice as slow as it should be: fine
+
+
 def test_a_node_whose_data_is_150s_old_has_no_data_real_prometheus(prom, haproxy_factory):
     hap = haproxy_factory({"vllm_lag1": servers(4, base_port=9201)})
     ctl = real_controller(hap, prom, [{"name": "lag1", "backend": "vllm_lag1"}])
