@@ -26,7 +26,17 @@ from grayguard.controller.live import LiveMemory
 from grayguard.controller.scoring import DEGRADE_AT, against_noise, pool_noise, sampled_noise, usable, weight_factor
 from grayguard.controller.signals import NOTHING, Finding, SignalMemory, dict_init, evolve
 from grayguard.frozen import replaced
-from grayguard.vocab import EJECTED, IN_ROTATION, Detector, DrainCause, ProbeResult, Signal, State
+from grayguard.vocab import (
+    EJECTED,
+    IN_ROTATION,
+    PROBE_FAILURES,
+    PROBE_WAITED,
+    Detector,
+    DrainCause,
+    ProbeResult,
+    Signal,
+    State,
+)
 
 # Short names for the states (controller.loop, bench and the tests import them, and EJECTED/IN_ROTATION, from here).
 HEALTHY, DEGRADED, QUARANTINED, CANARY = State.HEALTHY, State.DEGRADED, State.QUARANTINED, State.CANARY
@@ -489,7 +499,11 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
             live_of.setdefault(n, {})[what] = x
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= MIN_PEERS else {}
     queued = pool_queued(inputs, rotating, MIN_PEERS)
-    slow_share = peer_slow_shares(inputs, rotating)
+    # each node's peers' share of slow and of failed last probes: the runs its peers would not have by chance. A
+    # failure is counted whatever excuses it (queued_not_failed): an excused timeout is still one a healthy node has
+    # now, and a node whose live signals happen not to excuse its own is no sicker for it
+    slow_share = peer_shares(inputs, rotating, PROBE_WAITED)
+    failed_share = peer_shares(inputs, rotating, PROBE_FAILURES)
     probed = sum(1 for n in rotating if inputs[n].probe_result is not None)  # the nodes a run could come by luck to
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
@@ -518,12 +532,17 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
             s, cand, found = _in_rotation(s, i, scored.get(n), peer_probe[n], t, r, now, live_of.get(n),
                                           renewed=renewed.get(n), window=(window_noise.get(n), window_spread,
                                                                           policy.window_samples),
-                                          behind_load=queued or _more(prefill.get(n), peer_prefill.get(n)),
+                                          waited=queued_not_failed(
+                                              live_of.get(n), live_noise.get(n, noise),
+                                              queued or _more(prefill.get(n), peer_prefill.get(n)),
+                                              n in at_capacity, t) if i.probe_result == ProbeResult.TIMEOUT else False,
                                           noise=live_noise.get(n, noise), live_spread=live_spread,
                                           at_capacity=n in at_capacity,
                                           shadow=policy.shadow, live_per_obs=policy.live_samples,
-                                          probe_run=signals.probe_run_needed(slow_share.get(n),
-                                                                             t.probe_consecutive, probed))
+                                          probe_run=(signals.probe_run_needed(slow_share.get(n),
+                                                                              t.probe_consecutive, probed),
+                                                     signals.probe_run_needed(failed_share.get(n),
+                                                                              t.probe_consecutive, probed)))
             mem, kv = signals.kv_outlier(s.signals, i.kv_cache_usage, peer_kv.get(n), t,
                                          _share(prefill.get(n), peer_prefill.get(n)), policy.live_samples)
             if mem is not s.signals:
@@ -678,23 +697,25 @@ def _agent_releases(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], n
     return frozenset(off), out_now
 
 
-def _slow_probes(inputs: Mapping[str, NodeInput], rotating: list[str]) -> dict[str, bool]:
-    """Whether each node in rotation with a probe result got a slow or timed-out last probe."""
-    return {n: inputs[n].probe_result in (ProbeResult.SLOW, ProbeResult.TIMEOUT) for n in rotating
-            if inputs[n].probe_result is not None}
+def _probes_in(inputs: Mapping[str, NodeInput], rotating: list[str], classes: frozenset[str]) -> dict[str, bool]:
+    """Whether the last probe of each node in rotation with a probe result is of one of `classes`."""
+    return {n: inputs[n].probe_result in classes for n in rotating if inputs[n].probe_result is not None}
 
 
-def peer_slow_shares(inputs: Mapping[str, NodeInput], rotating: list[str]) -> dict[str, float]:
-    """Each node's peers' share of slow or timed-out last probes (the node left out), among the nodes in rotation
-    with a probe result; a node with fewer than two such peers is absent (no share: the shipped run length)."""
-    slow_of = _slow_probes(inputs, rotating)
-    total, slow = len(slow_of), sum(slow_of.values())
+def peer_shares(inputs: Mapping[str, NodeInput], rotating: list[str], classes: frozenset[str]) -> dict[str, float]:
+    """Each node's peers' share of last probes of one of `classes` (PROBE_WAITED: slow or timed out; PROBE_FAILURES),
+    the node left out, among the nodes in rotation with a probe result; a node with fewer than two such peers is
+    absent (no share: the shipped run length)."""
+    of = _probes_in(inputs, rotating, classes)
+    if len(of) < 2:  # no node has two peers with a probe result (a pool without probes: every tick)
+        return {}
+    total, hits = len(of), sum(of.values())
     out = {}
     for n in rotating:
-        mine = slow_of.get(n)
+        mine = of.get(n)
         others = total - (mine is not None)
         if others >= 2:
-            out[n] = (slow - bool(mine)) / others
+            out[n] = (hits - bool(mine)) / others
     return out
 
 
@@ -702,8 +723,25 @@ def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers:
     """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
     timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
     failure, as long as that node decodes as its load predicts (a hung node decodes nothing)."""
-    slow_of = _slow_probes(inputs, rotating)
+    slow_of = _probes_in(inputs, rotating, PROBE_WAITED)
     return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
+
+
+def queued_not_failed(live_sc: Mapping[str, peers.Score | None] | None, noise: float | None, behind_load: bool,
+                      at_capacity: bool, t: ThresholdsConfig) -> bool:
+    """Whether a node's timed-out probe waited in a queue its load explains (rule 5), so it counts no failure of the
+    node's (its peers' share of failures counts it all the same: peer_shares). At capacity by its load; or decoding
+    now at what its load predicts (its live ITL at its load below the cut ratio) and either its first tokens like its
+    peers' at its load (like_peers_now, in the live comparison's noise) or load for a probe to wait behind: prompt
+    tokens beyond its peers' (a tenant's long prompts) or a pool whose probes all queue (pool_queued). Decoding alone
+    is not enough: a node that stops admitting requests decodes the ones it holds while its probes time out, and
+    prefills nothing."""
+    if at_capacity:
+        return True
+    li = live_sc.get(LIVE_ITL) if live_sc else None
+    if li is None or not li.ratio < t.live_cut_ratio:
+        return False
+    return behind_load or like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))  # type: ignore[arg-type]
 
 
 def like_peers_now(live_sc: Mapping[str, peers.Score | None], ratio: float) -> bool:
@@ -737,9 +775,10 @@ _NO_SCORES: Mapping[str, peers.Score] = MappingProxyType({})
 def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe: float | None, t: ThresholdsConfig,
                  r: RecoveryConfig, now: float, live_sc: Mapping[str, peers.Score | None] | None = None,
                  renewed: dict[str, float | None] | None = None,
-                 window: tuple[float | None, float | None, int] = (None, None, 6), behind_load: bool = False,
+                 window: tuple[float | None, float | None, int] = (None, None, 6), waited: bool = False,
                  noise: float | None = None, live_spread: float | None = None,
-                 shadow: frozenset[str] = frozenset(), probe_run: int | None = None, at_capacity: bool = False,
+                 shadow: frozenset[str] = frozenset(), probe_run: tuple[int, int] | None = None,
+                 at_capacity: bool = False,
                  live_per_obs: int = live.WINDOW_TICKS
                  ) -> tuple[NodeState, tuple | None, tuple[Finding, ...]]:
     """One tick of a node that carries traffic; returns its state, a quarantine candidacy (if any) and what the
@@ -750,26 +789,23 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     of the tick); None: a sample seen before (or none), which moves nothing (its score, evidence and factor are held
     as the last new sample left them). window: the node's noise on the window (the pool's learned one, widened by
     its own window's sampling noise), the pool's spread on it this tick, and the samples that make one observation;
-    live_per_obs: the ticks that make one observation of the live ITL (Policy.live_samples).
+    live_per_obs: the ticks that make one observation of the live ITL (Policy.live_samples); waited: its timed-out
+    probe waited in a queue its load explains (queued_not_failed, asked only of a timeout: it counts no failure);
+    probe_run: the slow probes and the failed probes in a row that act on this node (signals.probe_run_needed at its
+    peers' shares of each; None: probe_consecutive both).
     """
     if live_sc:
         li, pm = live_sc.get(LIVE_ITL), live_sc.get(PROBE_MEDIAN)
-        # the live signals say it is like its peers now: within the allowance, in the live comparison's noise
-        like_now = like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))
-    else:  # no live score: not like its peers (like_peers_now of nothing)
-        live_sc, li, pm, like_now = _NO_SCORES, None, None, False
+    else:  # no live score
+        live_sc, li, pm = _NO_SCORES, None, None
     prev_factors = s.factors
     evidence = signals.evidence(i.gpu_throttled, i.pcie_degraded, i.gpu_ecc_uncorrectable, i.gpu_xid) \
         if i.gpu_throttled or i.pcie_degraded or i.gpu_ecc_uncorrectable or i.gpu_xid else ()  # none: most nodes
     sc, lat, wm, window_f = _window(s, sc, renewed, window, at_capacity, pm, evidence, t, now)
-    # queued, not failed: decoding now at what its load predicts (its live ITL at its load below the cut ratio), and
-    # its first tokens like its peers' at its load (like_now), or load for a probe to wait behind: prompt tokens
-    # beyond its peers' (a tenant's long prompts) or a pool whose probes all queue. Decoding alone is not enough: a
-    # node that stops admitting requests decodes the ones it holds while its probes time out, and prefills nothing
-    decoding_like_peers = li is not None and li.ratio < t.live_cut_ratio and (like_now or behind_load)
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
-                                 evidence=evidence, measured=li is not None or at_capacity,
-                                 like_peers=decoding_like_peers or at_capacity, run_needed=probe_run)
+                                 evidence=evidence, measured=li is not None or at_capacity, like_peers=waited,
+                                 run_needed=probe_run[0] if probe_run else None,
+                                 failed_run_needed=probe_run[1] if probe_run else None)
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
     lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now, live_per_obs)
     findings = (window_f, probe_f, errors_f, live_f)  # the factors' order, and their reasons'

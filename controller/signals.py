@@ -58,7 +58,8 @@ class SignalMemory:
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
           evidence: tuple[str, ...] = (), measured: bool = False,
-          like_peers: bool = False, run_needed: int | None = None) -> tuple[SignalMemory, Finding]:
+          like_peers: bool = False, run_needed: int | None = None,
+          failed_run_needed: int | None = None) -> tuple[SignalMemory, Finding]:
     """Failing probes quarantine; slow probes degrade a node the live signals do not measure; a cold start
     (`starting`) is not a fault.
 
@@ -81,7 +82,10 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     timed out waited in a queue its peers have too (a saturated pool), which is load, not a failure: it counts no
     failure. A hung node decodes nothing, so its timeouts still count.
     run_needed: slow probes in a row that cut (default probe_consecutive; the policy passes more where the
-    node's peers get slow probes too: probe_run_needed).
+    node's peers get slow probes too: probe_run_needed). failed_run_needed: the same for failed probes, which
+    quarantine: a run of failures the node's peers have too at their share now is not the node's (every probe of a
+    pool failing is the probe's path: a wrong model name, a rotated key; draining a third of the pool for it made
+    things worse than doing nothing). A CUDA error still quarantines at once.
     """
     corroborated = bool(evidence)
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
@@ -98,7 +102,7 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
             Finding(Detector.PROBE, quarantine="probe: bad response while the GPU reports trouble (one strike)")
     if result in PROBE_FAILURES:
         m = evolve(m, probe_bad=bad, probe_good=0)
-        if bad >= t.probe_consecutive:
+        if bad >= (failed_run_needed or t.probe_consecutive):
             return m, Finding(Detector.PROBE, quarantine=f"probe: {bad} consecutive failed probes (last: {result})")
         return m, NOTHING[Detector.PROBE]
     # answered: slow when the exporter says so (its threshold is absolute) and it is slower than the peers' probes, of

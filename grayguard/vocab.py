@@ -111,6 +111,8 @@ PROBE_ANSWERED = frozenset({ProbeResult.OK, ProbeResult.SLOW})
 #: failures that count towards quarantine (a CUDA error quarantines at once; `starting` is no fault)
 PROBE_FAILURES = frozenset({ProbeResult.TIMEOUT, ProbeResult.CONNECT_ERROR, ProbeResult.HTTP_ERROR,
                             ProbeResult.BAD_RESPONSE})
+#: a probe that waited: slow, or timed out (a queue, or a slow node: the slow-probe run's share of peers)
+PROBE_WAITED = frozenset({ProbeResult.SLOW, ProbeResult.TIMEOUT})
 #: every failed probe: the failures plus a CUDA error (the exporter's failure streak, a failed canary)
 PROBE_FAULTS = PROBE_FAILURES | {ProbeResult.CUDA_ERROR}
 #: one strike for the agent check (exporters/agent.py, and the benchmark's model of it): neither is load

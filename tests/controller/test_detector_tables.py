@@ -247,6 +247,10 @@ PROBE_ROWS = [  # the micro-probe (rules 4-6)
         lambda i, k, x: replace(x, probe_result="slow", probe_ttft=20 * PROBE_S, live_prefill_rate=3 * PREFILL,
                                 live_itl=x.live_itl * load_factor(BATCH, 3 * PREFILL))
         if i == 0 else x, never_cut=True, never_drained=True),
+    Row("every node's probes failing, no fast path", "failures the peers' probes share are not the node's: a pool "
+        "whose probe path is broken (a wrong model name everywhere) keeps its capacity (3 of 8 drained before)",
+        both(no_live, lambda i, k, x: replace(x, probe_result="http_error", probe_ttft=None, probe_failures=k + 1)),
+        ticks=20, never_cut=True, never_drained=True),
     Row("a CUDA error", "one CUDA error quarantines at once",
         from_tick(3, only_n0(probe_result="cuda_error", probe_ttft=None, probe_failures=1)), ticks=6, drain_by=3,
         drain_cause="probe"),

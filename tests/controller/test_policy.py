@@ -253,13 +253,15 @@ def test_states_on_this_clock_hold_no_time_after_now_but_a_warm_up_and_keep_the_
 
 @pytest.mark.parametrize("n", [3, 4, 10, 1000])
 def test_one_node_stays_in_rotation_whatever_the_fraction(n):
-    """At max_ejected_fraction 1.0 a pool whose probes all time out (the probe path broken, not the nodes) was drained
-    whole; one node at least stays in rotation now, the one the others' cap leaves."""
+    """At max_ejected_fraction 1.0 a pool whose every node asks for a quarantine was drained whole: one node at least
+    stays in rotation now, the one the others' cap leaves. (Found with a pool whose probes all time out, the probe
+    path broken; those drain no one since 2026-12-06, their peers' failing too: a CUDA error on every node, a bad
+    driver rolled out, is such a pool now.)"""
     assert max_ejected(n, 1.0) == n - 1 and max_ejected(n, 0.999999999999) == n - 1
     pol = Policy(ThresholdsConfig(max_ejected_fraction=1.0), RecoveryConfig())
     prev = {f"n{i}": NodeState(since=0.0) for i in range(n if n < 100 else 20)}
     for k in range(5):
-        d = decide_pool(prev, {m: NodeInput(100, 0.02, request_rate=5.0, probe_result=ProbeResult.TIMEOUT,
+        d = decide_pool(prev, {m: NodeInput(100, 0.02, request_rate=5.0, probe_result=ProbeResult.CUDA_ERROR,
                                             probe_failures=k + 1) for m in prev}, pol, 100.0 + k)
         prev = {m: x.state for m, x in d.nodes.items()}
     assert sum(x.state.state == QUARANTINED for x in d.nodes.values()) == len(prev) - 1 and d.safeguard

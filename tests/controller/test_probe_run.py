@@ -3,7 +3,10 @@ probe): in a pool where a fifth of the probes wait behind long prompts, two slow
 common luck; in a quiet pool they are not.
 
 Found on the default suite's trace_busy/n32 (the Azure trace at 70 % of 32 nodes): every false cut there was
-`probe slow (370 ms vs peers 35 ms)`, on nodes whose peers had slow probes at about the same share."""
+`probe slow (370 ms vs peers 35 ms)`, on nodes whose peers had slow probes at about the same share.
+
+The failed-probe run that quarantines follows the same model (2026-12-06): a run of failures the node's peers have
+too at their share now is not the node's, and a pool whose every probe fails (its probe path broken) drains no one."""
 
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grayguard.controller.policy import NodeInput, Policy, decide_pool, peer_slow_shares
+from grayguard.controller.policy import NodeInput, Policy, decide_pool, peer_shares
 from grayguard.controller.signals import PROBE_RUN_CHANCE, probe_run_needed
-from grayguard.vocab import State
+from grayguard.vocab import PROBE_FAILURES, PROBE_WAITED, State
 
 
 @pytest.mark.parametrize("share, nodes, needed", [
@@ -43,9 +46,13 @@ def _inputs(results: dict[str, str]) -> dict[str, NodeInput]:
 
 def test_each_nodes_share_leaves_the_node_out():
     ins = _inputs({"a": "slow", "b": "ok", "c": "slow", "d": "ok", "e": "timeout"})
-    sh = peer_slow_shares(ins, sorted(ins))
+    sh = peer_shares(ins, sorted(ins), PROBE_WAITED)
     assert sh == {"a": 2 / 4, "b": 3 / 4, "c": 2 / 4, "d": 3 / 4, "e": 2 / 4}
-    assert peer_slow_shares(_inputs({"a": "slow", "b": "ok"}), ["a", "b"]) == {}  # one peer: no share
+    assert peer_shares(_inputs({"a": "slow", "b": "ok"}), ["a", "b"], PROBE_WAITED) == {}  # one peer: no share
+    # failed probes: a timeout, a refused connection, an HTTP error or garbage; a CUDA error is not of them (it
+    # quarantines at once whatever the peers answer), nor is a slow answer
+    ins = _inputs({"a": "timeout", "b": "ok", "c": "http_error", "d": "slow", "e": "cuda_error"})
+    assert peer_shares(ins, sorted(ins), PROBE_FAILURES) == {"a": 1 / 4, "b": 2 / 4, "c": 1 / 4, "d": 2 / 4, "e": 2 / 4}
 
 
 def _run(slow_nodes_per_tick, ticks=10, n=10):
@@ -69,3 +76,52 @@ def test_a_node_slow_among_peers_slow_a_third_of_the_time_is_cut_later_but_cut()
     states = _run(3)  # 3 of its 9 peers slow each tick: share 1/3, in a pool of 10: 7 in a row needed
     assert probe_run_needed(3 / 9, 2, 10) == 7
     assert states[:6] == [State.HEALTHY] * 6 and states[6] == State.DEGRADED
+
+
+def _failing(failing: set[int], ticks: int, n: int = 10, result: str = "http_error") -> list[dict[str, str]]:
+    """A pool of n nodes with equal window latencies and no live signals whose nodes in `failing` fail every probe
+    (the exporter's failure streak counting up); each tick's states."""
+    prev, out = {}, []
+    for k in range(ticks):
+        ins = {f"n{i}": NodeInput(base_weight=100, latency=0.02, request_rate=5.0,
+                                  probe_result=result if i in failing else "ok",
+                                  probe_ttft=None if i in failing else 0.03,
+                                  probe_failures=k + 1 if i in failing else 0) for i in range(n)}
+        d = decide_pool(prev, ins, Policy(), 1000.0 + k)
+        prev = {m: nd.state for m, nd in d.nodes.items()}
+        out.append({m: s.state for m, s in prev.items()})
+    return out
+
+
+@pytest.mark.parametrize("result", ["http_error", "timeout", "connect_error"])
+def test_a_pool_whose_every_probe_fails_drains_no_node(result):
+    """Every probe of the pool failing is the probe's path, not a node (a wrong model name or a rotated key in the
+    exporters' config, a network policy between them and the engines): before, the failure run quarantined three
+    nodes of ten (max_ejected_fraction), a third of the pool's capacity gone for nothing. Its alert pages."""
+    states = _failing(set(range(10)), 30, result=result)
+    assert all(s == State.HEALTHY for tick in states for s in tick.values())
+
+
+def test_a_node_whose_probes_fail_among_passing_peers_is_quarantined_on_the_shipped_run():
+    least = Policy().thresholds.probe_consecutive
+    states = _failing({0}, 8)
+    first = next(k for k, tick in enumerate(states) if tick["n0"] == State.QUARANTINED)
+    assert first + 1 == least  # its least-th failed probe, as before
+    assert all(s == State.HEALTHY for tick in states for m, s in tick.items() if m != "n0")
+
+
+def test_two_failing_nodes_are_quarantined_on_the_run_their_peers_share_asks():
+    """Two of ten failing: each one's peers fail at 1/9, so each needs the run one of ten healthy nodes would not
+    have by chance at that share (4 at the shipped 2: two probes more than alone), and both are drained."""
+    needed = probe_run_needed(1 / 9, Policy().thresholds.probe_consecutive, 10)
+    assert needed == 4
+    states = _failing({0, 1}, 12)
+    for m in ("n0", "n1"):
+        assert next(k for k, tick in enumerate(states) if tick[m] == State.QUARANTINED) + 1 == needed
+
+
+def test_a_cuda_error_everywhere_still_takes_the_direct_path():
+    """A CUDA error is a hard fault of the node that answers it, whatever its peers answer: drained at once, within
+    the pool's cap (3 of 10)."""
+    states = _failing(set(range(10)), 2, result="cuda_error")
+    assert sum(s == State.QUARANTINED for s in states[0].values()) == 3
