@@ -529,13 +529,13 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         if i.hold:
             continue
         if s.state in IN_ROTATION:
+            waited = i.probe_result == ProbeResult.TIMEOUT and queued_not_failed(  # rule 5 asks only of a timeout
+                live_of.get(n), live_noise.get(n, noise), queued or _more(prefill.get(n), peer_prefill.get(n)),
+                n in at_capacity, t)
             s, cand, found = _in_rotation(s, i, scored.get(n), peer_probe[n], t, r, now, live_of.get(n),
                                           renewed=renewed.get(n), window=(window_noise.get(n), window_spread,
                                                                           policy.window_samples),
-                                          waited=queued_not_failed(
-                                              live_of.get(n), live_noise.get(n, noise),
-                                              queued or _more(prefill.get(n), peer_prefill.get(n)),
-                                              n in at_capacity, t) if i.probe_result == ProbeResult.TIMEOUT else False,
+                                          waited=waited,
                                           noise=live_noise.get(n, noise), live_spread=live_spread,
                                           at_capacity=n in at_capacity,
                                           shadow=policy.shadow, live_per_obs=policy.live_samples,
