@@ -43,7 +43,9 @@ JSON = "application/json"
 VALUES: dict[str, Callable[[Node, float], float]] = {
     "latency": lambda n, z: 0.02 * n.slow * (1 + 0.05 * z),  # normalized latency, s per weighted token
     "rate": lambda n, z: 2.0 * (1 + 0.05 * z),
-    "probe_result": lambda n, z: 1.0,  # `== 1`: only each node's current class is answered
+    # only each node's current class is answered; the shipped query's value is when that probe was sent (1 where
+    # the exporter does not say: the same work for the controller and the same bytes within a digit)
+    "probe_result": lambda n, z: 1.0,
     "probe_ttft": lambda n, z: 0.05 * n.slow * (1 + 0.1 * z),
     "probe_failures": lambda n, z: 0.0,
     "error_ratio": lambda n, z: 0.0,

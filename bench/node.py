@@ -93,6 +93,7 @@ class NodeObs:
     probe_result: str | None = None  # the exporter's last probe class
     probe_ttft: float | None = None  # TTFT of its last answered probe
     probe_failures: int | None = None  # its consecutive failed probes
+    probe_at: float | None = None  # when the probe shown was sent (its identity: counted once)
     # the exporter's fast path (LiveSignals), as Prometheus last scraped it: seconds, None: no data
     live_itl: float | None = None  # mean ITL of the tokens vLLM produced over the exporter's last live window
     live_ttft: float | None = None  # mean TTFT of the first tokens vLLM produced over that window (probes left out)
@@ -161,24 +162,25 @@ class ProbeLog:
             return None
         return recent[n // 2] if n % 2 else (recent[n // 2 - 1] + recent[n // 2]) / 2
 
-    def at(self, t: float) -> tuple[str, float | None, int] | None:
-        """The gauges as of time t (None before the first probe ended); ticks move forward.
+    def at(self, t: float) -> tuple[str, float | None, int, float] | None:
+        """The gauges as of time t (None before the first probe ended), with when the probe shown was sent (its
+        identity); ticks move forward.
 
         As the exporter shows them (exporters/prober.py: Prober.exported): when the last probe answered and the next
-        one has waited longer than the slow threshold at t, `slow` with the time waited as its TTFT.
+        one has waited longer than the slow threshold at t, `slow` with the time waited as its TTFT, and its send time.
         """
         h = self.history
         while len(h) > 1 and h[1][0] <= t:
             h.popleft()
         if not h or h[0][0] > t:
             return None
-        result, ttft, failures = h[0][1], h[0][2], h[0][3]
+        result, ttft, failures, shown = h[0][1], h[0][2], h[0][3], h[0][4]
         if result in ("ok", "slow"):
             # the probe waiting at t: one that ended after t (the next entry), else the one still waiting now
             sent = h[1][4] if len(h) > 1 else self.waiting[0] if self.waiting else None
             if sent is not None and sent <= t and t - sent > self.slow_s:
-                return "slow", t - sent, failures
-        return result, ttft, failures
+                return "slow", t - sent, failures, sent
+        return result, ttft, failures, shown
 
 
 def last_scrape(now: float, phase: float, every_s: float) -> float | None:
@@ -448,6 +450,7 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
         probe_result=probe[0] if probe else None,
         probe_ttft=probe[1] if probe else None,
         probe_failures=probe[2] if probe else None,
+        probe_at=probe[3] if probe else None,
         live_itl=live_itl,
         live_ttft=live_ttft,
         probe_ttft_median=probe_median,

@@ -14,7 +14,7 @@ Two designs of the exporter's pages (DESIGNS): "shipped", and "before", the page
 began (the probe's last result one-hot, no GPU flags derived beside the node; bench/before34/README.md). Shipped:
 the probe results ok and slow (a failure's series appears at its first count: none at steady state), the GPU's
 judgements as one mask (grayguard_gpu_flags), the PCIe maxima as labels of grayguard_gpu_info, the volatile ECC
-counts only (the lifetime ones are opt-in), and a fast page of the 8 series the controller reads every second.
+counts only (the lifetime ones are opt-in), and a fast page of the 9 series the controller reads every second.
 
 Run as `python -m grayguard.bench.promtarget --nodes N --ready-file F [--design before]`: it writes {"ports": [...]}
 to F once
@@ -126,7 +126,9 @@ def _verdicts(design: str) -> list[Family]:
     # series a result, 1 for the last one
     last = ([("", lambda n: f',result="{_verdict(n)}"', "one")] if design == "shipped" else
             [("", f',result="{r}"', f"last_{r}") for r in PROBE_RESULTS])
-    return [("grayguard_probe_last_result", "gauge", last),
+    sent = [] if design == "before" else [("grayguard_probe_last_sent_timestamp_seconds", "gauge",
+                                            [("", "", "probe_sent")])]
+    return [("grayguard_probe_last_result", "gauge", last), *sent,
             ("grayguard_probe_consecutive_failures", "gauge", [("", "", "zero")])]
 
 
@@ -213,12 +215,15 @@ def traffic(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
 
 
 def live(n: Node, acc: dict, dt: float, g) -> dict[str, float]:
-    """The exporter's live gauges: noisy, the slow node's latencies SLOW x."""
+    """The exporter's live gauges: noisy, the slow node's latencies SLOW x; and when its last probe was sent (one a
+    second)."""
     running, itl = max(0, round(16 + 2 * g())), ITL_S * n.slow * math.exp(0.15 * g())
-    return dict(zip(LIVE, (itl, TTFT_S * n.slow * math.exp(0.2 * g()), running / itl,
-                           RATE * PROMPT * math.exp(0.2 * g()), running, max(0, round(1 + g())),
-                           PROBE_S * n.slow * math.exp(0.1 * g()), 5.0 + 0.02 * g(), running,
-                           min(1.0, max(0.0, 0.5 + 0.1 * g()))), strict=True))
+    out = dict(zip(LIVE, (itl, TTFT_S * n.slow * math.exp(0.2 * g()), running / itl,
+                          RATE * PROMPT * math.exp(0.2 * g()), running, max(0, round(1 + g())),
+                          PROBE_S * n.slow * math.exp(0.1 * g()), 5.0 + 0.02 * g(), running,
+                          min(1.0, max(0.0, 0.5 + 0.1 * g()))), strict=True))
+    out["probe_sent"] = float(math.floor(time.time()))
+    return out
 
 
 def exporter(n: Node, acc: dict, dt: float, g) -> dict[str, float]:

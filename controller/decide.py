@@ -267,19 +267,21 @@ def canary_estimates(rounds: Sequence[CanaryRound], prev: Mapping[str, NodeState
 def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState], optional: Mapping[str, Sequence[Sample]],
                 keys: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, dict]:
     """Node -> value for every optional signal (probe_result and peer_group map to label values), from the
-    pool's own series; a node with two series for one signal has none (absent, never a guess).
+    pool's own series; a node with two series for one signal has none (absent, never a guess). probe_at: the send
+    time of the probe probe_result shows, where its value is one (the shipped query's; 1: unknown).
     keys: _keys(pool, servers), if the caller has them."""
     out: dict[str, dict] = {}
     keys = keys if keys is not None else _keys(pool, servers)
     for name in OPTIONAL:
         samples = optional.get(name, ())
-        if name == "probe_result":
-            samples = [s for s in samples if s.value == 1]
+        if name == "probe_result":  # 1, or the time the probe shown was sent (the shipped query: its identity)
+            samples = [s for s in samples if s.value == 1 or 1 < s.value < math.inf]
         if name == "peer_group" and not pool.peer_group_label:
             samples = ()
         one = _one_each(own_series(pool, samples), keys) if samples else {}  # an absent signal: nothing to match
         if name == "probe_result":
             out[name] = {n: s.labels.get("result") for n, s in one.items()}
+            out["probe_at"] = {n: s.value for n, s in one.items() if s.value > 1}
         elif name == "peer_group":
             out[name] = {n: s.labels.get(pool.peer_group_label or "") for n, s in one.items()}
         else:
@@ -312,7 +314,7 @@ def node_inputs(pool: PoolConfig, servers: Mapping[str, ServerState], samples: M
             agent_why=s.agent_text if s.agent_down else None,
             haproxy_weight=s.weight, haproxy_drain=s.drain,
             probe_result=sig["probe_result"].get(key), probe_ttft=finite(sig["probe_ttft"].get(key)),
-            probe_failures=_int(sig["probe_failures"].get(key)),
+            probe_failures=_int(sig["probe_failures"].get(key)), probe_at=sig["probe_at"].get(key),
             error_ratio=finite(sig["error_ratio"].get(key)), kv_cache_usage=finite(sig["kv_cache"].get(key)),
             gpu_throttled=_flag(sig["gpu_throttled"].get(key)), pcie_degraded=_flag(sig["pcie_degraded"].get(key)),
             gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(key)), gpu_xid=_flag(sig["gpu_xid"].get(key)),

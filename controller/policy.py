@@ -109,6 +109,9 @@ class NodeInput:
     probe_result: str | None = None  # the exporter's last probe class (ok, slow, timeout, cuda_error, ...)
     probe_ttft: float | None = None  # seconds, last answered probe
     probe_failures: int | None = None  # the exporter's consecutive failures (None: counted per tick)
+    # when the probe probe_result shows was sent (the exporter's wall clock): its identity, so that a probe read on
+    # several ticks counts once; None: unknown (an exporter before 2026-12-07, a custom query), every tick counts
+    probe_at: float | None = None
     error_ratio: float | None = None  # share of requests that finished with an error (0-1)
     # Live signals (issue 13), from the exporter's fast path: seconds, None: no data. They see a slowdown while
     # requests run, not when they finish.
@@ -805,7 +808,7 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
                                  evidence=evidence, measured=li is not None or at_capacity, like_peers=waited,
                                  run_needed=probe_run[0] if probe_run else None,
-                                 failed_run_needed=probe_run[1] if probe_run else None)
+                                 failed_run_needed=probe_run[1] if probe_run else None, probe_at=i.probe_at)
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
     lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now, live_per_obs)
     findings = (window_f, probe_f, errors_f, live_f)  # the factors' order, and their reasons'

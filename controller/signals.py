@@ -53,13 +53,17 @@ class SignalMemory:
     errors: bool = False  # the error share's cut in force (its last value above error_ratio)
     kv_saturated: bool = False
     kv_hot: int = 0  # consecutive ticks the KV cache was an outlier against the peers' (kv_outlier)
+    # the last probe counted: when it was sent (NodeInput.probe_at) and the result it was counted as. The exporter
+    # shows a probe still waiting past its slow threshold as slow, then its end (slow, or a timeout: counted again)
+    probe_at: float | None = None
+    probe_seen: str = ""
 
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
           peer_ttft: float | None, t: ThresholdsConfig,
           evidence: tuple[str, ...] = (), measured: bool = False,
           like_peers: bool = False, run_needed: int | None = None,
-          failed_run_needed: int | None = None) -> tuple[SignalMemory, Finding]:
+          failed_run_needed: int | None = None, probe_at: float | None = None) -> tuple[SignalMemory, Finding]:
     """Failing probes quarantine; slow probes degrade a node the live signals do not measure; a cold start
     (`starting`) is not a fault.
 
@@ -86,22 +90,27 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     quarantine: a run of failures the node's peers have too at their share now is not the node's (every probe of a
     pool failing is the probe's path: a wrong model name, a rotated key; draining a third of the pool for it made
     things worse than doing nothing). A CUDA error still quarantines at once.
+    probe_at: when the probe shown was sent (None: unknown). Runs count probes, not ticks: the probe a tick read
+    before, with the result it was counted as, moves no count (a probe every 5 s read on five 1 s ticks was a run of
+    five); its findings are asked again as they stand (level-triggered).
     """
     corroborated = bool(evidence)
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
+    new = probe_at is None or probe_at != m.probe_at or result != m.probe_seen
+    seen = {"probe_at": probe_at, "probe_seen": result} if new and probe_at is not None else {}  # in its one copy
     if result == ProbeResult.TIMEOUT and like_peers:
-        m = evolve(m, probe_good=0)
+        m = evolve(m, probe_good=0, **seen)
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
-    bad = failures if failures is not None else (m.probe_bad + 1 if result in PROBE_FAULTS else 0)
+    bad = failures if failures is not None else (m.probe_bad + int(new) if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
-        return evolve(m, probe_bad=bad, probe_good=0), \
+        return evolve(m, probe_bad=bad, probe_good=0, **seen), \
             Finding(Detector.PROBE, quarantine="probe: CUDA error (the engine answers with a GPU fault)")
     if result == PROBE_BAD and corroborated:
-        return evolve(m, probe_bad=bad, probe_good=0), \
+        return evolve(m, probe_bad=bad, probe_good=0, **seen), \
             Finding(Detector.PROBE, quarantine="probe: bad response while the GPU reports trouble (one strike)")
     if result in PROBE_FAILURES:
-        m = evolve(m, probe_bad=bad, probe_good=0)
+        m = evolve(m, probe_bad=bad, probe_good=0, **seen)
         if bad >= (failed_run_needed or t.probe_consecutive):
             return m, Finding(Detector.PROBE, quarantine=f"probe: {bad} consecutive failed probes (last: {result})")
         return m, NOTHING[Detector.PROBE]
@@ -111,15 +120,15 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # (on the real fleet it was one probe queued behind a long prompt)
     slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
     slow = result == ProbeResult.SLOW and slower and (corroborated or not measured)
-    if slow:
+    if new and slow:  # a probe counted already moves no run
         run = m.probe_slow_run + 1
-        m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run,
+        m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=run, **seen,
                    probe_slow=m.probe_slow or run >= (1 if corroborated else run_needed or t.probe_consecutive))
-    elif slower and m.probe_slow:  # still slower than the peers: not a good probe
-        m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0)
-    else:
+    elif new and slower and m.probe_slow:  # still slower than the peers: not a good probe
+        m = evolve(m, probe_bad=0, probe_good=0, probe_slow_run=0, **seen)
+    elif new:
         good = m.probe_good + 1
-        m = evolve(m, probe_bad=0, probe_good=good, probe_slow_run=0,
+        m = evolve(m, probe_bad=0, probe_good=good, probe_slow_run=0, **seen,
                    probe_slow=m.probe_slow and good < t.probe_ok_to_clear)
     if not m.probe_slow:
         return m, NOTHING[Detector.PROBE]

@@ -103,9 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       metavar="HOST:PORT", help="where to serve /metrics (default %(default)s; ':9400' = all interfaces)")
     g = p.add_argument_group("micro-probe")
     g.add_argument("--probe.interval", dest="probe_interval", type=parse_duration, default="1s",
-                   metavar="DURATION", help="time between probes, +- jitter (default %(default)s); keep it at "
-                   "or below the controller's tick_interval_s: the controller reads the last probe each tick, and a "
-                   "slow one read on several ticks counts as that many slow probes")
+                   metavar="DURATION", help="time between probes, +- jitter (default %(default)s). The controller "
+                   "counts each probe once, however many ticks read it (grayguard_probe_last_sent_timestamp_seconds "
+                   "names it): a longer interval makes a run of slow probes take that much longer")
     g.add_argument("--probe.jitter", dest="probe_jitter", type=float, default=0.2, metavar="FRACTION",
                    help="random +- fraction of the interval, so a fleet's probes do not align (default 0.2)")
     g.add_argument("--probe.slow-threshold", dest="probe_slow", type=parse_duration, default="300ms",

@@ -2,7 +2,8 @@
 
 The full /metrics (NVML, histograms, counters, and every live value) keeps its usual scrape interval; /metrics/fast
 carries only what the controller reads every second (FAST_SERIES: five live values of exporters/live.py, the probe
-TTFT median, the probe's last result and failure streak), eight samples, so a 1 s scrape of it costs little
+TTFT median, the probe's last result, the time that probe was sent and the failure streak), nine samples, so a 1 s
+scrape of it costs little
 (docs/exporters.md, "Live fast path"). The other live values (tokens generated per second, running and waiting
 requests, the window) and the agent's verdict are on the full page only.
 """
@@ -22,7 +23,8 @@ FAST_LIVE_SERIES = ("grayguard_live_itl_seconds", "grayguard_live_ttft_seconds",
                     "grayguard_live_prompt_tokens_per_second", "grayguard_live_decode_batch",
                     "grayguard_live_kv_cache_usage_ratio", "grayguard_probe_ttft_median_seconds")
 # the prober's gauges /metrics/fast carries besides them
-FAST_PROBE_SERIES = ("grayguard_probe_last_result", "grayguard_probe_consecutive_failures")
+FAST_PROBE_SERIES = ("grayguard_probe_last_result", "grayguard_probe_last_sent_timestamp_seconds",
+                     "grayguard_probe_consecutive_failures")
 #: every series of /metrics/fast
 FAST_SERIES = FAST_LIVE_SERIES + FAST_PROBE_SERIES
 

@@ -84,7 +84,9 @@ class Prober:
         self._count = 0
         self._last_ts: float | None = None
         self._last_at: float | None = None  # clock() when the last probe ended (the wall time is for the metric)
+        self._last_sent: float | None = None  # wall time the last probe that ended was sent (its identity)
         self._inflight_since: float | None = None  # clock() when the probe now waiting for its first token was sent
+        self._inflight_sent: float | None = None  # its wall time then
         self._started = clock()
         self._readings: tuple[Reading, ...] = ()  # vLLM's /metrics over the live window (exporters/live.py)
         self._stalls = Stalls()  # the engine's own silences, learned (exporters/hang.py: a long step is no hang)
@@ -167,21 +169,24 @@ class Prober:
         with self._cond:
             return self._state, self._last_at
 
-    def exported(self) -> tuple[ProbeState, float | None]:
-        """The state the gauges show now, and the wall time of the last probe's end.
+    def exported(self) -> tuple[ProbeState, float | None, float | None]:
+        """The state the gauges show now, the wall time of the last probe's end, and the wall time the probe whose
+        result they show was sent (its identity: the controller counts each probe once, however many ticks read it).
 
         A probe still waiting for its first token past the slow threshold is slow already, whatever it ends as
         (slow, or a timeout at the deadline): when the last probe answered, the gauges say `slow` with the time
-        waited so far as its TTFT (a lower bound) at once, not when the answer comes. A last probe that failed
-        stays as it was: the failure is the news, and its streak goes on counting.
+        waited so far as its TTFT (a lower bound) at once, not when the answer comes, and that probe's send time. A
+        last probe that failed stays as it was: the failure is the news, and its streak goes on counting.
         """
         with self._cond:
-            state, ts, since = self._state, self._last_ts, self._inflight_since
+            state, ts, sent = self._state, self._last_ts, self._last_sent
+            since, inflight_sent = self._inflight_since, self._inflight_sent
         if since is not None and state.last_result in ANSWERED:
             waited = self._clock() - since
             if waited > self.config.slow_threshold:
                 state = dataclasses.replace(state, last_result=ProbeResult.SLOW, last_ttft=waited)
-        return state, ts
+                sent = inflight_sent
+        return state, ts, sent
 
     def live(self) -> LiveSignals:
         """The live values now (exporters/live.py), from the recent /metrics readings and answered probes."""
@@ -253,6 +258,7 @@ class Prober:
         try:
             with self._cond:
                 self._inflight_since = self._clock()  # cleared by _record, with the result it ends as
+                self._inflight_sent = self._wall()
             obs = await self.client.observe(session, headers, self.config.deadline)
             raw = classify(obs, self.config.slow_threshold)
             progress = await self._progress(session, headers, before) if raw == ProbeResult.TIMEOUT else None
@@ -295,6 +301,7 @@ class Prober:
             result = settle(raw, previous, not_ready=not_ready, since_start=since,
                             startup_grace=self.config.startup_grace)
             self._state = advance(previous, result, obs.ttft, ready=ready, detail=detail, progress=progress)
+            self._last_sent = self._inflight_sent if self._inflight_since is not None else None
             self._inflight_since = None
             self._count += 1
             self._last_ts = self._wall()
@@ -342,7 +349,8 @@ class Prober:
 
 
 class _StateCollector:
-    """Exports the prober's last result, TTFT, failure streak and time (absent until known)."""
+    """Exports the prober's last result, TTFT, failure streak, end time and the send time of the probe shown (absent
+    until known)."""
 
     def __init__(self, prober: Prober):
         self._p = prober
@@ -351,9 +359,9 @@ class _StateCollector:
         return list(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        state, ts = self._p.exported()
+        state, ts, sent = self._p.exported()
         fams = self._families()
-        last, ttft, fails, stamp = fams
+        last, ttft, fails, stamp, sent_at = fams
         if state.last_result is not None:  # one series, the last result's: not one a result (7 zeros on two pages)
             last.add_metric([state.last_result], 1)
         if state.last_ttft is not None:
@@ -361,6 +369,8 @@ class _StateCollector:
         fails.add_metric([], state.consecutive_failures)
         if ts is not None:
             stamp.add_metric([], ts)
+        if sent is not None and state.last_result is not None:
+            sent_at.add_metric([], sent)
         return iter(fams)
 
     @staticmethod
@@ -370,4 +380,6 @@ class _StateCollector:
                 GaugeMetricFamily("grayguard_probe_last_ttft_seconds", "TTFT of the last ok or slow probe"),
                 GaugeMetricFamily("grayguard_probe_consecutive_failures",
                                   "Probes in a row that failed (timeout, connect, http, cuda, bad response)"),
-                GaugeMetricFamily("grayguard_probe_last_timestamp_seconds", "Unix time the last probe ended"))
+                GaugeMetricFamily("grayguard_probe_last_timestamp_seconds", "Unix time the last probe ended"),
+                GaugeMetricFamily("grayguard_probe_last_sent_timestamp_seconds",
+                                  "Unix time the probe grayguard_probe_last_result shows was sent (its identity)"))

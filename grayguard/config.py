@@ -335,7 +335,11 @@ class SignalsConfig:
     request_rate_query: str = "instance:vllm_request_rate:rate30s"
     # Optional signals (an empty string switches one off). A failing optional query is counted and
     # treated as absent; only the latency and rate queries hold the whole tick.
-    probe_result_query: str = "max by (pool, instance, result) (grayguard_probe_last_result == 1)"
+    # one series a node, labelled with its last probe's result; its value the time that probe was sent (its identity:
+    # a probe read on several ticks counts once), or 1 where the exporter does not say (before 2026-12-07)
+    probe_result_query: str = (
+        "max by (pool, instance, result) ((grayguard_probe_last_result == 1) * ignoring (result) group_left "
+        "grayguard_probe_last_sent_timestamp_seconds or grayguard_probe_last_result == 1)")
     probe_ttft_query: str = "max by (pool, instance) (grayguard_probe_last_ttft_seconds)"
     probe_failures_query: str = "max by (pool, instance) (grayguard_probe_consecutive_failures)"
     error_ratio_query: str = "instance:vllm_request_errors:ratio_rate30s"

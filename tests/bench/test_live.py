@@ -209,12 +209,12 @@ def test_a_probe_waiting_past_the_slow_threshold_reads_slow_as_the_exporter_expo
     log.start(0.0)
     log.finish(0.05, "ok", 0.05, sent=0.0)
     log.start(1.0)  # this one waits 1.2 s for its first token
-    assert log.at(1.2) == ("ok", 0.05, 0)  # waited 0.2 s: under the threshold
-    assert log.at(1.5) == ("slow", 0.5, 0)  # still waiting: slow already, TTFT at least what it waited
+    assert log.at(1.2) == ("ok", 0.05, 0, 0.0)  # waited 0.2 s: under the threshold (the probe sent at 0 shown)
+    assert log.at(1.5) == ("slow", 0.5, 0, 1.0)  # still waiting: slow already, TTFT at least what it waited
     log.finish(2.2, "slow", 1.2, sent=1.0)
-    assert log.at(1.9) == ("slow", pytest.approx(0.9), 0)  # read late (a scrape lag): it was waiting then
-    assert log.at(2.3) == ("slow", 1.2, 0)
+    assert log.at(1.9) == ("slow", pytest.approx(0.9), 0, 1.0)  # read late (a scrape lag): it was waiting then
+    assert log.at(2.3) == ("slow", 1.2, 0, 1.0)  # the same probe, ended: the same send time (one probe)
     log.start(3.0)
     log.finish(5.0, "timeout", None, sent=3.0)
     log.start(6.0)
-    assert log.at(5.5) == ("timeout", 1.2, 1) and log.at(6.9) == ("timeout", 1.2, 1)  # a failure stays the news
+    assert log.at(5.5) == ("timeout", 1.2, 1, 3.0) and log.at(6.9) == ("timeout", 1.2, 1, 3.0)  # a failure stays

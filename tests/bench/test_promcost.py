@@ -64,8 +64,8 @@ def described(registry) -> set[str]:
 def test_the_fast_page_carries_every_series_of_the_exporters_fast_path():
     e = Exporter("http://127.0.0.1:9", nvml=None, agent=("127.0.0.1", 0))  # built, not started
     fast = {name for name, _, _ in promtarget.fast_families()}
-    assert described(e.fast_registry) == fast == set(FAST_SERIES)  # exactly the 8
-    assert len(fast) == sum(len(series) for _, _, series in promtarget.fast_families()) == 8  # one series each
+    assert described(e.fast_registry) == fast == set(FAST_SERIES)  # exactly the 9
+    assert len(fast) == sum(len(series) for _, _, series in promtarget.fast_families()) == 9  # one series each
 
 
 def test_the_full_page_serves_what_the_exporter_serves_with_the_gpu_judgements_as_one_mask():
@@ -86,7 +86,7 @@ def test_the_full_page_serves_what_the_exporter_serves_with_the_gpu_judgements_a
     slow, ok = (n for n in promtarget.fleet(promtarget.POOL_SIZE) if n.slow > 1 or n.instance.endswith(".1:8000"))
     assert promtarget.static_values(slow)["flags"] == 0x8 and promtarget.static_values(ok)["flags"] == 0
     # stored a node: the full page less what the full job drops (the fast page's and the unread live values)
-    assert stored_per_node() - promtarget.series_per_node()["vllm"] == 16 + 8
+    assert stored_per_node() - promtarget.series_per_node()["vllm"] == 16 + 9
 
 
 def node_series() -> set[str]:

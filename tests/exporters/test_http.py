@@ -184,6 +184,30 @@ def test_slow_first_chunk_is_slow_and_its_ttft_is_measured(vllm):
     assert vllm.disconnected.wait(2)
 
 
+def test_the_probe_the_gauges_show_is_named_by_its_send_time_while_it_waits_and_once_it_ends(vllm):
+    """The controller counts each probe once, however many ticks read it: the gauges name the probe they show by the
+    wall time it was sent. A probe shown slow while it still waits is the same probe when it ends."""
+    p = prober(vllm.url, slow_threshold=0.15, deadline=3.0)
+    assert p.run_once() == "ok"
+    state, ended, first = p.exported()
+    assert state.last_result == "ok" and first is not None and first <= ended
+    vllm.mode, vllm.delay = "slow", 1.0
+    sent_after = time.time()
+    waiting = threading.Thread(target=p.run_once)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while p.exported()[0].last_result != "slow" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    state, _, shown = p.exported()
+    assert waiting.is_alive(), "the slow probe ended before its wait was seen"
+    assert state.last_result == "slow" and shown is not None and shown >= sent_after > first  # the waiting one's
+    waiting.join(5)
+    state, _, ended_as = p.exported()
+    assert state.last_result == "slow" and ended_as == shown  # the same probe, ended: not a new one
+    vllm.mode = "fast"
+    assert p.run_once() == "ok" and p.exported()[2] > shown  # the next probe is another
+
+
 def test_hang_after_headers_times_out_at_the_deadline_and_closes(vllm):
     vllm.mode = "hang"
     p = prober(vllm.url, slow_threshold=0.15, deadline=0.3)
@@ -288,6 +312,8 @@ def test_without_nvml_the_probes_still_work(vllm, session):
     assert sample(text, "grayguard_probe_ttft_seconds_count") >= 2
     assert 0 < sample(text, "grayguard_probe_last_ttft_seconds") < FAST.slow_threshold
     assert sample(text, "grayguard_probe_last_timestamp_seconds") > 1.6e9
+    assert 1.6e9 < sample(text, "grayguard_probe_last_sent_timestamp_seconds") \
+        <= sample(text, "grayguard_probe_last_timestamp_seconds")
     assert sample(text, 'grayguard_exporter_probe_errors_total{kind="internal"}') == 0
     assert sample(text, 'grayguard_probe_results_total{result="slow"}') == 0  # ok and slow from the start
     for result in ("timeout", "connect_error", "http_error", "cuda_error", "bad_response", "starting"):
