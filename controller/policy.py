@@ -808,7 +808,8 @@ def _in_rotation(s: NodeState, i: NodeInput, sc: peers.Score | None, peer_probe:
     mem, probe_f = signals.probe(s.signals, i.probe_result, i.probe_ttft, i.probe_failures, peer_probe, t,
                                  evidence=evidence, measured=li is not None or at_capacity, like_peers=waited,
                                  run_needed=probe_run[0] if probe_run else None,
-                                 failed_run_needed=probe_run[1] if probe_run else None, probe_at=i.probe_at)
+                                 failed_run_needed=probe_run[1] if probe_run else None,
+                                 probe_at=signals.probe_identity(i.probe_at, now))
     mem, errors_f = signals.errors(mem, i.error_ratio, t)
     lm, live_f = _live(s, li, pm, evidence, t, noise, live_spread if renewed else None, now, live_per_obs)
     findings = (window_f, probe_f, errors_f, live_f)  # the factors' order, and their reasons'

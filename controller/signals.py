@@ -150,6 +150,19 @@ def _slow_probes(m: SignalMemory, reason: str, ttft: float | None, peer_ttft: fl
     return Finding(Detector.PROBE, t.cut_factor, f"{reason} with GPU evidence: {', '.join(evidence)}", reason, ratio)
 
 
+# how far a probe's send time may lie from the controller's now to be taken for one (NodeInput.probe_at): a probe's
+# deadline, its interval and the clocks' skew are seconds; a value that is no recent time (a probe-result query of
+# one's own that counts series: 2 for ever) names no probe, and every tick counts, as without a time
+PROBE_AT_HORIZON_S = 600.0
+
+
+def probe_identity(probe_at: float | None, now: float) -> float | None:
+    """The send time of the probe a node shows, if it can be one (within PROBE_AT_HORIZON_S of now); else None."""
+    if probe_at is None or not abs(probe_at - now) <= PROBE_AT_HORIZON_S:
+        return None
+    return probe_at
+
+
 # how unlikely a run of slow probes must be for one of a pool's healthy nodes, given their share of slow probes now,
 # to be taken for evidence (probe_run_needed): per pool and tick, so that a large pool is not cut more often by luck
 PROBE_RUN_CHANCE = 0.01

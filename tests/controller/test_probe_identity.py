@@ -63,6 +63,13 @@ def test_without_the_probes_time_every_tick_counts_as_before():
     assert _run([("slow", None, 0)] * 2) == [State.HEALTHY, State.DEGRADED]
 
 
+@pytest.mark.parametrize("value", [2.0, 1.7e9])
+def test_a_value_that_is_no_recent_time_names_no_probe(value):
+    # a probe-result query of one's own that counts series (2, for ever), or a time an hour and more away from the
+    # controller's: taken for one probe, no run would ever move again; it is no identity, and every tick counts
+    assert _run([("slow", value, 0)] * 2) == [State.HEALTHY, State.DEGRADED]
+
+
 def test_a_probe_shown_slow_while_it_waits_is_the_same_probe_when_it_ends_slow():
     # the exporter shows a probe past its slow threshold as slow at once, and again when it ends slow: one probe
     assert _run([("slow", 1000.2, 0), ("slow", 1000.2, 0)]) == [State.HEALTHY, State.HEALTHY]
