@@ -101,18 +101,22 @@ def _ref_signal_maps(pool, servers, optional):
     keys = _ref_keys(pool, servers)
     for name in decide.OPTIONAL:
         samples = optional.get(name, [])
-        if name == "probe_result":
-            samples = [s for s in samples if s.value == 1]
+        if name == "probe_result":  # 1, or the send time of the probe shown (2026-12-07)
+            samples = [s for s in samples if s.value == 1 or 1 < s.value < math.inf]
         if name == "peer_group" and not pool.peer_group_label:
             samples = []
         by_key = _ref_own_series(pool, samples)
         out[name] = {}
+        if name == "probe_result":
+            out["probe_at"] = {}
         for n in servers:
             got = _ref_matched(by_key, keys[n])
             if len(got) == 1:
                 v = got[0]
                 out[name][n] = (v.labels.get("result") if name == "probe_result" else
                                 v.labels.get(pool.peer_group_label or "") if name == "peer_group" else v.value)
+                if name == "probe_result" and v.value > 1:
+                    out["probe_at"][n] = v.value
     return out
 
 
@@ -138,7 +142,7 @@ def _ref_node_inputs(pool, servers, samples, optional, canaries, data):
             agent_why=s.agent_text if s.agent_down else None,
             haproxy_weight=s.weight, haproxy_drain=s.drain,
             probe_result=sig["probe_result"].get(n), probe_ttft=finite(sig["probe_ttft"].get(n)),
-            probe_failures=_int(sig["probe_failures"].get(n)),
+            probe_failures=_int(sig["probe_failures"].get(n)), probe_at=sig["probe_at"].get(n),
             error_ratio=finite(sig["error_ratio"].get(n)), kv_cache_usage=finite(sig["kv_cache"].get(n)),
             gpu_throttled=_flag(sig["gpu_throttled"].get(n)), pcie_degraded=_flag(sig["pcie_degraded"].get(n)),
             gpu_ecc_uncorrectable=_flag(sig["gpu_ecc"].get(n)), gpu_xid=_flag(sig["gpu_xid"].get(n)),

@@ -39,7 +39,8 @@ def test_every_exporter_series_is_documented():
 # what the controller reads every second: the fast page's series, exactly (issue 34)
 FAST = {"grayguard_live_itl_seconds", "grayguard_live_ttft_seconds", "grayguard_live_prompt_tokens_per_second",
         "grayguard_live_decode_batch", "grayguard_live_kv_cache_usage_ratio", "grayguard_probe_ttft_median_seconds",
-        "grayguard_probe_last_result", "grayguard_probe_consecutive_failures"}
+        "grayguard_probe_last_result", "grayguard_probe_last_sent_timestamp_seconds",
+        "grayguard_probe_consecutive_failures"}
 # on the full page only, and dropped there by the shipped scrape configs: served for a person with curl
 FULL_ONLY_UNSTORED = {"grayguard_live_generation_tokens_per_second", "grayguard_live_requests_running",
                       "grayguard_live_requests_waiting", "grayguard_live_window_seconds", "grayguard_agent_down"}

@@ -99,9 +99,11 @@ def test_fast_page_has_what_the_controller_reads_and_nothing_else(node_under_loa
                                                               'grayguard_probe_last_result{result="slow"}')
     assert fast["grayguard_probe_consecutive_failures"] == 0
     names = {key.split("{")[0] for key in fast}
-    assert names == {*FAST_LIVE, "grayguard_probe_last_result", "grayguard_probe_consecutive_failures"}
+    assert names == {*FAST_LIVE, "grayguard_probe_last_result", "grayguard_probe_last_sent_timestamp_seconds",
+                     "grayguard_probe_consecutive_failures"}
     assert len(FAST_LIVE) == 6 and not set(FULL_ONLY) & names
-    assert len(fast) == 8 and len(full) > 5 * len(fast), (len(fast), len(full))
+    assert 0 < time.time() - fast["grayguard_probe_last_sent_timestamp_seconds"] < 30  # the probe shown: recent
+    assert len(fast) == 9 and len(full) > 5 * len(fast), (len(fast), len(full))
 
 
 def test_thermal_slowdown_shows_in_live_itl_within_seconds(sim, node_under_load):
