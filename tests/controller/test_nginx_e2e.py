@@ -93,7 +93,9 @@ def test_nginx_gateway_cuts_then_drains_a_slow_node():
             assert [n for n, (_, d) in weights.items() if d] == [SLOW], weights
             assert "down;" in next(ln for ln in stack.nginx.upstreams["vllm_chat"].read_text().splitlines()
                                    if f"node={SLOW} " in ln)
-            assert stack.controller.haproxies[0].reloads >= 1
+            # the file is put in place before `nginx -t` and `nginx -s reload` run (controller/nginx.py write): the
+            # watch can see it first, so the reload is waited for (a loaded CI machine saw 0 at once)
+            deadline.wait(lambda: stack.controller.haproxies[0].reloads >= 1, 15, "nginx reloaded, the node drained")
 
             # nginx reloaded: from a second after the drain no new request reaches the node, the others take them
             settle = drained_at + 1.0
