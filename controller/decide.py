@@ -275,7 +275,7 @@ def signal_maps(pool: PoolConfig, servers: Mapping[str, ServerState], optional: 
     for name in OPTIONAL:
         samples = optional.get(name, ())
         if name == "probe_result":  # 1, or the time the probe shown was sent (the shipped query: its identity)
-            samples = [s for s in samples if s.value == 1 or 1 < s.value < math.inf]
+            samples = [s for s in samples if 1 <= s.value < math.inf]
         if name == "peer_group" and not pool.peer_group_label:
             samples = ()
         one = _one_each(own_series(pool, samples), keys) if samples else {}  # an absent signal: nothing to match
