@@ -15,7 +15,7 @@ from grayguard.config import ThresholdsConfig
 from grayguard.frozen import dict_init as dict_init  # re-exported: the policy's and the tests' import
 from grayguard.frozen import evolve as evolve  # re-exported: the controller's memories are copied with it
 from grayguard.vocab import PROBE_ANSWERED as PROBE_ANSWERED  # re-exported: the old name
-from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, Detector, ProbeResult
+from grayguard.vocab import PROBE_FAILURES, PROBE_FAULTS, PROBE_WAITED, Detector, ProbeResult
 
 WINDOW_TICKS = 5  # the exporter's live window (exporters/live.py, 5 s) over the tick (1 s): one live observation
 PROBE_CUDA = ProbeResult.CUDA_ERROR  # quarantines at once
@@ -57,6 +57,11 @@ class SignalMemory:
     # shows a probe still waiting past its slow threshold as slow, then its end (slow, or a timeout: counted again)
     probe_at: float | None = None
     probe_seen: str = ""
+    # the share of the node's recent probes slow or timed out (vocab.PROBE_WAITED), and failed (PROBE_FAILURES): means
+    # over its last PROBE_SHARE_PROBES or so (each new probe moves them by 1 / PROBE_SHARE_PROBES). Its peers' shares
+    # say what run of either the node could have by luck (policy.peer_shares, probe_run_needed)
+    probe_waited_share: float = 0.0
+    probe_failed_share: float = 0.0
 
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
@@ -98,7 +103,12 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     if result is None or result == ProbeResult.STARTING:  # no data, or a cold start: hold what we knew
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
     new = probe_at is None or probe_at != m.probe_at or result != m.probe_seen
-    seen = {"probe_at": probe_at, "probe_seen": result} if new and probe_at is not None else {}  # in its one copy
+    seen = {}  # what a new probe changes besides the runs, written in the memory's one copy
+    if new:
+        seen["probe_waited_share"] = learned_share(m.probe_waited_share, result in PROBE_WAITED)
+        seen["probe_failed_share"] = learned_share(m.probe_failed_share, result in PROBE_FAILURES)
+        if probe_at is not None:
+            seen["probe_at"], seen["probe_seen"] = probe_at, result
     if result == ProbeResult.TIMEOUT and like_peers:
         m = evolve(m, probe_good=0, **seen)
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
@@ -163,18 +173,32 @@ def probe_identity(probe_at: float | None, now: float) -> float | None:
     return probe_at
 
 
-# how unlikely a run of slow probes must be for one of a pool's healthy nodes, given their share of slow probes now,
-# to be taken for evidence (probe_run_needed): per pool and tick, so that a large pool is not cut more often by luck
-PROBE_RUN_CHANCE = 0.01
+# the probes a node's learned shares of slow and of failed probes are a mean over (SignalMemory.probe_waited_share):
+# about half a minute at the shipped probe a second, long enough that a share of a few percent shows between its
+# slow probes, short enough to follow the pool's load
+PROBE_SHARE_PROBES = 30
+
+
+def learned_share(share: float, hit: bool) -> float:
+    """A node's share of probes of a kind after one more probe (hit: of that kind): an exponential mean over about
+    PROBE_SHARE_PROBES probes."""
+    return share + ((1.0 if hit else 0.0) - share) / PROBE_SHARE_PROBES
+
+
+# how unlikely a run of slow (or failed) probes must be for one of a pool's healthy nodes, given their share of such
+# probes, to be taken for evidence (probe_run_needed): per pool and tick, so that a large pool is not cut more often
+# by luck; at a tick a second, one run by luck in about three hours of a pool whose probes are that slow all along
+PROBE_RUN_CHANCE = 1e-4
 
 
 def probe_run_needed(slow_share: float | None, least: int, nodes: int = 1) -> int:
-    """Slow probes in a row that cut a node whose peers got slow probes at this share this tick: the run one of the
-    pool's `nodes` healthy nodes would have by chance at most PROBE_RUN_CHANCE of the time, share ** k <=
-    PROBE_RUN_CHANCE / nodes, and never fewer than `least` (probe_consecutive). A quiet pool keeps `least` (in a
-    4-node pool a share up to 5 %: 2); a loaded one, whose probes queue behind long prompts everywhere, asks more (4
-    nodes: 3 at 10 %, 5 at 30 %; 32 nodes: 4 at 10 %); a pool whose every peer's probe is slow (share 1) tells
-    nothing about this node: no run is evidence then."""
+    """Slow probes in a row that cut a node whose peers get slow probes at this share (policy.peer_shares: their
+    last probes', or their learned shares if higher): the run one of the pool's `nodes` healthy nodes would have by
+    chance at most PROBE_RUN_CHANCE of the time, share ** k <= PROBE_RUN_CHANCE / nodes, and never fewer than
+    `least` (probe_consecutive). A quiet pool keeps `least` (in a 4-node pool a share up to 0.5 %: 2); a loaded one,
+    whose probes queue behind long prompts here and there, asks more (4 nodes: 4 at 5 %, 5 at 10 %, 9 at 30 %; 32
+    nodes: 6 at 10 %); a pool whose every peer's probe is slow (share 1) tells nothing about this node: no run is
+    evidence then."""
     if slow_share is None or slow_share <= 0.0:
         return least
     if slow_share >= 1.0:

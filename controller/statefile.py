@@ -100,7 +100,7 @@ def _value(tp: object, v: object, where: str) -> object:
         return _value(next(a for a in args if a is not type(None)), v, where)
     if tp in (SignalMemory, LiveMemory, Noise):
         made = tp(**_fields(tp, v, where))  # type: ignore[operator]
-        return _noise(made, where) if tp is Noise else made
+        return _noise(made, where) if tp is Noise else _shares(made, where) if tp is SignalMemory else made
     if typing.get_origin(tp) is tuple and args[1:] == (Ellipsis,):  # tuple[float, ...]: a JSON list
         if not isinstance(v, list):
             raise StateError(f"{where}: expected a list, got {_kind(v)}")
@@ -135,6 +135,16 @@ def _noise(m: Noise, where: str) -> Noise:
         raise StateError(f"{where}.dev: a learned noise is in [0, {_NOISE_MAX:g}], got {m.dev:g}")
     if not 0 <= m.seconds <= NOISE_S:
         raise StateError(f"{where}.seconds: a noise is learned over 0..{NOISE_S:g} s, got {m.seconds:g}")
+    return m
+
+
+def _shares(m: SignalMemory, where: str) -> SignalMemory:
+    """A node's learned shares of slow and of failed probes as learned_share makes them: in [0, 1]. A larger one
+    would make every run of the node's peers need more probes than a pool ever sends (probe_run_needed: a share of 1
+    or more is no evidence at all), so no node of the pool would be cut or drained for its probes again."""
+    for name in ("probe_waited_share", "probe_failed_share"):
+        if not 0.0 <= getattr(m, name) <= 1.0:
+            raise StateError(f"{where}.{name}: a share of probes is in [0, 1], got {getattr(m, name):g}")
     return m
 
 

@@ -73,6 +73,10 @@ BAD = [
     (doc({"window": {"noise": {"dev": 1e300, "seconds": 60}}}), "pools.chat.node0.window.noise.dev: a learned noise"),
     (doc({"live_itl": {"noise": {"dev": -0.1}}}), "pools.chat.node0.live_itl.noise.dev: a learned noise is in [0, 3]"),
     (doc({"live_itl": {"noise": {"seconds": -1e300}}}), "pools.chat.node0.live_itl.noise.seconds: a noise is learned"),
+    # a learned share of probes no probe can make: 5.0 made every run of the node's peers need more probes than a pool
+    # sends, so no node of the pool was cut or drained for its probes again
+    (doc({"signals": {"probe_waited_share": 5.0}}), "pools.chat.node0.signals.probe_waited_share: a share of probes"),
+    (doc({"signals": {"probe_failed_share": -0.5}}), "pools.chat.node0.signals.probe_failed_share: a share of probes"),
     ("{" * 100000, "not JSON"),
     ("\ufeff{", "not JSON"),
 ]
