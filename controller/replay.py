@@ -50,6 +50,9 @@ Optional columns (empty = no data that tick):
   probe_result        the exporter's probe class: ok, slow, timeout, connect_error, http_error,
                       cuda_error, bad_response, starting
   probe_ttft_s        seconds to the probe's first token
+  probe_sent_t        when the probe shown was sent, in t's seconds (the exporter's
+                      grayguard_probe_last_sent_timestamp_seconds): rows that show one probe count it
+                      once; without it every row counts as a probe of its own
   error_ratio         share of requests that finished with an error (0-1)
   kv_cache_usage      KV-cache usage (0-1)
   gpu_throttled, pcie_degraded, gpu_ecc_uncorrectable, gpu_xid
@@ -88,6 +91,7 @@ class Row:
     pcie_degraded: bool | None = None
     gpu_ecc_uncorrectable: bool | None = None
     gpu_xid: bool | None = None
+    probe_sent_t: float | None = None
 
 
 def _num(text: str, line: int, col: str) -> float | None:
@@ -128,7 +132,7 @@ def read_trace(f: IO[str]) -> list[Row]:
             return _num(rec.get(col) or "", line, col)
         rows.append(Row(t, rec["pool"], rec["node"], _num(rec["normalized_latency"], line, "normalized_latency"),
                         (rec.get("peer_group") or None), probe, opt("probe_ttft_s"), opt("error_ratio"),
-                        opt("kv_cache_usage"), **flags))
+                        opt("kv_cache_usage"), **flags, probe_sent_t=opt("probe_sent_t")))
     return rows
 
 
@@ -163,6 +167,7 @@ def replay(rows: Iterable[Row], policy: Policy, base_weight: int = 100,
                 inputs[n] = NodeInput(
                     base_weight=base_weight, latency=r.latency if r else None, peer_group=group,
                     canary=_canary(r) if due else None,
+                    probe_at=r.probe_sent_t if r else None,
                     **({k: getattr(r, k) for k in ("probe_result", "probe_ttft", "error_ratio", "kv_cache_usage",
                                                    *FLAGS)} if r else {}))
             d = decide_pool(prev, inputs, pools.get(pool, policy), t)

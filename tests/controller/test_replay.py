@@ -81,3 +81,27 @@ def test_replay_cli_writes_jsonl(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "grayguard.cli", "replay", "--config.file", "grayguard.example.yaml",
                           "--trace", str(tmp_path / "missing.csv")], capture_output=True, text=True)
     assert bad.returncode == 2 and "cannot read trace" in bad.stderr
+
+
+def _probe_trace(sent: bool) -> str:
+    """A 6-node pool, a row a second, no live signals: node a's probe every 5 s, slow once (at t=20), shown on the
+    five rows until the next one; the probe_sent_t column names each probe when `sent`."""
+    import io
+    lines = ["t,pool,node,normalized_latency,probe_result,probe_ttft_s" + (",probe_sent_t" if sent else "")]
+    for t in range(40):
+        for n in "abcdef":
+            at = t - t % 5
+            slow = n == "a" and at == 20
+            row = f"{t},p,{n},0.02,{'slow' if slow else 'ok'},{0.4 if slow else 0.03}"
+            lines.append(row + (f",{at - 0.5}" if sent else ""))
+    return read_trace(io.StringIO("\n".join(lines) + "\n"))
+
+
+def test_a_probe_shown_on_several_rows_counts_once_with_its_send_time():
+    """One slow probe read on five rows (a probe every 5 s, a row a second) was a run of five slow probes, a cut of a
+    healthy node; the probe_sent_t column names the probe, which then counts once, as the live controller counts it
+    (NodeInput.probe_at)."""
+    every_row = states_of(run(_probe_trace(sent=False)), "a")
+    assert "degraded" in every_row[20:26]
+    once = states_of(run(_probe_trace(sent=True)), "a")
+    assert set(once) == {"healthy"}
