@@ -16,7 +16,7 @@ hanafail counter rose since the last tick) — never more than the safeguard cap
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -505,9 +505,8 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
     # each node's peers' share of slow and of failed last probes: the runs its peers would not have by chance. A
     # failure is counted whatever excuses it (queued_not_failed): an excused timeout is still one a healthy node has
     # now, and a node whose live signals happen not to excuse its own is no sicker for it
-    slow_share = peer_shares(inputs, rotating, PROBE_WAITED, {n: st[n].signals.probe_waited_share for n in rotating})
-    failed_share = peer_shares(inputs, rotating, PROBE_FAILURES,
-                               {n: st[n].signals.probe_failed_share for n in rotating})
+    slow_share = peer_shares(inputs, rotating, PROBE_WAITED, lambda n: st[n].signals.probe_waited_share)
+    failed_share = peer_shares(inputs, rotating, PROBE_FAILURES, lambda n: st[n].signals.probe_failed_share)
     probed = sum(1 for n in rotating if inputs[n].probe_result is not None)  # the nodes a run could come by luck to
 
     # HAProxy's error-limit fired: DOWN for it now, or its counter rose since the last tick (the HANA status lasts
@@ -707,10 +706,10 @@ def _probes_in(inputs: Mapping[str, NodeInput], rotating: list[str], classes: fr
 
 
 def peer_shares(inputs: Mapping[str, NodeInput], rotating: list[str], classes: frozenset[str],
-                learned: Mapping[str, float] | None = None) -> dict[str, float]:
+                learned: Callable[[str], float] | None = None) -> dict[str, float]:
     """Each node's peers' share of probes of one of `classes` (PROBE_WAITED: slow or timed out; PROBE_FAILURES), the
     node left out, among the nodes in rotation with a probe result: of their last probes, or of the probes their
-    memories learned (`learned`, node -> share, SignalMemory.probe_waited_share or probe_failed_share) if higher. The
+    memories learned (`learned`: a node's share, SignalMemory.probe_waited_share or probe_failed_share) if higher. The
     last probes alone are one probe a peer: in a 10-node pool whose probes are slow one time in ten, 39 % of the
     ticks show no peer's slow probe, and each took the shortest run (docs/benchmarks.md, "twenty-first round"); the
     learned shares alone lag a load that came at once. A node with fewer than two such peers is absent (no share: the
@@ -719,16 +718,14 @@ def peer_shares(inputs: Mapping[str, NodeInput], rotating: list[str], classes: f
     if len(of) < 2:  # no node has two peers with a probe result (a pool without probes: every tick)
         return {}
     total, hits = len(of), sum(of.values())
-    learned_sum = sum(learned.get(n, 0.0) for n in of) if learned is not None else 0.0
+    own = {n: learned(n) for n in of} if learned is not None else {}
+    learned_sum = sum(own.values())
     out = {}
     for n in rotating:
         mine = of.get(n)
         others = total - (mine is not None)
         if others >= 2:
-            share = (hits - bool(mine)) / others
-            if learned is not None:
-                share = max(share, (learned_sum - (learned.get(n, 0.0) if mine is not None else 0.0)) / others)
-            out[n] = share
+            out[n] = max((hits - bool(mine)) / others, (learned_sum - own.get(n, 0.0)) / others)
     return out
 
 

@@ -150,11 +150,10 @@ def test_the_peers_share_is_their_learned_one_where_their_last_probes_say_less()
     learned still says one in ten. Each node's own share is left out, as its own last probe is."""
     ins = _inputs({"a": "ok", "b": "ok", "c": "ok", "d": "slow"})
     learned = {"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.9}
-    sh = peer_shares(ins, sorted(ins), PROBE_WAITED, learned)
+    sh = peer_shares(ins, sorted(ins), PROBE_WAITED, learned.__getitem__)
     assert sh["a"] == pytest.approx(max(1 / 3, (0.1 + 0.1 + 0.9) / 3))
     assert sh["d"] == pytest.approx(0.1)  # its peers' last probes: none slow; learned: 0.1
-    assert peer_shares(ins, sorted(ins), PROBE_WAITED, {n: 0.0 for n in ins}) == peer_shares(ins, sorted(ins),
-                                                                                              PROBE_WAITED)
+    assert peer_shares(ins, sorted(ins), PROBE_WAITED, lambda n: 0.0) == peer_shares(ins, sorted(ins), PROBE_WAITED)
 
 
 @pytest.mark.parametrize("interval", [1.0, 5.0])
