@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only scenarios whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed (with --cross-check: "
                    "when a row is DIFF)")
+    p.add_argument("--no-live-signals", action="store_true",
+                   help="every pool's engine without the exporter's live fast path: no live ITL, live TTFT, prompt "
+                        "tokens/s or decode batch (Triton's profile, docs/engines.md), so the probes and the 30 s "
+                        "window judge the nodes alone")
     from grayguard.bench.crosscheck import SCENARIOS, VLLM_SCENARIOS
     g = p.add_argument_group("cross-check (the benchmark against the real local stack)")
     g.add_argument("--cross-check", action="store_true",
@@ -158,8 +162,11 @@ def _worker_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def execute(items: list, workers: int, progress=sys.stderr) -> tuple[list[dict], float]:
-    """Run the work items (in a process pool when workers > 1), reporting progress; (rows, wall seconds)."""
+def execute(items: list, workers: int, progress=None) -> tuple[list[dict], float]:
+    """Run the work items (in a process pool when workers > 1), reporting progress (default: sys.stderr as it is at
+    the call, not at import: a stream replaced since, as pytest's capture does between tests, may be closed); (rows,
+    wall seconds)."""
+    progress = progress or sys.stderr
     rows: list[dict] = []
     t0 = time.perf_counter()
     total = len(items)
@@ -247,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.filter:
         scenarios = [s for s in scenarios if any(f in s.name for f in args.filter)]
+    if args.no_live_signals:
+        scenarios = [replace(s, live_signals=False) for s in scenarios]
     override = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     if not scenarios:
         print("grayguard bench: no scenario left after --filter", file=sys.stderr)
@@ -261,13 +270,14 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers or min(2, os.cpu_count() or 1)
     items = [(pol, members, args.model) for pol, members in families(scenarios, override)]
     n_runs = sum(len(item[1]) for item in items)
-    print(f"bench: suite {spec.get('suite', args.suite)}: {len(scenarios)} scenarios, {n_runs} runs in "
-          f"{len(items)} families, {workers} worker(s)", file=sys.stderr)
+    suite = spec.get("suite", args.suite) + (" (no live signals)" if args.no_live_signals else "")
+    print(f"bench: suite {suite}: {len(scenarios)} scenarios, {n_runs} runs in {len(items)} families, {workers} "
+          "worker(s)", file=sys.stderr)
     rows, wall = execute(items, workers)
     rows.sort(key=lambda r: (r["group"], r["scenario"], r["policy"]))
     add_baselines(rows)
     tgt = targets(rows)
-    meta = {"suite": spec.get("suite", args.suite), "scenarios": len(scenarios), "runs": n_runs,
+    meta = {"suite": suite, "scenarios": len(scenarios), "runs": n_runs,
             "families": len(items), "workers": workers, "wall_s": round(wall, 1), "model": args.model,
             "cpu_s": round(sum(r["wall_s"] for r in rows), 1),
             "commit": _git("rev-parse", "--short", "HEAD"),

@@ -437,6 +437,8 @@ def observe(node: VirtualNode, now: float, scn: Scenario,
             gpu[k] = None if seen is None else seen[k]
     probe = node.probes.at(now - scn.gauge_lag_s) if scn.probes else None
     live_itl, live_ttft, probe_median, prefill_rate, decode_batch, live_kv = node.live.at(now)
+    if not scn.live_signals:  # an engine without these series: the exporter's probe median and KV reading remain
+        live_itl = live_ttft = prefill_rate = decode_batch = None
     if live_kv is None and node.spec.backend == "vllm":  # signals.kv_cache_query: else vLLM's own series
         live_kv = node.engine.kv_usage()
     return NodeObs(

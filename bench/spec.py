@@ -175,6 +175,10 @@ class Scenario:
     # the exporters' GPU tells each fault's story (thermal: throttled, pcie: link down); False: the real fleet on
     # CPUs, whose fake GPU stays healthy whatever the fault (no GPU evidence)
     gpu_evidence: bool = True
+    # the exporter's fast path reads the engine's live ITL, live TTFT, prompt tokens/s and decode batch (vLLM, SGLang);
+    # False: an engine whose /metrics has none of them (Triton without histogram latencies, docs/engines.md), whose
+    # nodes the probes and the 30 s window judge alone
+    live_signals: bool = True
     tags: tuple[tuple[str, object], ...] = ()  # report columns: fault, size, mix, load, slowdown
 
     @property
