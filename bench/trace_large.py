@@ -337,7 +337,8 @@ def run(params: TraceParams, profile: cProfile.Profile | None = None, pools: Ite
 # fields added to the decision after the digests were recorded, left out while empty: a decision that has nothing in
 # them is written as before, so the recorded digests still say whether the decisions are the same
 LATER_FIELDS = frozenset({("NodeDecision", "shadow"), ("SignalMemory", "probe_at"), ("SignalMemory", "probe_seen"),
-                          ("SignalMemory", "probe_waited_share"), ("SignalMemory", "probe_failed_share")})
+                          ("SignalMemory", "probe_waited_share"), ("SignalMemory", "probe_failed_share"),
+                          ("SignalMemory", "probe_excused")})
 
 
 def _written(o, name: str) -> bool:

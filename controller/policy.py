@@ -501,7 +501,11 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         for n, x in sc_of.items():
             live_of.setdefault(n, {})[what] = x
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= MIN_PEERS else {}
-    queued = pool_queued(inputs, rotating, MIN_PEERS)
+    queued = queued_peers(inputs, rotating, MIN_PEERS)
+    # no node of the pool has a live ITL scored: its engines give none (Triton), or none decoded in the live window.
+    # Its finished requests (the 30 s window) are then the one sign a node serves (queued_not_failed); where its peers
+    # decode and it does not, it is no sign (a node decoding nothing while its peers do is hung, not queued)
+    unmeasured = not live_scores[LIVE_ITL]
     # each node's peers' share of slow and of failed last probes: the runs its peers would not have by chance. A
     # failure is counted whatever excuses it (queued_not_failed): an excused timeout is still one a healthy node has
     # now, and a node whose live signals happen not to excuse its own is no sicker for it
@@ -533,8 +537,8 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
             continue
         if s.state in IN_ROTATION:
             waited = i.probe_result == ProbeResult.TIMEOUT and queued_not_failed(  # rule 5 asks only of a timeout
-                live_of.get(n), live_noise.get(n, noise), queued or _more(prefill.get(n), peer_prefill.get(n)),
-                n in at_capacity, t)
+                live_of.get(n), live_noise.get(n, noise), n in queued or _more(prefill.get(n), peer_prefill.get(n)),
+                n in at_capacity, t, scored.get(n) if unmeasured else None)
             s, cand, found = _in_rotation(s, i, scored.get(n), peer_probe[n], t, r, now, live_of.get(n),
                                           renewed=renewed.get(n), window=(window_noise.get(n), window_spread,
                                                                           policy.window_samples),
@@ -729,27 +733,43 @@ def peer_shares(inputs: Mapping[str, NodeInput], rotating: list[str], classes: f
     return out
 
 
-def pool_queued(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> bool:
-    """Whether the pool is saturated: at least half of the nodes in rotation (and min_peers of them) got a slow or
-    timed-out last probe. Then a probe waits in a queue everywhere, and one node's timeout is load, not a
-    failure, as long as that node decodes as its load predicts (a hung node decodes nothing)."""
+def queued_peers(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> set[str]:
+    """The nodes in rotation whose peers' probes queue: of the other nodes in rotation with a probe result (at least
+    min_peers - 1: the fewest a node's peers are), at least half got a slow or timed-out last probe. Then a probe
+    waits in a queue everywhere (the pool is saturated), and the node's own timeout is load, not a failure, as long
+    as the node serves as its load predicts (queued_not_failed; a hung node decodes nothing). The node's own probe is
+    what is judged, so it is left out: in a 4-node pool a hung node and one slow probe of a peer's made half the
+    pool."""
     slow_of = _probes_in(inputs, rotating, PROBE_WAITED)
-    return len(slow_of) >= min_peers and 2 * sum(slow_of.values()) >= len(slow_of)
+    total, hits = len(slow_of), sum(slow_of.values())
+    out = set()
+    for n in rotating:
+        mine = slow_of.get(n)
+        others = total - (mine is not None)
+        if others >= min_peers - 1 and 2 * (hits - bool(mine)) >= others:
+            out.add(n)
+    return out
 
 
 def queued_not_failed(live_sc: Mapping[str, peers.Score | None] | None, noise: float | None, behind_load: bool,
-                      at_capacity: bool, t: ThresholdsConfig) -> bool:
+                      at_capacity: bool, t: ThresholdsConfig, window: peers.Score | None = None) -> bool:
     """Whether a node's timed-out probe waited in a queue its load explains (rule 5), so it counts no failure of the
-    node's (its peers' share of failures counts it all the same: peer_shares). At capacity by its load; or decoding
-    now at what its load predicts (its live ITL at its load below the cut ratio) and either its first tokens like its
-    peers' at its load (like_peers_now, in the live comparison's noise) or load for a probe to wait behind: prompt
-    tokens beyond its peers' (a tenant's long prompts) or a pool whose probes all queue (pool_queued). Decoding alone
-    is not enough: a node that stops admitting requests decodes the ones it holds while its probes time out, and
-    prefills nothing."""
+    node's (its peers' share of failures counts it all the same: peer_shares). At capacity by its load; or serving at
+    what its load predicts and load for a probe to wait behind: prompt tokens beyond its peers' (a tenant's long
+    prompts) or peers whose probes all queue (queued_peers). Serving: decoding now at its load's pace (its live ITL at
+    its load below the cut ratio), where it may also show its first tokens like its peers' at its load instead of the
+    load (like_peers_now, in the live comparison's noise). In a pool with no live ITL scored (an engine without one:
+    window, its 30 s window's score this tick; None otherwise) a node shows it only by the requests it finished, its
+    window below the cut ratio, and only behind load: its first tokens and probe median are the last ones it
+    answered, a hung node's too. A node without a live ITL among peers that decode decodes nothing: not serving.
+    Decoding alone is not enough: a node that stops admitting requests decodes the ones it holds while its probes time
+    out, and prefills nothing."""
     if at_capacity:
         return True
     li = live_sc.get(LIVE_ITL) if live_sc else None
-    if li is None or not li.ratio < t.live_cut_ratio:
+    if li is None:
+        return window is not None and behind_load and window.ratio < t.live_cut_ratio
+    if not li.ratio < t.live_cut_ratio:
         return False
     return behind_load or like_peers_now(live_sc, live.in_noise(t.live_drift, noise, t.min_spread))  # type: ignore[arg-type]
 

@@ -62,6 +62,9 @@ class SignalMemory:
     # say what run of either the node could have by luck (policy.peer_shares, probe_run_needed)
     probe_waited_share: float = 0.0
     probe_failed_share: float = 0.0
+    # the timed-out probes of the current run of failures that were counted as load (like_peers: they waited in a
+    # queue, policy.queued_not_failed): the exporter's count of the run less these is the node's own
+    probe_excused: int = 0
 
 
 def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int | None,
@@ -109,10 +112,18 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         seen["probe_failed_share"] = learned_share(m.probe_failed_share, result in PROBE_FAILURES)
         if probe_at is not None:
             seen["probe_at"], seen["probe_seen"] = probe_at, result
+    if failures is not None and failures < m.probe_excused:  # the exporter's count restarted below them: a new run
+        seen["probe_excused"] = 0
+    excused = seen.get("probe_excused", m.probe_excused)
     if result == ProbeResult.TIMEOUT and like_peers:
-        m = evolve(m, probe_good=0, **seen)
+        m = evolve(m, probe_good=0, **{**seen, "probe_excused": excused + int(new)})
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
-    bad = failures if failures is not None else (m.probe_bad + int(new) if result in PROBE_FAULTS else 0)
+    # the node's run of failed probes, the one that quarantines: the exporter's count of consecutive failures less the
+    # timeouts of that run counted as load (a pool whose probes all queued through an overload had runs of 20 and
+    # more, which drained the nodes whose queues emptied last once their peers' probes answered again); without the
+    # exporter's count, counted here a probe at a time (an excused timeout never added)
+    own = m.probe_bad + int(new) if result in PROBE_FAULTS else 0
+    bad = failures - excused if failures is not None else own
     if result == PROBE_CUDA:
         return evolve(m, probe_bad=bad, probe_good=0, **seen), \
             Finding(Detector.PROBE, quarantine="probe: CUDA error (the engine answers with a GPU fault)")
@@ -128,6 +139,8 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
     # a node the live signals do not measure or whose GPU reports trouble; a run of them cuts the weight. A probe far
     # slower than its peers' that the exporter calls ok is left to the live signals, which measure the node's speed
     # (on the real fleet it was one probe queued behind a long prompt)
+    if m.probe_excused:  # an answer ends the run of failures, and what was excused in it
+        seen["probe_excused"] = 0
     slower = ttft is not None and (peer_ttft is None or ttft >= t.live_probe_confirm * peer_ttft)
     slow = result == ProbeResult.SLOW and slower and (corroborated or not measured)
     if new and slow:  # a probe counted already moves no run
