@@ -501,7 +501,7 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         for n, x in sc_of.items():
             live_of.setdefault(n, {})[what] = x
     peer_kv = peers.peer_medians(rotating, kv_used, groups) if len(kv_used) >= MIN_PEERS else {}
-    queued = queued_peers(inputs, rotating, MIN_PEERS)
+    queued = queued_peers(inputs, rotating)
     # no node of the pool has a live ITL scored: its engines give none (Triton), or none decoded in the live window.
     # Its finished requests (the 30 s window) are then the one sign a node serves (queued_not_failed); where its peers
     # decode and it does not, it is no sign (a node decoding nothing while its peers do is hung, not queued)
@@ -733,22 +733,13 @@ def peer_shares(inputs: Mapping[str, NodeInput], rotating: list[str], classes: f
     return out
 
 
-def queued_peers(inputs: Mapping[str, NodeInput], rotating: list[str], min_peers: int) -> set[str]:
-    """The nodes in rotation whose peers' probes queue: of the other nodes in rotation with a probe result (at least
-    min_peers - 1: the fewest a node's peers are), at least half got a slow or timed-out last probe. Then a probe
-    waits in a queue everywhere (the pool is saturated), and the node's own timeout is load, not a failure, as long
-    as the node serves as its load predicts (queued_not_failed; a hung node decodes nothing). The node's own probe is
-    what is judged, so it is left out: in a 4-node pool a hung node and one slow probe of a peer's made half the
-    pool."""
-    slow_of = _probes_in(inputs, rotating, PROBE_WAITED)
-    total, hits = len(slow_of), sum(slow_of.values())
-    out = set()
-    for n in rotating:
-        mine = slow_of.get(n)
-        others = total - (mine is not None)
-        if others >= min_peers - 1 and 2 * (hits - bool(mine)) >= others:
-            out.add(n)
-    return out
+def queued_peers(inputs: Mapping[str, NodeInput], rotating: list[str]) -> set[str]:
+    """The nodes in rotation whose peers' probes queue: at least half of their peers' last probes slow or timed out
+    (peer_shares, of two peers with a probe result at least). Then a probe waits in a queue everywhere (the pool is
+    saturated), and the node's own timeout is load, not a failure, as long as the node serves as its load predicts
+    (queued_not_failed; a hung node decodes nothing). The node's own probe is what is judged, so it is left out: in
+    a 4-node pool a hung node and one slow probe of a peer's made half the pool."""
+    return {n for n, share in peer_shares(inputs, rotating, PROBE_WAITED).items() if share >= 0.5}
 
 
 def queued_not_failed(live_sc: Mapping[str, peers.Score | None] | None, noise: float | None, behind_load: bool,

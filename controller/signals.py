@@ -112,18 +112,18 @@ def probe(m: SignalMemory, result: str | None, ttft: float | None, failures: int
         seen["probe_failed_share"] = learned_share(m.probe_failed_share, result in PROBE_FAILURES)
         if probe_at is not None:
             seen["probe_at"], seen["probe_seen"] = probe_at, result
-    if failures is not None and failures < m.probe_excused:  # the exporter's count restarted below them: a new run
-        seen["probe_excused"] = 0
-    excused = seen.get("probe_excused", m.probe_excused)
+    # the exporter's count restarted below the excused timeouts (a restart): its run is a new one
+    excused = m.probe_excused if failures is None or failures >= m.probe_excused else 0
     if result == ProbeResult.TIMEOUT and like_peers:
-        m = evolve(m, probe_good=0, **{**seen, "probe_excused": excused + int(new)})
+        m = evolve(m, probe_good=0, probe_excused=excused + int(new), **seen)
         return m, _slow_probes(m, "probe slow (held)", ttft, peer_ttft, t, evidence)
+    if excused != m.probe_excused:
+        seen["probe_excused"] = excused
     # the node's run of failed probes, the one that quarantines: the exporter's count of consecutive failures less the
     # timeouts of that run counted as load (a pool whose probes all queued through an overload had runs of 20 and
     # more, which drained the nodes whose queues emptied last once their peers' probes answered again); without the
     # exporter's count, counted here a probe at a time (an excused timeout never added)
-    own = m.probe_bad + int(new) if result in PROBE_FAULTS else 0
-    bad = failures - excused if failures is not None else own
+    bad = failures - excused if failures is not None else (m.probe_bad + int(new) if result in PROBE_FAULTS else 0)
     if result == PROBE_CUDA:
         return evolve(m, probe_bad=bad, probe_good=0, **seen), \
             Finding(Detector.PROBE, quarantine="probe: CUDA error (the engine answers with a GPU fault)")
