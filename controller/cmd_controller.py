@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from grayguard import flags, terminate
 from grayguard.config import Config, ConfigError, load_config
@@ -231,7 +231,8 @@ def staleness_checks(ctl: Controller) -> list[str]:
     return problems
 
 
-def print_plan(result: TickResult, out=sys.stdout) -> None:
+def print_plan(result: TickResult, out: TextIO | None = None) -> None:
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     if result.standby:
         print(f"STANDBY: {result.standby}", file=out)
     elif result.held:

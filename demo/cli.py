@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from grayguard import terminate
 from grayguard.config import duration_seconds
@@ -191,10 +191,12 @@ def live_view(opts: DemoOptions, s: dict, records: list, events: list, tty: bool
     return "\n".join(lines)
 
 
-def run_scenario(opts: DemoOptions, report_dir: Path | None, out=sys.stdout, records: list | None = None) -> dict:
+def run_scenario(opts: DemoOptions, report_dir: Path | None, out: TextIO | None = None,
+                 records: list | None = None) -> dict:
     """Bring the stack up, run the load and the fault, tear down; return (and write) the report.
 
     records: where the clients' request records go (a new list by default), for a caller that plots them."""
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     from grayguard.localstack.nginx import NginxStack
     from grayguard.localstack.stack import LocalStack, StackSpec
     from grayguard.sim.loadgen import LoadConfig, run_load
@@ -407,13 +409,14 @@ def _f(x: float | None) -> str:
     return "     -" if x is None else f"{x:6.3f}"
 
 
-def compare(opts: DemoOptions, report_dir: Path, out=sys.stdout, run=run_scenario) -> dict:
+def compare(opts: DemoOptions, report_dir: Path, out: TextIO | None = None, run=run_scenario) -> dict:
     """The scenario with the controller, without it, and without the fault (the healthy baseline).
 
     The healthy baseline is the same time window of the same seeded traffic with no fault: a heavy
     tail of prompt lengths puts a different number of long prompts in each phase of one run, so the
     run's own baseline phase would compare unlike requests.
     """
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     from grayguard.demo.compare_report import RUNS, figures, render
     records: dict[str, list] = {k: [] for k, _, _ in RUNS}
     variants = {"with": opts, "without": DemoOptions(**{**opts.__dict__, "controller": False}),

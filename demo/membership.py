@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 log = logging.getLogger("grayguard.demo")
 
@@ -202,8 +202,9 @@ class Observer:
             reg.close()
 
 
-def run_scenario(opts: MembershipOptions, report_dir: Path | None, out=sys.stdout) -> dict:
+def run_scenario(opts: MembershipOptions, report_dir: Path | None, out: TextIO | None = None) -> dict:
     """Bring the registry stack up, run the load, the join and the crash, tear down; return (and write) the report."""
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     from grayguard.localstack.procs import wait_until
     from grayguard.localstack.registrystack import RegistryStack, RegistryTiming
     from grayguard.localstack.stack import StackSpec

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 from grayguard import terminate
 from grayguard.config import duration_seconds
@@ -221,7 +222,8 @@ def stack_spec(args: argparse.Namespace):
                               "rules": {"control_interval": "5s"}, "stale_after_s": 60})
 
 
-def run_soak(args: argparse.Namespace, out=sys.stdout) -> SoakReport:
+def run_soak(args: argparse.Namespace, out: TextIO | None = None) -> SoakReport:
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     from grayguard.localstack.stack import LocalStack
     from grayguard.sim.loadgen import LoadConfig, run_load
 
@@ -350,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, out=sys.stdout) -> int:
+def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out  # the stream at the call, not at import
     args = build_parser().parse_args(argv)
     if args.minutes <= 0 or args.sample_s <= 0 or args.nodes < 3 or args.rate <= 0:
         print("soak: --minutes, --sample-s and --rate must be positive, --nodes at least 3", file=sys.stderr)
