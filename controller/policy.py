@@ -464,8 +464,11 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         rate = inputs[n].request_rate
         window_noise[n] = sampled_noise(lat_noise, t.min_spread, None if rate is None else rate * policy.window_s,
                                         t.window_noise_cv)
-    scored = peers.scores(fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=window_noise)
-    window_spread = peers.spread(fresh, groups, MIN_PEERS, policy.group_speed, noise=window_noise)
+    # the window's peers: the nodes that carry their full share of traffic (_window_scores), when there are enough
+    carrying = {n: v for n, v in fresh.items() if st[n].state == HEALTHY}
+    if len(carrying) < MIN_PEERS:
+        carrying = fresh
+    scored, window_spread = _window_scores(fresh, carrying, groups, policy, window_noise)
     for n, sc in scored.items():
         w = window_noise[n]
         z = against_noise(sc.z, sc.ratio, w, t.min_spread)
@@ -573,7 +576,7 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
             s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
                        canary_ok=0, last_canary=None)
         elif s.state == CANARY and i.canary is not None:
-            s = _judge_canary(s, n, i.canary, fresh, groups, policy, now, i.canary_at, lat_noise)
+            s = _judge_canary(s, n, i.canary, carrying, groups, policy, now, i.canary_at, lat_noise)
         st[n] = s
 
     # 3. The pool's limit: who is out of rotation, at most `cap` nodes from any cause (_arbitrate: one ranking).
@@ -597,6 +600,25 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
                               sc.peer_median if sc else None, shadow_of.get(n, ()))
     ejected = sum(1 for n in names if st[n].state in EJECTED)
     return PoolDecision(out, cap, ejected, safeguard, retained, out_now + len(kv_zero), agent_off, uncompared)
+
+
+def _window_scores(fresh: Mapping[str, float], carrying: Mapping[str, float], groups: Mapping[str, str | None],
+                   policy: Policy, noise: Mapping[str, float]) -> tuple[dict[str, peers.Score], float | None]:
+    """The 30 s window's scores and the pool's spread on it this tick. Its peers are the nodes that carry their full
+    share of traffic (`carrying`: healthy last tick, when MIN_PEERS are; else every node with a value): a node held
+    below its weight (warming up, ramping back from a drain, cut) serves fewer requests, and its window is faster
+    for it. Half a pool scaled out at once was half the peers, its windows light, and the old nodes' full ones
+    looked 1.6x theirs (docs/benchmarks.md, "twenty-third round"). Such a node is still scored, against the
+    full-share nodes of its group (or the pool's, speed-normalized: peers.canary_baseline, as a canary is)."""
+    t = policy.thresholds
+    scored = peers.scores(carrying, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=noise)
+    for n in fresh.keys() - carrying.keys():
+        base = peers.canary_baseline(n, carrying, groups, MIN_PEERS, t.min_spread, policy.group_speed)
+        if base is not None:
+            b, coef = base
+            z, ratio = b.score(fresh[n] / coef)
+            scored[n] = peers.score_of(z, ratio, b.median * coef)
+    return scored, peers.spread(carrying, groups, MIN_PEERS, policy.group_speed, noise=noise)
 
 
 def _more(mine: float | None, peers_: float | None) -> bool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from grayguard.bench import policies
 from grayguard.bench.engine import OK, Run, run, run_family
@@ -161,3 +163,17 @@ def test_the_new_benign_cases_expand_as_declared():
         assert p8k.node == "node0" and p8k.prompt.lo >= 7000 and p8k.prompt.hi + p8k.completion.hi <= MAX_MODEL_LEN
         assert by[f"uneven_batches/n{size}/homog/steady"].load.pinned[0].completion.median == 1000
         assert by[f"pool_overload/n{size}/homog/steady"].load.surges == ((45.0, 75.0, 3.0),)
+
+
+# -- half a pool warming up at once (bench/suites/membership.yaml) ------------------------------------
+def test_half_a_pool_scaled_out_at_once_cuts_no_healthy_node(tmp_path):
+    """Four cold nodes join four serving ones. Warming up, they carry a tenth of their weight, and their windows are
+    light for it: compared with them, the old nodes' full windows were 1.6x their peers', and at seed 3 two healthy
+    nodes were cut, one for 25 s, before the window's peers became the nodes that carry their full share."""
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "bench/suites/membership.yaml").read_text())
+    spec["base"]["seed"] = 3
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
+    scenarios, _ = load_suite(str(tmp_path / "m.yaml"))
+    scn = next(s for s in scenarios if s.name == "scale_out_half_8/n8/homog/steady")
+    s = summarize(run(scn, "grayguard"))
+    assert (s["false_cuts"], s["false_quarantines"]) == (0, 0), s
