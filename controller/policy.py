@@ -612,11 +612,13 @@ def _window_scores(fresh: Mapping[str, float], carrying: Mapping[str, float], gr
     full-share nodes of its group (or the pool's, speed-normalized: peers.canary_baseline, as a canary is)."""
     t = policy.thresholds
     scored = peers.scores(carrying, groups, MIN_PEERS, t.min_spread, policy.group_speed, noise=noise)
-    for n in fresh.keys() - carrying.keys():
+    for n, v in fresh.items():  # in the pool's order, as every other loop of the tick
+        if n in carrying:
+            continue
         base = peers.canary_baseline(n, carrying, groups, MIN_PEERS, t.min_spread, policy.group_speed)
-        if base is not None:
+        if base is not None and usable(x := v / base[1]):  # a quotient a float cannot score is no value
             b, coef = base
-            z, ratio = b.score(fresh[n] / coef)
+            z, ratio = b.score(x)
             scored[n] = peers.score_of(z, ratio, b.median * coef)
     return scored, peers.spread(carrying, groups, MIN_PEERS, policy.group_speed, noise=noise)
 
@@ -997,13 +999,13 @@ def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], 
     if base is None:
         return evolve(s, last_canary=sent, reason="canary ran but no peers with data to compare")
     b, coef = base
-    z, ratio = b.score(canary / coef) if usable(canary) else (math.inf, math.inf)
+    z, ratio = b.score(x) if usable(x := canary / coef) else (math.inf, math.inf)  # no value a float holds: failed
     z = against_noise(z, ratio, noise, t.min_spread)
     # one value of the latency test: good when it would not cut (below the cut ratio) and its score, in the learned
     # noise (floored at min_spread: 1.22x in a quiet pool), below DEGRADE_AT (2 noise widths)
     good = ratio < t.live_cut_ratio and z < DEGRADE_AT
     ok = s.canary_ok + 1 if good else 0
-    what = "failed" if not usable(canary) else f"{ratio:.2f}x peer median"
+    what = f"{ratio:.2f}x peer median" if math.isfinite(ratio) else "failed" if not usable(canary) else "no value"
     s = evolve(s, score=z if math.isfinite(z) else None, ratio=ratio if math.isfinite(ratio) else None,
                canary_ok=ok, last_canary=sent,
                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")

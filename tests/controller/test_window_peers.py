@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from grayguard.controller.policy import (
+    CANARY,
     DEGRADED,
     HEALTHY,
     SLOW_START,
@@ -79,3 +80,27 @@ def test_with_too_few_full_share_nodes_every_node_is_a_peer():
     d = decide_pool(states, windows, pol, now)
     assert all(d.nodes[n].state.ratio == 1.0 for n in "abcd")
     assert d.nodes["a"].peer_median == 0.02
+
+
+def test_a_garbage_window_of_a_node_held_below_its_weight_is_no_value():
+    """A warming node of a small peer group reporting a window a float cannot hold apart from its peers' (1e-300 s in a
+    group whose speed is set by 1e300 s): the quotient is no value, not a math domain error that stops the tick."""
+    pol, now = Policy(group_speed={"big": 1e300}), 100.0
+    states = {**{f"n{i}": seasoned(since=0.0) for i in range(4)},
+              "w": replace(seasoned(since=90.0), state=SLOW_START, ramp_start=120.0)}
+    windows = {f"n{i}": NodeInput(base_weight=100, latency=0.02, request_rate=5.0) for i in range(4)}
+    windows["w"] = NodeInput(base_weight=100, latency=1e-300, request_rate=0.5, peer_group="big")
+    d = decide_pool(states, windows, pol, now)
+    assert d.nodes["w"].state.state == SLOW_START and "w" in d.uncompared
+
+
+def test_a_canary_a_float_cannot_hold_apart_from_its_peers_is_no_good_canary():
+    """The same quotient for a drained node's canary (1e-300 s in a group whose speed is 1e300): a bad canary, not a
+    math domain error that stops the tick."""
+    pol, now = Policy(group_speed={"big": 1e300}), 100.0
+    states = {**{f"n{i}": seasoned(since=0.0) for i in range(4)},
+              "c": replace(seasoned(since=0.0), state=CANARY, cause="latency")}
+    windows = {f"n{i}": NodeInput(base_weight=100, latency=0.02, request_rate=5.0) for i in range(4)}
+    windows["c"] = NodeInput(base_weight=100, canary=1e-300, canary_at=now, peer_group="big")
+    c = decide_pool(states, windows, pol, now).nodes["c"].state
+    assert c.state == CANARY and c.canary_ok == 0 and "canary bad (no value)" in c.reason
