@@ -987,15 +987,16 @@ def _shadowed(findings: tuple[Finding, ...], shadow: frozenset[str], asked: dict
     return tuple(cuts) + tuple(Finding(d, 1.0, q, q) for d, q in asked.items() if d not in cutting)
 
 
-def _judge_canary(s: NodeState, n: str, canary: float, fresh: dict[str, float], groups: Mapping,
+def _judge_canary(s: NodeState, n: str, canary: float, carrying: dict[str, float], groups: Mapping,
                   policy: Policy, now: float, sent: float | None = None, noise: float | None = None) -> NodeState:
-    """A drained node's canary against its peers' window, scored in the window's learned noise (noise; None: the
+    """A drained node's canary against its peers' window (carrying: the windows of the nodes carrying their full
+    share, or every fresh window when too few do), scored in the window's learned noise (noise; None: the
     peers' spread this tick, floored), as a window sample would be."""
     t, r = policy.thresholds, policy.recovery
     # the interval counts from when the round was sent, as when the tick waited for it: a round decided a tick
     # later does not delay the next one
     sent = now if sent is None else sent
-    base = peers.canary_baseline(n, fresh, groups, MIN_PEERS, t.min_spread, policy.group_speed)
+    base = peers.canary_baseline(n, carrying, groups, MIN_PEERS, t.min_spread, policy.group_speed)
     if base is None:
         return evolve(s, last_canary=sent, reason="canary ran but no peers with data to compare")
     b, coef = base
