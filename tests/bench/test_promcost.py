@@ -219,8 +219,10 @@ def test_bench_controller_decision_verdict_and_the_realistic_trace(capsys):
     assert decision_verdict([{"nodes": 40, "median_s": 0.01}]) == []  # no 10,000 nodes measured: no verdict
     p = argparse.ArgumentParser()
     add_arguments(p)
+    # the controller's own tick has its test (tests/bench/test_ticklocal.py): at its default sizes (1,000 and 10,000
+    # nodes) it was three minutes of this one
     assert run(p.parse_args(["--nodes", "40,100", "--ticks", "2", "--scale-ticks", "3", "--haproxy-batch", "0",
-                             "--no-prometheus", "--no-whole-tick"])) == 0
+                             "--no-prometheus", "--no-whole-tick", "--no-local-tick"])) == 0
     out = capsys.readouterr().out
     assert "100 / 40 nodes:" in out and "on the realistic trace" in out and "memory after tick    3" in out
 
