@@ -177,3 +177,16 @@ def test_half_a_pool_scaled_out_at_once_cuts_no_healthy_node(tmp_path):
     scn = next(s for s in scenarios if s.name == "scale_out_half_8/n8/homog/steady")
     s = summarize(run(scn, "grayguard"))
     assert (s["false_cuts"], s["false_quarantines"]) == (0, 0), s
+
+
+def test_the_membership_suite_slows_a_third_node_of_four_while_two_warm_up():
+    """`during_restart` (docs/benchmarks.md "twenty-fourth round"): node2 slows down at 75 s, after node0 (back at
+    55 s) and node1 (back at 70 s) came back from their restarts, so that the drain falls while both warm up."""
+    scenarios, _ = load_suite("membership")
+    during = {s.name: s for s in scenarios if s.group == "fault"}
+    assert sorted(during) == [f"during_restart_{k}/n4/homog/steady" for k in ("k1.5", "k2", "k6")]
+    for s in during.values():
+        assert s.policies == ("leastconn", "grayguard") and len(s.nodes) == 4
+        assert [(f.node, f.fault, f.at_s) for f in s.faults] == [("node2", "thermal", 75.0)]
+        assert [(a.node, a.from_s, a.until_s) for a in s.absent] == [("node0", 45.0, 55.0), ("node1", 60.0, 70.0)]
+    assert {s.faults[0].params.get("k", 6.0) for s in during.values()} == {1.5, 2, 6.0}
