@@ -31,17 +31,16 @@ def netloc(url: str) -> str:
 
 
 class Every(threading.Thread):
-    """Calls fn every period_s until stopped; counts the calls and notes when each returned (monotonic)."""
+    """Calls fn every period_s until stopped; notes when each call returned (monotonic)."""
 
     def __init__(self, period_s: float, fn) -> None:
         super().__init__(daemon=True)
-        self.period_s, self.fn, self.calls, self.stop = period_s, fn, 0, threading.Event()
+        self.period_s, self.fn, self.stop = period_s, fn, threading.Event()
         self.done: list[float] = []
 
     def run(self) -> None:
         while not self.stop.wait(self.period_s):
             self.fn()
-            self.calls += 1
             self.done.append(time.monotonic())
 
     def rate(self, lo: float, hi: float) -> float:
