@@ -68,9 +68,9 @@ def judge(decisions: list[dict], node: str | None, start: float | None) -> dict:
                     if d.get("cause") == DrainCause.GATEWAY:  # HAProxy's own reflex (the agent, the error limit)
                         gw = out["false_quarantines_gateway"]
                         gw[n] = gw.get(n, 0) + 1
-                if d["state"] == State.DEGRADED:
+                if d["cut"]:  # degraded, or cut in slow start (a warm-up's cut is one: its weight falls alike)
                     run += 1
-                    if prev != State.DEGRADED:
+                    if run == 1:
                         out["false_cuts"][n] = out["false_cuts"].get(n, 0) + 1
                     if run == 2:
                         out["false_cuts_over_one_tick"] += 1

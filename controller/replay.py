@@ -34,7 +34,7 @@ from grayguard.controller.policy import (
     decide_pool,
     pool_policies,
 )
-from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
+from grayguard.vocab import IN_ROTATION, PROBE_FAULTS, PROBE_RESULTS, State
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
 DESCRIPTION = """\
@@ -239,15 +239,18 @@ def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Obse
             live = nxt.prev.get(n) if nxt is not None else None
             yield {"t": round(obs.now, 3), "pool": pool, "node": n, "state": s.state,
                    "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
+                   # cut: held below its state's weight by a finding, degraded or in slow start (a warm-up's cut
+                   # is one as well: its weight falls the same way)
+                   "cut": s.state in IN_ROTATION and math.prod(f for _, f, _ in s.factors) < 1.0,
                    "reason": s.reason, "cause": s.cause, "live": None if live is None else live.state,
                    # what detectors in shadow mode asked for: "<detector>:cut" / "<detector>:quarantine"
                    "shadow": sorted(f"{f.detector}:{a}" for f in nd.shadow for a in f.asks())}
 
 
 def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
-    """Per node: ticks in each state, quarantines begun, weight cuts begun (a healthy node going degraded) and the
-    longest cut in ticks, the ticks on which the replay's state differs from the live controller's, and the findings
-    the detectors in shadow mode began ("live:cut": times)."""
+    """Per node: ticks in each state, quarantines begun, weight cuts begun (a node newly held below its state's weight
+    by a finding: degraded, or cut in slow start) and the longest cut in ticks, the ticks on which the replay's state
+    differs from the live controller's, and the findings the detectors in shadow mode began ("live:cut": times)."""
     out: dict[str, dict] = {}
     last: dict[str, str] = {}
     run: dict[str, int] = {}
@@ -264,10 +267,10 @@ def summarize(decisions: Iterable[dict]) -> dict[str, dict]:
         before = last.get(key)
         if d["state"] == State.QUARANTINED and before != State.QUARANTINED:
             s["quarantines"] += 1
-        if d["state"] == State.DEGRADED:
-            if before != State.DEGRADED:
-                s["cuts"] += 1
+        if d["cut"]:  # degraded, or cut in slow start
             run[key] = run.get(key, 0) + 1
+            if run[key] == 1:
+                s["cuts"] += 1
             s["longest_cut_ticks"] = max(s["longest_cut_ticks"], run[key])
         else:
             run[key] = 0

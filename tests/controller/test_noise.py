@@ -157,17 +157,25 @@ def test_a_noisy_pool_learns_its_noise_cuts_no_healthy_node_and_still_drains_a_1
 # judged on (-quiet-b, recorded after the choice). thermal-1.5rps-quiet-c, recorded a day later with the exporter's
 # learned stalls, refutes it: 5 cuts of healthy nodes over one tick (docs/realfleet.md), the detector issue's to fix.
 # It is measured by `python -m grayguard.bench.realreplay`, not held here as a property the detector does not have.
-QUIET = [RUNS / n for n in ("thermal-1.5rps-quiet", "thermal-1.5rps-quiet-b", "thermal-3rps-quiet")
-         if (RUNS / n).is_dir()]
+# A cut counts in slow start too (2026-12-07): until then this test, like the replay's judge, saw only the state
+# `degraded`, and a warm-up's cut (its weight falling alike) went unseen. Counted so, thermal-1.5rps-quiet has one
+# such cut of five ticks, the code before this change's as well (docs/benchmarks.md, "twenty-fifth round"): it is
+# held as the known failure it is.
+QUIET = [pytest.param(RUNS / n, id=n, marks=() if n != "thermal-1.5rps-quiet" else pytest.mark.xfail(
+             strict=True, reason="node1, back UP from its agent's hang at 57 s, decodes at 3.9-4.6x its peers' ITL "
+             "at 103-107 s while its probes are like theirs: cut for 5 ticks"))
+         for n in ("thermal-1.5rps-quiet", "thermal-1.5rps-quiet-b", "thermal-3rps-quiet") if (RUNS / n).is_dir()]
 
 
-@pytest.mark.parametrize("run", QUIET, ids=[d.name for d in QUIET])
+@pytest.mark.parametrize("run", QUIET)
 def test_on_the_real_fleet_the_live_itl_cuts_no_healthy_node_for_more_than_one_tick(run):
     """The committed runs on 4 real vLLM servers on a quiet machine, decided again: every live-ITL cut of a node
-    without the fault (or before it) lasts one tick at most (before the learned noise: 2-4 such cuts a run). A node
-    its exporter's agent saw hang (a recorded verdict: 2 s without a token) is slow for real for the next 30 s: in
-    thermal-1.5rps-quiet-b the throttled node's canaries held the cap, and the hung one, left in rotation, decoded at
-    7x its peers' ITL with its probes 4.9x theirs."""
+    without the fault (or before it), degraded or in slow start, lasts one tick at most (before the learned noise:
+    2-4 such cuts a run). A node its exporter's agent saw hang (a recorded verdict: 2 s without a token) is slow for
+    real for the next 30 s: in thermal-1.5rps-quiet-b the throttled node's canaries held the cap, and the hung one,
+    left in rotation, decoded at 7x its peers' ITL with its probes 4.9x theirs. A cut held without a live value of the
+    node's own ("live ITL (held)") neither counts nor ends a run: whether a node cut has a value depends on the traffic
+    it was given, and a replay has only the traffic of the weights the recorded controller set."""
     report = json.loads((run / "report.json").read_text())
     ticks = list(read(run / "recording.jsonl.gz"))
     node, start, _ = fault_window(report, ticks[0].now)
@@ -178,6 +186,8 @@ def test_on_the_real_fleet_the_live_itl_cuts_no_healthy_node_for_more_than_one_t
             hung_at[d["node"]] = d["t"]
         if (d["node"] == node and d["t"] >= start) or d["t"] - hung_at.get(d["node"], -math.inf) < 30.0:
             continue
-        live_cut = d["state"] == DEGRADED and d["reason"].startswith("live ITL")
+        if d["cut"] and d["reason"].startswith("live ITL (held)"):
+            continue
+        live_cut = d["cut"] and d["reason"].startswith("live ITL")
         run_of[d["node"]] = run_of.get(d["node"], 0) + 1 if live_cut else 0
         assert run_of[d["node"]] <= 1, (d["t"] - ticks[0].now, d["node"], d["reason"])
