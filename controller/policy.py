@@ -296,6 +296,63 @@ def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool 
     return max(1, math.ceil(w)) if s.state == SLOW_START else min(base, round(w))
 
 
+def warming(s: NodeState) -> bool:
+    """A node in the slow start of a warm-up: it joined or restarted (its ramp_start set), not ramping back from a
+    drain (canaries passed, or released by the cap: evidence was against it)."""
+    return s.state == SLOW_START and s.ramp_start is not None
+
+
+def warm_floor(st: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], names: list[str], cap: int, now: float,
+               p: Policy, kv_zero: set[str]) -> float:
+    """The least share of a warming node's slow start: the share at which the pool holds back at most `cap` nodes'
+    worth of its weight, lost or held on evidence (a server in MAINT or DOWN, drained or paused for its KV cache: all
+    of it; a cut: what it holds below its base weight, or below its ramp in another slow start, whose ramp is caution
+    as a warm-up's and not made up for) and by the warm-ups (what their ramps hold back, their own cuts left out, so
+    that a slower node never gains weight). The warm-ups give way first: they hold back out of
+    caution, not on evidence, and a 4-node pool with two nodes warming up after a rolling restart and one drained
+    left a single node at full weight (P99 TTFT 1.8-20x leastconn's; docs/benchmarks.md "twenty-fourth round").
+    0: no warming node, the pool within its cap, or a pool the controller drains nothing in (cap 0: below three
+    nodes, or max_ejected_fraction 0), where the warm-up stays as configured."""
+    warm = {n for n in names if warming(st[n]) and not inputs[n].hold and not inputs[n].down}
+    if not warm or cap <= 0:
+        return 0.0
+
+    def held(floor: float) -> float:
+        total = 0.0
+        for n in names:
+            i = inputs[n]
+            base = min(256, i.base_weight)
+            if base <= 0:
+                continue
+            if i.hold or i.down or n in kv_zero:
+                total += 1.0
+            elif n in warm:  # what its ramp holds back, not its cut: a node's own cut never raises its floor (the
+                # floor would make up for it, and a slower node gain weight); its share, not its weight rounded up
+                total += 1.0 - max(floor, slow_start_share(st[n], now, p.recovery))
+            elif st[n].state == SLOW_START:  # its cut, not its ramp: caution as the warm-ups' own, not made up for (a
+                # pool a fresh controller found ramping at a tenth sent a node joining after it to its full weight)
+                s = st[n]
+                total += slow_start_share(s, now, p.recovery) * (1.0 - math.prod(f for _, f, _ in s.factors))
+            else:
+                total += 1.0 - target_weight(st[n], base, now, p) / base
+        return total
+
+    if held(0.0) <= cap:
+        return 0.0
+    lo, hi = 0.0, 1.0  # held() falls as the floor rises: the least floor within the cap, to 1/4096 (a half: 0.5)
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if held(mid) > cap else (lo, mid)
+    return hi
+
+
+def _ramped(s: NodeState, share: float, now: float, r: RecoveryConfig, reason: str) -> NodeState:
+    """A node in slow start whose ramp moves on to `share` now (its ramp_start put back, as seed() does for a share
+    found in HAProxy): it ramps on from there, and never back below it."""
+    return evolve(s, ramp_start=now - max(0.0, share - r.slow_start_initial) * 60.0 / r.slow_start_step_per_min,
+                  reason=reason)
+
+
 def _with_reason(s: NodeState, reason: str) -> NodeState:
     return s if s.reason == reason else evolve(s, reason=reason)  # most nodes keep theirs: no copy
 
@@ -323,10 +380,12 @@ def seed(i: NodeInput, joined: bool, t: ThresholdsConfig, r: RecoveryConfig, now
                          reason=f"new node: {r.slow_start_initial:.0%} for {t.new_node_warmup_s:g}s, then slow start")
     if w is not None and w < base:
         share = w / base
-        # the ramp's start is put back so that the share now is HAProxy's (never below slow_start_initial)
+        # the ramp's start is put back so that the share now is HAProxy's (never below slow_start_initial). Why it
+        # was below is not known (a drain's ramp back, a cut): not a warm-up, which gives way to the pool's cap
+        # (warming: ramp_start None), so it ramps from `since`, put back
         step = r.slow_start_step_per_min
         back = max(0.0, share - r.slow_start_initial) * 60.0 / step if step > 0 else 0.0
-        return NodeState(state=SLOW_START, since=now, ramp_start=now - back,
+        return NodeState(state=SLOW_START, since=now - back,
                          reason=f"found at weight {w} of {base} in HAProxy with no state for it; slow start from "
                          f"{max(share, r.slow_start_initial):.0%}")
     return NodeState(since=now)
@@ -583,7 +642,8 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
     cap = max_ejected(len(names), t.max_ejected_fraction)
     safeguard, agent_off, out_now, kv_zero = _arbitrate(st, inputs, names, candidates, kv_full, cap, now)
 
-    # 4. Weights.
+    # 4. Weights; a warm-up gives way where the pool holds back more than its cap (warm_floor).
+    floor = warm_floor(st, inputs, names, cap, now, policy, kv_zero)
     out = {}
     for n in names:
         s, i = st[n], inputs[n]
@@ -594,6 +654,11 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
         if n in kv_zero:
             s = evolve(s, reason=(s.reason + "; " if s.reason and s.state != HEALTHY else "")
                        + f"KV cache {(i.kv_cache_usage or 1.0):.0%} full: no new traffic until it drains")
+        if floor and warming(s) and not i.down and floor > (share := slow_start_share(s, now, policy.recovery)):
+            s = _ramped(s, floor, now, policy.recovery,  # a cut's reason stays first: the cut is still in force
+                        (s.reason + "; " if s.factors and s.reason else "")
+                        + f"slow start moved on from {share:.0%} to {floor:.0%}: the pool would hold back more than "
+                        f"its cap of {cap} node(s)' worth of weight (warm-ups give way first)")
         w = target_weight(s, i.base_weight, now, policy, kv_zero=n in kv_zero)
         sc = scored.get(n)
         out[n] = NodeDecision(s if s.weight == w else evolve(s, weight=w), prev_state, w, s.state in EJECTED,

@@ -1,0 +1,115 @@
+"""The pool's cap bounds the weight it holds back, warm-ups included (policy.warm_floor): a joining or restarted node
+holds a tenth of its weight for 30 s, then gains a fifth a minute, and two such nodes of four beside a drained one
+left one node at full weight (P99 TTFT 1.8-5.9x leastconn's; docs/benchmarks.md, "twenty-fourth round"). Where the
+pool would hold back more than `max_ejected_fraction` of its nodes' worth, the warm-ups' ramps move on first."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from grayguard.controller.policy import (
+    HEALTHY,
+    QUARANTINED,
+    SLOW_START,
+    NodeInput,
+    NodeState,
+    Policy,
+    decide_pool,
+    warm_floor,
+)
+from tests.support.ctl_helpers import seasoned
+
+NOW = 100.0
+
+
+def _warming(now: float = NOW) -> NodeState:
+    """Back from a restart 5 s ago: at slow_start_initial until its 30 s warm-up ends."""
+    return replace(seasoned(since=now - 5), state=SLOW_START, ramp_start=now + 25)
+
+
+def _inputs(names: str, **kw) -> dict[str, NodeInput]:
+    return {n: NodeInput(base_weight=100, latency=0.02, request_rate=5.0, **kw.get(n, {})) for n in names}
+
+
+def test_two_warming_nodes_and_a_drained_one_of_four_do_not_leave_one_node_carrying_the_pool():
+    states = {"a": _warming(), "b": _warming(), "c": replace(seasoned(since=NOW - 5), state=QUARANTINED,
+                                                               cause="latency"), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd"), Policy(), NOW)
+    # the cap of a 4-node pool is one node: the drained one is it, so the warm-ups hold back nothing
+    assert [d.nodes[n].weight for n in "abcd"] == [100, 100, 0, 100]
+    assert "warm-ups give way first" in d.nodes["a"].state.reason
+    later = decide_pool({n: x.state for n, x in d.nodes.items()}, _inputs("abcd"), Policy(), NOW + 1)
+    assert later.nodes["a"].state.state == HEALTHY and later.nodes["a"].weight == 100
+
+
+def test_warm_ups_share_the_cap_and_never_ramp_back_down():
+    states = {"a": _warming(), "b": _warming(), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd"), Policy(), NOW)
+    assert [d.nodes[n].weight for n in "ab"] == [50, 50]  # 0.5 + 0.5 held back: the cap of one node
+    st = {n: x.state for n, x in d.nodes.items()}
+    weights = []
+    for k in range(1, 12):  # five seconds a tick: the ramp goes on from half, a fifth a minute
+        d = decide_pool(st, _inputs("abcd"), Policy(), NOW + 5 * k)
+        st = {n: x.state for n, x in d.nodes.items()}
+        weights.append(d.nodes["a"].weight)
+    # from half on, a fifth a minute: 55 s later 0.5 + 0.2 x 55 / 60 of the weight (rounded up, as a slow start is)
+    assert weights == sorted(weights) and weights[0] >= 50 and weights[-1] == math.ceil(100 * (0.5 + 0.2 * 55 / 60))
+
+
+def test_a_node_ramping_back_from_a_drain_does_not_give_way():
+    """Evidence was against it: its canaries passed, but its ramp is the caution it earned. A warm-up beside it gives
+    way instead."""
+    back = replace(seasoned(since=NOW), state=SLOW_START, ramp_start=None)  # canaries passed just now
+    states = {"a": back, "b": _warming(), "c": replace(seasoned(since=NOW - 5), state=QUARANTINED,
+                                                         cause="latency"), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd"), Policy(), NOW)
+    assert d.nodes["a"].weight == 10 and d.nodes["b"].weight == 100
+
+
+def test_a_server_down_in_haproxy_counts_as_held_back():
+    states = {"a": _warming(), "b": seasoned(since=0.0), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    inputs = _inputs("abcd", c={"down": True})
+    assert warm_floor(states, inputs, sorted(inputs), 1, NOW, Policy(), set()) == 1.0
+    assert decide_pool(states, inputs, Policy(), NOW).nodes["a"].weight == 100
+
+
+def test_within_the_cap_and_in_a_pool_without_one_the_warm_up_is_as_configured():
+    eight = {**{f"n{i}": seasoned(since=0.0) for i in range(7)}, "w": _warming()}
+    d = decide_pool(eight, _inputs([*eight]), Policy(), NOW)
+    assert d.nodes["w"].weight == 10  # 0.9 of a node held back, within a cap of two
+    two = {"a": _warming(), "b": seasoned(since=0.0)}
+    assert decide_pool(two, _inputs("ab"), Policy(), NOW).nodes["a"].weight == 10  # below 3 nodes: no cap
+    zero = Policy()
+    zero = replace(zero, thresholds=replace(zero.thresholds, max_ejected_fraction=0.0))
+    four = {"a": _warming(), "b": _warming(), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    assert decide_pool(four, _inputs("abcd"), zero, NOW).nodes["a"].weight == 10
+
+
+def test_a_fresh_controller_does_not_raise_a_weight_it_found_cut():
+    """A controller without its state file finds a node at half its weight: why is not known (a drain's ramp back, a
+    cut), so it is no warm-up and does not give way, even in a pool over its cap (trust rule 4: a fresh controller
+    never restores a cut weight)."""
+    inputs = {"a": NodeInput(100, 0.02, request_rate=5.0, haproxy_weight=50),
+              "b": NodeInput(100, 0.02, request_rate=5.0, haproxy_weight=100, haproxy_drain=True),
+              "c": NodeInput(100, 0.02, request_rate=5.0, haproxy_weight=100),
+              "d": NodeInput(100, 0.02, request_rate=5.0, haproxy_weight=100)}
+    d = decide_pool({}, inputs, Policy(), NOW)
+    assert d.nodes["b"].state.state == QUARANTINED and d.nodes["a"].weight == 50
+
+
+def test_a_joiner_does_not_overtake_nodes_ramping_for_another_reason():
+    """A fresh controller found three registered nodes at their warm-up weight (why is not known: no warm-ups, they
+    ramp from there) when a fourth joined: their ramps are caution as the joiner's own, not capacity the pool lost, so
+    the joiner gave way to 100 % while they sat at 15 % (tests/controller/test_registry_membership.py). It does not."""
+    found = {n: replace(seasoned(since=NOW - 20), state=SLOW_START, ramp_start=None) for n in "abc"}
+    d = decide_pool({**found, "d": _warming()}, _inputs("abcd"), Policy(), NOW)
+    assert d.nodes["d"].weight == 10 and "give way" not in d.nodes["d"].state.reason
+    # a cut of one of them is held on evidence: what it holds below its ramp counts, and the joiner makes up for it
+    cut = replace(found["a"], factors=(("live", 0.01, "live ITL 9x peer median"),))
+    share = 0.1 + 0.2 * 20 / 60  # a's ramp, from its `since` 20 s ago
+    floor = warm_floor({**found, "a": cut, "d": _warming()}, _inputs("abcd"), list("abcd"), 1, NOW, Policy(), set())
+    assert math.isclose(floor, share * 0.99, abs_tol=1 / 4096)  # 1 - floor + share x 0.99 = the cap of one node
+    drained = replace(seasoned(since=NOW - 5), state=QUARANTINED, cause="latency")
+    d = decide_pool({**found, "a": drained, "d": _warming()}, _inputs("abcd"), Policy(), NOW)
+    assert d.nodes["d"].weight == 100  # a drained node is capacity lost: the cap's one node, so d holds back nothing
