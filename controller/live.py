@@ -149,7 +149,10 @@ def assess(m: LiveMemory, sc: Score | None, t: ThresholdsConfig, what: str, corr
     if m.cut and x - ld < sigma:  # a calm tick ends the cut, and its evidence with it
         return LiveMemory(noise=learned), 1.0, "", None
     cut = fires or m.cut
-    zz = max(z, DEGRADE_AT + 1.0) if fires else (m.z if cut else 0.0)  # a cut cuts at least by half
+    # a cut cuts at least by half, and deepens but never eases until a calm tick ends it: a cut firing again at a lower
+    # score than the one it held raised the weight of the slower of two otherwise equal nodes (tests/controller/
+    # test_decide_fuzz.py: a node that gets slower never gains weight)
+    zz = max(z, DEGRADE_AT + 1.0, m.z if m.cut else 0.0) if fires else (m.z if cut else 0.0)
     m = evolve(m, noise=learned, cut=cut, z=zz, xs=xs)
     reason = f"{what} {ratio:.2f}x peer median (score {z:.1f}, evidence {e:.1f} over {n} {unit}(s))" if cut else ""
     quarantine = None
