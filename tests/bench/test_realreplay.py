@@ -21,9 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 COMMITTED = sorted(d for d in RUNS.iterdir() if (d / "recording.jsonl.gz").exists()) if RUNS.is_dir() else []
 
 
-def _d(t: float, node: str, state: str, live: str | None = None, cause: str = "") -> dict:
+def _d(t: float, node: str, state: str, live: str | None = None, cause: str = "", cut: bool | None = None) -> dict:
+    """A replayed decision; cut: held below its state's weight by a finding (default: degraded)."""
     return {"t": t, "pool": "chat", "node": node, "state": state, "score": None, "weight": 100, "reason": "",
-            "cause": cause, "live": live}
+            "cut": state == "degraded" if cut is None else cut, "cause": cause, "live": live}
 
 
 def test_there_are_committed_real_runs():
@@ -57,6 +58,15 @@ def test_judge_counts_the_faulty_node_s_cut_and_quarantine_after_the_fault_and_t
     assert j["differs_from_live"] == 1 and j["ticks"] == 4
     assert verdict(j, True) == "MISSED: no false quarantine, no false cut over one tick"
     assert verdict(judge(ds[:1], "a", 1.5), True).startswith("MISSED: cut <= 5 s, quarantine <= 10 s")
+
+
+def test_a_cut_in_slow_start_is_a_cut():
+    """A warm-up or a ramp back from a drain cut by a finding (its factors on top of the ramp) is in slow start, not
+    degraded: the judge counted such a cut as none until 2026-12-07 (docs/benchmarks.md, "twenty-fifth round")."""
+    ds = [_d(0, "b", "slow_start"), _d(1, "b", "slow_start", cut=True), _d(2, "b", "slow_start", cut=True),
+          _d(3, "b", "healthy"), _d(4, "b", "degraded")]
+    j = judge(ds, None, None)
+    assert j["false_cuts"] == {"b": 2} and j["false_cuts_over_one_tick"] == 1
 
 
 def test_a_faulty_node_s_trouble_before_its_fault_is_false():
