@@ -281,6 +281,11 @@ def slow_start_share(s: NodeState, now: float, r: RecoveryConfig) -> float:
 latency_factor = weight_factor  # the latency signal's weight curve (controller/scoring.py), shared with live.py
 
 
+def cut_of(s: NodeState) -> float:
+    """The product of the factors in force on a node: below 1, the node is cut (degraded, or on top of its ramp)."""
+    return math.prod(f for _, f, _ in s.factors)
+
+
 def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool = False) -> int:
     """The HAProxy weight for a node in state s (0..256)."""
     if not s.factors and s.state == HEALTHY and not kv_zero and 0 < base <= 256:
@@ -288,7 +293,7 @@ def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool 
     base = max(0, min(256, base))
     if s.state in EJECTED or kv_zero or base == 0:
         return 0
-    product = math.prod(f for _, f, _ in s.factors)
+    product = cut_of(s)
     share = slow_start_share(s, now, p.recovery) if s.state == SLOW_START else 1.0
     w = base * share * product
     if product < 1.0:
@@ -332,7 +337,7 @@ def warm_floor(st: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], nam
             elif st[n].state == SLOW_START:  # its cut, not its ramp: caution as the warm-ups' own, not made up for (a
                 # pool a fresh controller found ramping at a tenth sent a node joining after it to its full weight)
                 s = st[n]
-                total += slow_start_share(s, now, p.recovery) * (1.0 - math.prod(f for _, f, _ in s.factors))
+                total += slow_start_share(s, now, p.recovery) * (1.0 - cut_of(s))
             else:
                 total += 1.0 - target_weight(st[n], base, now, p) / base
         return total

@@ -161,9 +161,9 @@ def test_a_noisy_pool_learns_its_noise_cuts_no_healthy_node_and_still_drains_a_1
 # `degraded`, and a warm-up's cut (its weight falling alike) went unseen. Counted so, thermal-1.5rps-quiet has one
 # such cut of five ticks, the code before this change's as well (docs/benchmarks.md, "twenty-fifth round"): it is
 # held as the known failure it is.
-QUIET = [pytest.param(RUNS / n, id=n, marks=() if n != "thermal-1.5rps-quiet" else pytest.mark.xfail(
-             strict=True, reason="node1, back UP from its agent's hang at 57 s, decodes at 3.9-4.6x its peers' ITL "
-             "at 103-107 s while its probes are like theirs: cut for 5 ticks"))
+KNOWN = {"thermal-1.5rps-quiet": "node1, back UP from its agent's hang at 57 s, decodes at 3.9-4.6x its peers' ITL "
+                                  "at 103-107 s while its probes are like theirs: cut for 5 ticks"}
+QUIET = [pytest.param(RUNS / n, id=n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[n])] if n in KNOWN else [])
          for n in ("thermal-1.5rps-quiet", "thermal-1.5rps-quiet-b", "thermal-3rps-quiet") if (RUNS / n).is_dir()]
 
 
