@@ -311,6 +311,16 @@ def _rows(c: _Columns, p: np.ndarray) -> _Rows:
                  used.any(axis=1) & (c.n_itl > 0))
 
 
+def _log(x: np.ndarray) -> np.ndarray:
+    """np.log(x) from the C library's log, value for value (zero: -inf; negative or NaN: NaN). numpy's own float64
+    log runs a SIMD kernel on CPUs with AVX-512 whose results differ from it in the last bit, and a decision must not
+    depend on the machine that makes it: the test trace's recorded decisions (tests/controller/
+    test_decisions_identical.py) differed from tick 2 on such a CPU, and so would a replay of an incident's. One log a
+    node with a live ITL, each tick: about 1 ms at 10,000 nodes."""
+    return np.fromiter((math.log(v) if v > 0 else -math.inf if v == 0 else math.nan for v in x.tolist()),
+                       dtype=float, count=len(x))
+
+
 def _fit(c: _Columns, p: np.ndarray, loo: bool) -> tuple[np.ndarray, np.ndarray]:
     """The slopes of the live ITL over each pool, each node's from its peers alone (leave-one-out, loo).
 
@@ -325,7 +335,7 @@ def _fit(c: _Columns, p: np.ndarray, loo: bool) -> tuple[np.ndarray, np.ndarray]
     # one robust reweighting: each node's weight by how far it sits from its pool's fit (none in a singular pool)
     pred = (fit_of[pid] * x.T).sum(axis=1)
     fits = (w > 0) & (pred > 0)  # a node the fit puts at or below zero is infinitely far from it
-    res = np.log(y / np.where(fits, pred, 1.0))
+    res = _log(y / np.where(fits, pred, 1.0))
     finite = fits & np.isfinite(res)
     s = MAD_SCALE * np.nan_to_num(_medians(pid[finite], np.abs(res[finite]), c.pools))[pid]
     far = res != 0
