@@ -338,7 +338,7 @@ def run(params: TraceParams, profile: cProfile.Profile | None = None, pools: Ite
 # them is written as before, so the recorded digests still say whether the decisions are the same
 LATER_FIELDS = frozenset({("NodeDecision", "shadow"), ("SignalMemory", "probe_at"), ("SignalMemory", "probe_seen"),
                           ("SignalMemory", "probe_waited_share"), ("SignalMemory", "probe_failed_share"),
-                          ("SignalMemory", "probe_excused")})
+                          ("SignalMemory", "probe_excused"), ("NodeState", "unreachable")})
 
 
 def _written(o, name: str) -> bool:

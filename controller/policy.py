@@ -161,6 +161,9 @@ class NodeState:
     gateway_errors_seen: int | None = None  # HAProxy's hanafail counter at the last tick (None: not seen yet)
     latency_seen_at: float | None = None  # latency_at of the last latency sample counted
     was_down: bool = False  # DOWN in HAProxy (its health check) at the last tick: back UP, it warms up
+    # drained, and its probes found no server (connect_error): a restart or a crash, which says nothing of its speed;
+    # it comes back as a warm-up (back_in)
+    unreachable: bool = False
     live_itl: LiveMemory = field(default_factory=LiveMemory)  # the live ITL signal's memory (controller/live.py)
     window: LiveMemory = field(default_factory=LiveMemory)  # the 30 s window's, judged by the same test
 
@@ -349,6 +352,19 @@ def warm_floor(st: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], nam
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if held(mid) > cap else (lo, mid)
     return hi
+
+
+def back_in(s: NodeState, now: float, reason: str, **changes) -> NodeState:
+    """A drained node back in rotation (its canaries passed, or the cap released it): in slow start from now. A node
+    drained while it could not be reached (NodeState.unreachable, or its last probe before the drain: connect_error;
+    its server was gone: a restart in place, a crash, the network) lost its process, not its speed: it comes back as
+    a warm-up (warming), whose ramp gives way where the pool holds back more than its cap (warm_floor). A 4-node pool
+    restarted in place, node after node, with a third node slowed, had the two restarted ones ramping back at 10-40 %
+    for a minute and the fourth carrying the pool, cut for it (docs/benchmarks.md "twenty-sixth round"). Any other
+    drain was evidence against the node: its ramp is caution, not made up for (ramp_start None)."""
+    unreachable = s.unreachable or s.signals.probe_seen == ProbeResult.CONNECT_ERROR
+    return evolve(_move(s, SLOW_START, now, reason), ramp_start=now if unreachable else None, unreachable=False,
+                  **changes)
 
 
 def _ramped(s: NodeState, share: float, now: float, r: RecoveryConfig, reason: str) -> NodeState:
@@ -636,11 +652,14 @@ def _decide(prev: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], poli
                 s = evolve(s, signals=mem)
             if sat:
                 kv_full.append((-(i.kv_cache_usage or 1.0), n))
-        elif s.state == QUARANTINED and now - s.since >= _min_quarantine(s, r) - 1e-9:
-            s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
-                       canary_ok=0, last_canary=None)
-        elif s.state == CANARY and i.canary is not None:
-            s = _judge_canary(s, n, i.canary, carrying, groups, policy, now, i.canary_at, lat_noise)
+        else:  # drained
+            if i.probe_result == ProbeResult.CONNECT_ERROR and not s.unreachable:
+                s = evolve(s, unreachable=True)  # its server is gone while drained: a restart (back_in)
+            if s.state == QUARANTINED and now - s.since >= _min_quarantine(s, r) - 1e-9:
+                s = evolve(_move(s, CANARY, now, f"drained {now - s.since:.0f}s ({s.cause}); probing with canaries"),
+                           canary_ok=0, last_canary=None)
+            elif s.state == CANARY and i.canary is not None:
+                s = _judge_canary(s, n, i.canary, carrying, groups, policy, now, i.canary_at, lat_noise)
         st[n] = s
 
     # 3. The pool's limit: who is out of rotation, at most `cap` nodes from any cause (_arbitrate: one ranking).
@@ -738,8 +757,8 @@ def _arbitrate(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names:
         fits = (out_now <= cap) if n in away else (out_now < cap)
         if not fits and passing:  # the cap is full and a drained node's canaries pass: it is not sick now, n is
             p = passing.pop()
-            st[p] = evolve(_move(st[p], SLOW_START, now, f"released for {n} (the safeguard cap of {cap} node(s) out "
-                                 f"of rotation was full): {st[p].canary_ok} good canaries"), canary_ok=0, cause="")
+            st[p] = back_in(st[p], now, f"released for {n} (the safeguard cap of {cap} node(s) out of rotation was "
+                            f"full): {st[p].canary_ok} good canaries", canary_ok=0, cause="")
             out_now -= 1
             fits = True
         if fits:
@@ -757,7 +776,7 @@ def _arbitrate(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names:
         drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
                          key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
         for n in drained[:out_now - cap]:
-            st[n] = _move(st[n], SLOW_START, now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
+            st[n] = back_in(st[n], now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
         out_now -= min(len(drained), out_now - cap)
     kv_zero: set[str] = set()
     for _, n in sorted(kv_full):  # rank 5: the fullest first, in the budget left
@@ -1081,7 +1100,7 @@ def _judge_canary(s: NodeState, n: str, canary: float, carrying: dict[str, float
                canary_ok=ok, last_canary=sent,
                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
     if ok >= r.canary_successes:
-        s = evolve(_move(s, SLOW_START, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}"),
-                   ema=canary, canary_ok=0, cause="", factors=(), signals=SignalMemory(), ramp_start=None,
-                   live_itl=s.live_itl.restarted(), window=s.window.restarted())
+        s = back_in(s, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}", ema=canary,
+                    canary_ok=0, cause="", factors=(), signals=SignalMemory(), live_itl=s.live_itl.restarted(),
+                    window=s.window.restarted())
     return s

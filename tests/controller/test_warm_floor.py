@@ -17,7 +17,11 @@ from grayguard.controller.policy import (
     Policy,
     decide_pool,
     warm_floor,
+    warming,
 )
+from grayguard.controller.signals import SignalMemory
+from grayguard.controller.statefile import dump_states, load_states
+from grayguard.vocab import ProbeResult
 from tests.support.ctl_helpers import seasoned
 
 NOW = 100.0
@@ -113,3 +117,51 @@ def test_a_joiner_does_not_overtake_nodes_ramping_for_another_reason():
     drained = replace(seasoned(since=NOW - 5), state=QUARANTINED, cause="latency")
     d = decide_pool({**found, "a": drained, "d": _warming()}, _inputs("abcd"), Policy(), NOW)
     assert d.nodes["d"].weight == 100  # a drained node is capacity lost: the cap's one node, so d holds back nothing
+
+
+# -- a restart in place: drained while unreachable, back as a warm-up (policy.back_in) --------------------------------
+def _canary_passing(**kw) -> NodeState:
+    """A drained node whose next good canary is its last one (canary_successes 3)."""
+    return replace(seasoned(since=NOW - 40), state="canary", cause="gateway", canary_ok=2, last_canary=NOW - 10, **kw)
+
+
+def test_a_node_drained_while_unreachable_comes_back_as_a_warm_up_that_gives_way():
+    """Restarted in place, its server refused connections: HAProxy's error limit or the probes drained it, canaries
+    brought it back. Its drain said nothing of its speed, so its ramp gives way where the pool holds back more than its
+    cap, as a warm-up's does; a 4-node pool with two such nodes and a third slowed and drained had the fourth carry the
+    pool, and cut it for 25-40 s (docs/benchmarks.md, "twenty-sixth round")."""
+    gone = SignalMemory(probe_seen=ProbeResult.CONNECT_ERROR, probe_at=NOW - 41)
+    states = {"a": _canary_passing(signals=gone), "b": replace(seasoned(since=NOW - 5), state=QUARANTINED,
+                                                                cause="latency"),
+              "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    inputs = _inputs("abcd", a={"canary": 0.02})
+    d = decide_pool(states, inputs, Policy(), NOW)
+    a = d.nodes["a"].state
+    assert a.state == SLOW_START and warming(a) and not a.unreachable
+    assert d.nodes["a"].weight == 100  # b drained is the cap's one node: a holds nothing back
+    # drained on evidence (its probes answered before the gateway's reflex; no connect_error seen): a ramp back
+    d = decide_pool({**states, "a": _canary_passing()}, inputs, Policy(), NOW)
+    assert not warming(d.nodes["a"].state) and d.nodes["a"].weight == 10
+
+
+def test_a_drained_node_whose_probes_find_no_server_is_marked_unreachable():
+    """The drain may come before any probe sees the server gone (HAProxy's error limit fires on the first refused
+    connections): the probes of the drained node say it, and the node remembers (persisted in the state file)."""
+    states = {"a": _canary_passing(), "b": seasoned(since=0.0), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd", a={"probe_result": ProbeResult.CONNECT_ERROR}), Policy(), NOW)
+    assert d.nodes["a"].state.unreachable and d.nodes["a"].state.state == "canary"
+    d2 = decide_pool({n: x.state for n, x in d.nodes.items()}, _inputs("abcd", a={"canary": 0.02}), Policy(),
+                     NOW + 10)
+    assert warming(d2.nodes["a"].state) and not d2.nodes["a"].state.unreachable
+    assert load_states(dump_states({"p": {"a": d.nodes["a"].state}}))["p"]["a"].unreachable
+
+
+def test_a_node_released_by_the_cap_ramps_from_now():
+    """A node drained while it warmed up kept its warm-up's ramp start; released by the cap a minute later, its ramp
+    counted from then and it went straight to a full share. It starts at slow_start_initial."""
+    old = replace(seasoned(since=NOW - 60), state=QUARANTINED, cause="latency", ramp_start=NOW - 300)
+    states = {"a": old, "b": replace(old, since=NOW - 50), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd"), Policy(), NOW)  # two drained, a cap of one: the older goes back
+    released = [n for n in "ab" if d.nodes[n].state.state == SLOW_START]
+    assert len(released) == 1 and d.nodes[released[0]].weight == 10
+    assert d.nodes[released[0]].state.ramp_start is None
