@@ -316,7 +316,7 @@ def _log(x: np.ndarray) -> np.ndarray:
     log runs a SIMD kernel on CPUs with AVX-512 whose results differ from it in the last bit, and a decision must not
     depend on the machine that makes it: the test trace's recorded decisions (tests/controller/
     test_decisions_identical.py) differed from tick 2 on such a CPU, and so would a replay of an incident's. One log a
-    node with a live ITL, each tick: about 1 ms at 10,000 nodes."""
+    node with a live ITL, each tick: 1-2 ms at 10,000 nodes."""
     return np.fromiter((math.log(v) if v > 0 else -math.inf if v == 0 else math.nan for v in x.tolist()),
                        dtype=float, count=len(x))
 

@@ -354,17 +354,24 @@ def warm_floor(st: Mapping[str, NodeState], inputs: Mapping[str, NodeInput], nam
     return hi
 
 
-def back_in(s: NodeState, now: float, reason: str, **changes) -> NodeState:
+def back_in(s: NodeState, now: float, reason: str, answers: bool, **changes) -> NodeState:
     """A drained node back in rotation (its canaries passed, or the cap released it): in slow start from now. A node
     drained while it could not be reached (NodeState.unreachable, or its last probe before the drain: connect_error;
-    its server was gone: a restart in place, a crash, the network) lost its process, not its speed: it comes back as
-    a warm-up (warming), whose ramp gives way where the pool holds back more than its cap (warm_floor). A 4-node pool
+    its server was gone: a restart in place, a crash, the network) that answers again (`answers`: its canaries
+    passed, or one did, or its last probe was answered) lost its process, not its speed: it comes back as a warm-up
+    (warming), whose ramp gives way where the pool holds back more than its cap (warm_floor). A 4-node pool
     restarted in place, node after node, with a third node slowed, had the two restarted ones ramping back at 10-40 %
-    for a minute and the fourth carrying the pool, cut for it (docs/benchmarks.md "twenty-sixth round"). Any other
-    drain was evidence against the node: its ramp is caution, not made up for (ramp_start None)."""
-    unreachable = s.unreachable or s.signals.probe_seen == ProbeResult.CONNECT_ERROR
-    return evolve(_move(s, SLOW_START, now, reason), ramp_start=now if unreachable else None, unreachable=False,
+    for a minute and the fourth carrying the pool, cut for it (docs/benchmarks.md "twenty-sixth round"). One the cap
+    releases while it does not answer may still be gone, and any other drain was evidence against the node: its ramp
+    is caution, not made up for (ramp_start None)."""
+    restarted = answers and (s.unreachable or s.signals.probe_seen == ProbeResult.CONNECT_ERROR)
+    return evolve(_move(s, SLOW_START, now, reason), ramp_start=now if restarted else None, unreachable=False,
                   **changes)
+
+
+def _answers(s: NodeState, i: NodeInput) -> bool:
+    """A drained node answers: a good canary since its drain, or its last probe answered (ok or slow)."""
+    return s.canary_ok >= 1 or i.probe_result in (ProbeResult.OK, ProbeResult.SLOW)
 
 
 def _ramped(s: NodeState, share: float, now: float, r: RecoveryConfig, reason: str) -> NodeState:
@@ -758,7 +765,8 @@ def _arbitrate(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names:
         if not fits and passing:  # the cap is full and a drained node's canaries pass: it is not sick now, n is
             p = passing.pop()
             st[p] = back_in(st[p], now, f"released for {n} (the safeguard cap of {cap} node(s) out of rotation was "
-                            f"full): {st[p].canary_ok} good canaries", canary_ok=0, cause="")
+                            f"full): {st[p].canary_ok} good canaries", _answers(st[p], inputs[p]), canary_ok=0,
+                            cause="")
             out_now -= 1
             fits = True
         if fits:
@@ -776,7 +784,8 @@ def _arbitrate(st: dict[str, NodeState], inputs: Mapping[str, NodeInput], names:
         drained = sorted((n for n in names if n not in away and st[n].state in EJECTED),
                          key=lambda n: (st[n].state != CANARY, -st[n].canary_ok, st[n].since, n))
         for n in drained[:out_now - cap]:
-            st[n] = back_in(st[n], now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}")
+            st[n] = back_in(st[n], now, f"released: safeguard cap of {cap} node(s) out of rotation{gone}",
+                            _answers(st[n], inputs[n]))
         out_now -= min(len(drained), out_now - cap)
     kv_zero: set[str] = set()
     for _, n in sorted(kv_full):  # rank 5: the fullest first, in the budget left
@@ -1100,7 +1109,7 @@ def _judge_canary(s: NodeState, n: str, canary: float, carrying: dict[str, float
                canary_ok=ok, last_canary=sent,
                reason=f"canary {'good' if good else 'bad'} ({what}), {ok}/{r.canary_successes}")
     if ok >= r.canary_successes:
-        s = back_in(s, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}", ema=canary,
+        s = back_in(s, now, f"{ok} good canaries in a row; slow start at {r.slow_start_initial:.0%}", True, ema=canary,
                     canary_ok=0, cause="", factors=(), signals=SignalMemory(), live_itl=s.live_itl.restarted(),
                     window=s.window.restarted())
     return s

@@ -165,3 +165,20 @@ def test_a_node_released_by_the_cap_ramps_from_now():
     released = [n for n in "ab" if d.nodes[n].state.state == SLOW_START]
     assert len(released) == 1 and d.nodes[released[0]].weight == 10
     assert d.nodes[released[0]].state.ramp_start is None
+
+
+def test_an_unreachable_node_the_cap_releases_while_it_does_not_answer_is_no_warm_up():
+    """Released over the cap with no good canary and no answered probe, its server may still be gone: it ramps back
+    at a tenth, not as a warm-up that the cap could raise to its full weight. With a good canary, or its last probe
+    answered, it answers again: a warm-up (the restart_in_place runs: HAProxy's error limit marked the next server
+    DOWN, and the pool over its cap released the first before its canaries began)."""
+    gone = replace(seasoned(since=NOW - 60), state=QUARANTINED, cause="probe", unreachable=True)
+    states = {"a": gone, "b": replace(gone, since=NOW - 50), "c": seasoned(since=0.0), "d": seasoned(since=0.0)}
+    d = decide_pool(states, _inputs("abcd"), Policy(), NOW)  # two drained, a cap of one: the older goes back
+    a = d.nodes["a"].state
+    assert a.state == SLOW_START and not warming(a) and d.nodes["a"].weight == 10 and "released" in a.reason
+    answered = replace(gone, state="canary", canary_ok=1, last_canary=NOW - 5)
+    d = decide_pool({**states, "a": answered}, _inputs("abcd"), Policy(), NOW)
+    assert warming(d.nodes["a"].state) and not d.nodes["a"].state.unreachable
+    d = decide_pool(states, _inputs("abcd", a={"probe_result": ProbeResult.OK}), Policy(), NOW)
+    assert warming(d.nodes["a"].state) and d.nodes["a"].state.state == SLOW_START
