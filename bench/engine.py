@@ -52,6 +52,9 @@ class RunResult:
     # HAProxy's own state changes: (time, node index, marked down, why: error-limit | check fall | check rise |
     # agent | agent up | agent disabled)
     gateway: list[tuple[float, int, bool, str]] = field(default_factory=list)
+    # (time, node index, cut) each time a node's cut changed: held below its state's weight by a finding (grayguard's
+    # detector says so; a weight alone does not tell a cut warm-up from a warm-up)
+    cuts: list[tuple[float, int, bool]] = field(default_factory=list)
 
 
 class _CanaryRound:
@@ -91,6 +94,7 @@ class Run:
         self.weights = [n.base_weight for n in scn.nodes]
         self.drained = [False] * len(self.nodes)
         self.state = ["healthy"] * len(self.nodes)
+        self.cut = [False] * len(self.nodes)
         arr = make_arrivals(scn)
         self.arr = arr
         r = len(arr)
@@ -228,6 +232,9 @@ class Run:
             if (a.weight, a.drained, a.state) != (self.weights[k], self.drained[k], self.state[k]):
                 self.weights[k], self.drained[k], self.state[k] = a.weight, a.drained, a.state
                 self.res.timeline.append((t, k, a.weight, a.drained, a.state))
+            if a.cut != self.cut[k]:
+                self.cut[k] = a.cut
+                self.res.cuts.append((t, k, a.cut))
             if gw is not None:  # `enable agent` / `disable agent`
                 gw.set_agent(k, a.agent, t)
 

@@ -48,7 +48,8 @@ def _kind(weight: int, drained: bool, state: str, base: int) -> str:
 def transitions(res: RunResult) -> list[tuple[float, int, str]]:
     """(time, node, 'cut' | 'quarantine') each time a node newly enters a cut or quarantine.
 
-    The slow start of a node that joined the pool (a new node's warm-up) is not a cut while it lasts.
+    The slow start of a node that joined the pool (a new node's warm-up) is not a cut while it lasts, unless a finding
+    cuts it (RunResult.cuts).
     """
     return [(t, k, new) for t, k, old, new in _changes(res) if new != "full" and (new == "quarantine" or old == "full")]
 
@@ -73,15 +74,25 @@ def _changes(res: RunResult) -> list[tuple[float, int, str, str]]:
     joins = [sorted(scn.joins(n.name)) for n in scn.nodes]
     seen_join = [-math.inf] * len(bases)  # the last join already taken into account, per node
     warming = [False] * len(bases)
+    cut = [False] * len(bases)  # a finding holds it below its state's weight (a warm-up's own cut counts as a cut)
     kind = ["full"] * len(bases)
+    w, d, st = list(bases), [False] * len(bases), ["healthy"] * len(bases)
+    # the assignments and the cut marks in time order (a mark after the assignment of the same tick)
+    events = sorted([(r[0], 0, i, r) for i, r in enumerate(res.timeline)]
+                    + [(c[0], 1, i, c) for i, c in enumerate(res.cuts)], key=lambda e: e[:3])
     out = []
-    for t, k, w, d, st in res.timeline:
-        j = max((x for x in joins[k] if x <= t), default=-math.inf)
-        if j > seen_join[k]:
-            seen_join[k], warming[k] = j, True
-        if st != "slow_start" or d or w >= bases[k]:
-            warming[k] = False
-        new = "full" if warming[k] else _kind(w, d, st, bases[k])
+    for t, is_mark, _, row in events:
+        k = row[1]
+        if is_mark:
+            cut[k] = row[2]
+        else:
+            w[k], d[k], st[k] = row[2], row[3], row[4]
+            j = max((x for x in joins[k] if x <= t), default=-math.inf)
+            if j > seen_join[k]:
+                seen_join[k], warming[k] = j, True
+            if st[k] != "slow_start" or d[k] or w[k] >= bases[k]:
+                warming[k] = False
+        new = ("cut" if cut[k] else "full") if warming[k] else _kind(w[k], d[k], st[k], bases[k])
         if new != kind[k]:
             out.append((t, k, kind[k], new))
         kind[k] = new

@@ -24,7 +24,15 @@ from grayguard.bench.node import NodeObs, node_input
 from grayguard.bench.spec import NodeSpec, Scenario
 from grayguard.config import ConfigError, ThresholdsConfig
 from grayguard.controller import canary
-from grayguard.controller.policy import EJECTED, NodeState, Policy, decide_pool, live_samples, window_samples
+from grayguard.controller.policy import (
+    EJECTED,
+    NodeState,
+    Policy,
+    cut_of,
+    decide_pool,
+    live_samples,
+    window_samples,
+)
 from grayguard.reflexes import DEFAULT as REFLEXES
 from grayguard.reflexes import Reflexes
 from grayguard.vocab import Detector as DetectorName
@@ -38,6 +46,7 @@ class Assign:
     drained: bool = False
     state: str = "healthy"
     agent: bool = True  # the server's agent check is enabled (the controller disables it past the cap)
+    cut: bool = False  # in rotation and held below its state's weight by a finding (policy.cut_of), as a warm-up can be
 
 
 class Detector:
@@ -220,7 +229,9 @@ class Grayguard(Detector):
         for n, nd in d.nodes.items():
             agent = n not in off  # level-triggered: every node's agent is enabled unless the decision says off
             if nd.weight is not None:
-                out[n] = self.last[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state, agent)
+                cut = nd.state.state not in EJECTED and cut_of(nd.state) < 1.0
+                out[n] = self.last[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state, agent,
+                                               cut)
             elif self.last[n].agent != agent:  # weight held: keep the last assignment, write only the agent
                 out[n] = self.last[n] = replace(self.last[n], agent=agent)
         return out

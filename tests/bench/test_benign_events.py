@@ -12,10 +12,12 @@ import yaml
 
 from grayguard.bench import policies
 from grayguard.bench.engine import OK, Run, run, run_family
-from grayguard.bench.metrics import summarize, transitions
-from grayguard.bench.node import VirtualNode
+from grayguard.bench.metrics import out_of_full, summarize, transitions
+from grayguard.bench.node import NodeObs, VirtualNode
 from grayguard.bench.scenarios import MAX_MODEL_LEN, SuiteError, expand, load_suite
 from grayguard.bench.spec import Absence, FaultSpec, LoadSpec, NodeSpec, PinnedLoad, Scenario
+from grayguard.controller.live import LiveMemory
+from grayguard.controller.policy import NodeState
 from grayguard.sim.loadgen import LengthDist
 
 
@@ -105,6 +107,29 @@ def test_warmup_slow_start_is_not_a_cut_but_a_later_degradation_is():
                    (50.0, 0, 6, False, "degraded"), (60.0, 1, 10, False, "slow_start")]
     # node1 never joined: its slow start is a cut; node0's degradation after its warm-up is one too
     assert transitions(r) == [(50.0, 0, "cut"), (60.0, 1, "cut")]
+
+
+def test_a_warm_up_cut_by_a_finding_is_a_cut():
+    """The judge counted a joining node's slow start as full weight, cut or not (its weight alone does not tell a
+    warm-up from a warm-up cut): grayguard's detector now marks its cuts (RunResult.cuts)."""
+    scn = small(duration=100.0, absent=(Absence("node0", 0.0, 20.0),))
+    r = Run(scn, "leastconn").res
+    r.timeline += [(20.5, 0, 10, False, "slow_start"), (30.0, 0, 3, False, "slow_start"),
+                   (35.0, 0, 11, False, "slow_start")]
+    r.cuts += [(30.0, 0, True), (35.0, 0, False)]
+    assert transitions(r) == [(30.0, 0, "cut")] and (30.0, 35.0, 0) in out_of_full(r)
+    assert summarize(r)["false_cuts"] == 1
+
+
+def test_grayguard_marks_a_cut_on_top_of_a_warm_up():
+    scn = small(duration=100.0)
+    gg = policies.Grayguard(scn.nodes, scn)
+    # a live ITL cut in force: held while the node has no live value of its own
+    warm = NodeState(state="slow_start", since=0.0, ramp_start=30.0, live_itl=LiveMemory(cut=True, z=5.0))
+    obs = {n.name: NodeObs(latency=0.02, request_rate=5.0) for n in scn.nodes}
+    gg.states = {**{n.name: NodeState() for n in scn.nodes}, "node0": warm}
+    out = gg.tick(10.0, obs, {})
+    assert out["node0"].state == "slow_start" and out["node0"].cut and not out["node1"].cut
 
 
 # -- the whole pool slower together ------------------------------------------------------------------
