@@ -687,7 +687,7 @@ class Controller:
                               "score": s.score, "ratio_to_peers": s.ratio, "latency_ema": s.ema,
                               "peer_median": nd.peer_median if nd else None, "reason": s.reason,
                               "factors": {k: f for k, f, _ in s.factors}, "drain_cause": s.cause or None,
-                              "gone_since": s.gone_since,
+                              "gone_since": s.gone_since, "unreachable": s.unreachable,
                               "shadow": [{"detector": f.detector, "factor": f.factor, "quarantine": f.quarantine,
                                           "reason": f.reason} for f in (nd.shadow if nd else ())]})
             pools.append({"pool": pool.name, "backend": pool.backend,

@@ -80,6 +80,8 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     drain_cause: Annotated[str | None, _d("why it was drained (latency, probe, errors, gateway, seeded, kv_cache); "
                                           "null: not drained")]
     gone_since: Annotated[float | None, _d("Unix time it left HAProxy's backend; null: it is there")]
+    unreachable: Annotated[bool, _d("drained, and its probes found no server (connect_error: a restart in place, a "
+                                    "crash): once it answers again it comes back as a warm-up")] = False
     shadow: list[ShadowFinding]
 
 

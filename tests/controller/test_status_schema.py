@@ -7,6 +7,7 @@ another major version."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -129,6 +130,19 @@ def test_a_shadowed_detectors_findings_validate_too():
     node0 = doc["pools"][0]["nodes"][0]
     assert node0["state"] == "healthy" and [f["detector"] for f in node0["shadow"]] == ["latency"]
     assert isinstance(node0["shadow"][0]["factor"], float)
+
+
+def test_a_drained_node_its_probes_found_no_server_says_so():
+    """`unreachable`: it comes back as a warm-up once it answers (policy.back_in); every other node says false."""
+    ctl, *_ = leader_world()
+    ctl.tick()
+    pool = next(iter(ctl.states))
+    ctl.states[pool]["node0"] = dataclasses.replace(ctl.states[pool]["node0"], unreachable=True)
+    doc, text = served_status(ctl)
+    assert validate(doc, "status") == []
+    nodes = {n["node"]: n for n in doc["pools"][0]["nodes"]}
+    assert nodes["node0"]["unreachable"] is True and nodes["node1"]["unreachable"] is False
+    assert load_status(text).pools[0].nodes[0].unreachable is True
 
 
 def test_the_strict_schema_notices_an_undocumented_field():
