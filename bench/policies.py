@@ -28,8 +28,8 @@ from grayguard.controller.policy import (
     EJECTED,
     NodeState,
     Policy,
-    cut_of,
     decide_pool,
+    is_cut,
     live_samples,
     window_samples,
 )
@@ -46,7 +46,7 @@ class Assign:
     drained: bool = False
     state: str = "healthy"
     agent: bool = True  # the server's agent check is enabled (the controller disables it past the cap)
-    cut: bool = False  # in rotation and held below its state's weight by a finding (policy.cut_of), as a warm-up can be
+    cut: bool = False  # in rotation and held below its state's weight by a finding (policy.is_cut), as a warm-up can be
 
 
 class Detector:
@@ -229,9 +229,8 @@ class Grayguard(Detector):
         for n, nd in d.nodes.items():
             agent = n not in off  # level-triggered: every node's agent is enabled unless the decision says off
             if nd.weight is not None:
-                cut = nd.state.state not in EJECTED and cut_of(nd.state) < 1.0
                 out[n] = self.last[n] = Assign(nd.weight, nd.drain or nd.state.state in EJECTED, nd.state.state, agent,
-                                               cut)
+                                               is_cut(nd.state))
             elif self.last[n].agent != agent:  # weight held: keep the last assignment, write only the agent
                 out[n] = self.last[n] = replace(self.last[n], agent=agent)
         return out

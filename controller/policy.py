@@ -289,6 +289,12 @@ def cut_of(s: NodeState) -> float:
     return math.prod(f for _, f, _ in s.factors)
 
 
+def is_cut(s: NodeState) -> bool:
+    """In rotation and held below its state's weight by a finding (a warm-up's weight alone does not say it): what
+    the replays' judges and the simulator's count as a cut."""
+    return s.state in IN_ROTATION and cut_of(s) < 1.0
+
+
 def target_weight(s: NodeState, base: int, now: float, p: Policy, kv_zero: bool = False) -> int:
     """The HAProxy weight for a node in state s (0..256)."""
     if not s.factors and s.state == HEALTHY and not kv_zero and 0 < base <= 256:

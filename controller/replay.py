@@ -31,11 +31,11 @@ from grayguard.controller.policy import (
     Policy,
     canary_due,
     config_policy,
-    cut_of,
     decide_pool,
+    is_cut,
     pool_policies,
 )
-from grayguard.vocab import IN_ROTATION, PROBE_FAULTS, PROBE_RESULTS, State
+from grayguard.vocab import PROBE_FAULTS, PROBE_RESULTS, State
 
 HELP = "backtest the decision code on a recorded trace (CSV, or built from Prometheus range queries)"
 DESCRIPTION = """\
@@ -242,7 +242,7 @@ def _decided(obs: Observation, outcomes: dict[str, PoolOutcome], following: Obse
                    "score": None if s.score is None else round(s.score, 4), "weight": nd.weight,
                    # cut: held below its state's weight by a finding, degraded or in slow start (a warm-up's cut
                    # is one as well: its weight falls the same way)
-                   "cut": s.state in IN_ROTATION and cut_of(s) < 1.0,
+                   "cut": is_cut(s),
                    "reason": s.reason, "cause": s.cause, "live": None if live is None else live.state,
                    # what detectors in shadow mode asked for: "<detector>:cut" / "<detector>:quarantine"
                    "shadow": sorted(f"{f.detector}:{a}" for f in nd.shadow for a in f.asks())}
